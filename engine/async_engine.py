@@ -1,0 +1,159 @@
+"""AsyncEngine: the step loop on a background thread, one async output stream per request.
+
+Only the engine thread touches the LLMEngine; callers talk to it through a command inbox, so
+adding, aborting and stepping never race. Torch releases the GIL inside its kernels, so the event
+loop keeps serving HTTP while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from engine.engine import EngineMetrics, LLMEngine, RequestOutput
+from engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running this request; the request was aborted."""
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    tenant: str | None
+    stream: "_Stream"
+    accepted: Future
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._metrics = engine.metrics()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def metrics(self) -> EngineMetrics:
+        """The snapshot published after the latest step."""
+        return self._metrics
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises ValueError if the engine rejects the request.
+
+        Leaving the loop early (or cancelling the task) aborts the request in the engine.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        accepted: Future = Future()
+        self._send(_AddCommand(request_id, prompt, params, priority, tenant, stream, accepted))
+        await asyncio.wrap_future(accepted)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    def _send(self, command) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # keep serving: fail what was in flight, not the process
+                logger.exception("engine step failed; aborting %d requests", len(self._streams))
+                self._fail_all(error)
+                continue
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+                if output.finished:
+                    self._streams.pop(output.request_id, None)
+            self._metrics = self.engine.metrics()
+        self._fail_all(RuntimeError("the engine was shut down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _AddCommand):
+                self._add(command)
+            else:
+                _, request_id = command
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+        self._metrics = self.engine.metrics()
+
+    def _add(self, command: _AddCommand) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    command.priority, command.tenant)
+        except Exception as error:
+            command.accepted.set_exception(error)
+            return
+        self._streams[command.request_id] = command.stream
+        command.accepted.set_result(None)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            failure = EngineStepError(f"request {request_id} failed in the engine: {error}")
+            stream.put(failure)
+        self._streams.clear()
+

@@ -1,0 +1,203 @@
+"""LLMEngine: one shared base model, continuous batching. `step()` = schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager
+from engine.model.loader import load_model
+from engine.model.spec import ModelSpec
+from engine.request import Request, RequestStatus, SamplingParams, TokenLogprobs
+from engine.runner import ModelRunner, kv_block_bytes
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import generation_eos_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+_CUDA_FREE_MEMORY_FRACTION = 0.85
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens and text since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineMetrics:
+    """A snapshot of the engine's gauges and counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_rate: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+
+
+@dataclass
+class _OutputState:
+    detokenizer: IncrementalDetokenizer | None
+    num_logprobs_sent: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, show_progress: bool = True):
+        self.config = config
+        self.spec = ModelSpec.from_folder(config.model)
+        dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids + generation_eos_ids(config.model))
+        num_blocks = self._num_kv_blocks(dtype, device)
+        max_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                      num_blocks * config.block_size)
+        self.max_model_len = max_len
+        self.model = load_model(config.model, dtype, device, max_positions=max_len,
+                                show_progress=show_progress)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            self.kv_manager)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.seed)
+        self._outputs: dict[str, _OutputState] = {}
+        logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
+                    num_blocks, config.block_size, max_len)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, tenant: str | None = None) -> Request:
+        """Queue a request. Raises ValueError (with the reason) for prompts it can never run."""
+        token_ids = self._prompt_token_ids(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but this model accepts at most "
+                             f"{self.max_model_len - 1}; shorten the prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model folder has none")
+        request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+                          priority=priority, tenant=tenant)
+        if params.seed is not None:
+            request.generator = self.runner.sampler.make_request_generator(params.seed)
+        self.scheduler.add_request(request)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                                 params.include_stop_str_in_output)
+        self._outputs[request_id] = _OutputState(detokenizer)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its KV blocks. False if it was not running."""
+        self._outputs.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        updated = self.scheduler.update(scheduler_output, runner_output)
+        return [self._make_output(request) for request in updated]
+
+    def metrics(self) -> EngineMetrics:
+        kv, stats = self.kv_manager, self.scheduler.stats
+        return EngineMetrics(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            prefix_cache_queried_tokens=kv.prefix_stats.num_queried_tokens,
+            prefix_cache_hit_tokens=kv.prefix_stats.num_hit_tokens,
+            prefix_cache_hit_rate=kv.prefix_stats.hit_rate,
+            num_prompt_tokens=stats.num_prompt_tokens_computed,
+            num_generation_tokens=stats.num_generation_tokens,
+            num_preemptions=stats.num_preemptions,
+        )
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._outputs[request.request_id]
+        detokenizer = state.detokenizer
+        stop_reason = None
+        if detokenizer is not None:
+            detokenizer.add_tokens(request.output_token_ids[-1:])
+            if detokenizer.stop_reason is not None and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            stop_reason = detokenizer.stop_reason
+        last = request.output_token_ids[-1]
+        if stop_reason is None and request.status == RequestStatus.FINISHED_STOPPED \
+                and last in request.sampling_params.stop_token_ids:
+            stop_reason = last
+        finished = request.is_finished
+        if finished:
+            del self._outputs[request.request_id]
+        new_logprobs = request.output_logprobs[state.num_logprobs_sent:]
+        state.num_logprobs_sent = len(request.output_logprobs)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[last],
+            new_text=detokenizer.take_delta(finished) if detokenizer else "",
+            new_logprobs=new_logprobs,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: send token ids, not text")
+            return self.tokenizer.encode(prompt)
+        token_ids = [int(t) for t in prompt]
+        bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
+        return token_ids
+
+    def _num_kv_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                weight_bytes = _estimate_weight_bytes(self.spec, dtype)
+                budget = int((free - weight_bytes) * _CUDA_FREE_MEMORY_FRACTION)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // kv_block_bytes(self.spec, config.block_size, dtype)
+        if num_blocks < 2:
+            raise ValueError(f"a KV budget of {budget} bytes holds fewer than 2 blocks; raise it")
+        return num_blocks
+
+
+def _estimate_weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    per_layer = (spec.hidden_size * (spec.q_size + 2 * spec.kv_size) + spec.q_size * spec.hidden_size
+                 + 3 * spec.hidden_size * spec.intermediate_size)
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return (spec.num_layers * per_layer + embeddings) * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,68 @@
+"""LLM: the offline batch API for scripts and benchmarks (no server, no event loop)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.demo import ensure_demo_model
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request: everything its step outputs carried, concatenated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        self.output_token_ids.extend(output.new_token_ids)
+        self.text += output.new_text
+        self.logprobs.extend(output.new_logprobs)
+        self.finish_reason = output.finish_reason
+        self.stop_reason = output.stop_reason
+        self.num_cached_tokens = output.num_cached_tokens
+
+
+class LLM:
+    """Run a batch of prompts to completion with continuous batching.
+
+    `LLM()` uses the embedded demo model; keyword arguments are EngineConfig fields.
+    """
+
+    def __init__(self, model: str | None = None, show_progress: bool = True, **config):
+        model = model or str(ensure_demo_model())
+        self.engine = LLMEngine(EngineConfig(model=model, **config), show_progress=show_progress)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[CompletionOutput]:
+        """Outputs in the order of `prompts`. One SamplingParams applies to all prompts."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        results: dict[str, CompletionOutput] = {}
+        for prompt, params in zip(prompts, sampling_params):
+            request_id = str(next(self._ids))
+            request = self.engine.add_request(request_id, prompt, params)
+            results[request_id] = CompletionOutput(request_id, request.prompt_token_ids)
+        with tqdm(total=len(results), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    results[output.request_id].add(output)
+                    bar.update(int(output.finished))
+        return list(results.values())

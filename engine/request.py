@@ -1,0 +1,159 @@
+"""One request's whole state (Request), how to sample it (SamplingParams), and where it stands."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded. Validated at construction; errors name the field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 (or -1) disables top-k."""
+    top_p: float = 1.0
+    seed: int | None = None
+    """Makes the request's samples reproducible, independent of what it is batched with."""
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    """Stop tokens and EOS are not honoured before this many tokens were generated."""
+    logprobs: int | None = None
+    """None: no logprobs. k >= 0: the sampled token's logprob plus the top-k alternatives."""
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Owns one request's state; the scheduler moves it and the runner reads it.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache. Prefill is not a phase: each step
+    the scheduler decides how many of the `num_tokens - num_computed_tokens` pending tokens to run.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    """Lower runs first (the vLLM convention)."""
+    tenant: str | None = None
+    adapter_id: str | None = None
+    """Identity of the LoRA adapter; part of the prefix-cache key because LoRA changes K and V."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Hashes of this request's full token blocks, in order (filled lazily by the KV manager)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache when the request was first scheduled."""
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority first, then arrival (FCFS within a priority)."""
+        return (self.priority, self.arrival_seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

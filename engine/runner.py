@@ -1,0 +1,71 @@
+"""ModelRunner: turns a SchedulerOutput into flat tensors, runs the model, samples.
+
+The runner keeps no per-request state between steps: everything it needs is read from the
+Request objects, so preemption and abort need nothing from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.attention import AttentionMetadata
+from engine.model.llama import ForwardBatch, LlamaModel
+from engine.model.spec import ModelSpec
+from engine.sampler import Sampler
+from engine.scheduler import RunnerOutput, SchedulerOutput
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int):
+        spec = model.spec
+        self.model = model
+        self.block_size = block_size
+        self.device = model.device
+        shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device)
+                         for _ in range(spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=model.dtype, device=self.device)
+                         for _ in range(spec.num_layers)]
+        self.sampler = Sampler(seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        if output.is_empty:
+            return RunnerOutput({})
+        batch = self._prepare(output)
+        logits = self.model.forward(batch, self.k_caches, self.v_caches)
+        sampling = [item.request for item in output.scheduled if item.samples]
+        if not sampling:
+            return RunnerOutput({})
+        tokens = self.sampler.sample(logits, sampling)
+        return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)})
+
+    def _prepare(self, output: SchedulerOutput) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, context_lens, block_tables, logits_rows = [], [], [], []
+        for item in output.scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_tokens
+            input_ids.extend(request.token_ids_slice(start, end))
+            positions.extend(range(start, end))
+            query_lens.append(item.num_tokens)
+            context_lens.append(end)
+            block_tables.append(request.block_ids)
+            if item.samples:
+                logits_rows.append(len(input_ids) - 1)
+        attention = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size,
+                                            self.model.spec.sliding_window, self.device)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            attention=attention,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
