@@ -38,7 +38,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         if output.is_empty:
             return RunnerOutput({})
-        batch = self._prepare(output)
+        batch = self.prepare_batch(output)
         logits = self.model.forward(batch, self.k_caches, self.v_caches)
         sampling = [item.request for item in output.scheduled if item.samples]
         if not sampling:
@@ -46,7 +46,7 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, sampling)
         return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)})
 
-    def _prepare(self, output: SchedulerOutput) -> ForwardBatch:
+    def prepare_batch(self, output: SchedulerOutput) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, block_tables, logits_rows = [], [], [], []

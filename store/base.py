@@ -1,0 +1,106 @@
+"""The `Store` protocol: everything the gateway keeps outside the engine, behind one interface.
+
+Two backends implement it: store.sqlite (embedded default) and store.redis (several gateway
+processes). Lookups return None for what does not exist; writes raise store.errors exceptions.
+Times (`now`) are unix seconds; None means the wall clock.
+"""
+
+from typing import Protocol
+
+from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
+
+
+class Store(Protocol):
+    """Tenants, hashed API keys, adapter records, rate limits, budgets and usage."""
+
+    async def close(self) -> None:
+        """Release connections and threads."""
+
+    # Tenants.
+
+    async def create_tenant(self, tenant: Tenant) -> Tenant:
+        """Store a new tenant; AlreadyExists if its name is taken."""
+
+    async def get_tenant(self, name: str) -> Tenant | None:
+        """The tenant called `name`, or None."""
+
+    async def list_tenants(self) -> list[Tenant]:
+        """All tenants, sorted by name."""
+
+    async def delete_tenant(self, name: str) -> list[AdapterRecord]:
+        """Delete a tenant with its keys, adapter records and rate state; NotFound if missing.
+
+        Returns the adapter records removed, so the caller can collect their blobs. Monthly usage
+        is kept as a billing record.
+        """
+
+    # API keys.
+
+    async def create_key(self, tenant: str, now: float | None = None) -> tuple[ApiKeyRecord, str]:
+        """A new key for `tenant` (NotFound if missing): its record and plaintext, shown once."""
+
+    async def authenticate(self, plaintext: str) -> Tenant | None:
+        """The tenant owning this key, or None if the key is unknown or revoked."""
+
+    async def revoke_key(self, key_id: str) -> ApiKeyRecord:
+        """Mark a key revoked (NotFound if missing) and return its record."""
+
+    async def list_keys(self, tenant: str) -> list[ApiKeyRecord]:
+        """The tenant's keys, revoked ones included, oldest first."""
+
+    async def get_admin_key_hash(self) -> str | None:
+        """The sha256 (store.keys.hash_key) of the admin key, or None if none is set."""
+
+    async def set_admin_key_hash(self, key_hash: str) -> None:
+        """Replace the admin key's hash."""
+
+    # Adapter records.
+
+    async def put_adapter_record(self, record: AdapterRecord) -> AdapterRecord:
+        """Store `record` as the next version of its (tenant, name); NotFound if no such tenant.
+
+        Returns the record with `version` set to 1 + the latest stored version (1 for a new name).
+        """
+
+    async def get_adapter(
+        self, tenant: str, name: str, version: int | None = None
+    ) -> AdapterRecord | None:
+        """That version of the tenant's adapter (the latest when None), or None."""
+
+    async def list_adapters(self, tenant: str) -> list[AdapterRecord]:
+        """The latest version of each of the tenant's adapters, sorted by name."""
+
+    async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
+        """Delete every version of an adapter (NotFound if none) and return the removed records."""
+
+    async def is_digest_referenced(self, digest: str) -> bool:
+        """Whether any adapter record of any tenant has this digest (its blob must be kept)."""
+
+    # Rate limits, budgets and usage.
+
+    async def check_and_consume_rate(
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+    ) -> RateDecision:
+        """Atomically check the tenant's rpm and tpm buckets; if both allow, pay into both."""
+
+    async def reserve_tokens(
+        self,
+        tenant: Tenant,
+        tokens: int,
+        *,
+        spend_usd: float = 0.0,
+        now: float | None = None,
+        ttl_s: float = 600.0,
+    ) -> Reservation | None:
+        """Atomically hold `tokens` (and `spend_usd`) of this month's budgets, or None if they do
+        not cover it. The hold lapses after `ttl_s` unless settled first."""
+
+    async def settle(
+        self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
+    ) -> None:
+        """Release the hold and add the request's real counts to its month; call once."""
+
+    async def get_usage(
+        self, tenant: str, month: str | None = None, *, now: float | None = None
+    ) -> Usage:
+        """The tenant's counters for `month` ("YYYY-MM"; the month of `now` when None)."""

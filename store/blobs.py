@@ -1,0 +1,125 @@
+"""Content-addressed folder of adapter files: <root>/<digest>/<file name>.
+
+The digest is an adapter's identity (DESIGN.md, "Adapter identity"): the sha256 over its files
+taken in sorted name order, each fed as
+    name (UTF-8) + b"\\0" + size (8 bytes, big-endian) + contents.
+The size makes the boundaries unambiguous. The same files give the same digest and share one
+folder, whoever uploads them; changed files give a new digest, so caches never serve old weights.
+"""
+
+import asyncio
+import hashlib
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from store.base import Store
+from store.errors import StoreError
+from store.models import validate_digest, validate_name
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_CHUNK_BYTES = 1 << 20
+_STALE_TMP_S = 3600.0  # a put that has not finished in an hour has crashed
+
+
+def digest_files(folder: Path, names: Sequence[str] = ADAPTER_FILES) -> str:
+    """The digest (see the module docstring) of the named files in `folder`."""
+    h = hashlib.sha256()
+    for name in sorted(names):
+        path = folder / name
+        h.update(name.encode() + b"\0" + path.stat().st_size.to_bytes(8, "big"))
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+class BlobStore:
+    """Adapter file sets by digest. Blocking file IO: call from a thread in async code."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES) -> tuple[str, int]:
+        """Store copies of the named files of folder `src`; returns (digest, total bytes).
+
+        Atomic: the files are written and synced in a temporary folder that is then renamed to
+        its digest, so a reader sees all of a blob or none of it.
+        """
+        for name in names:
+            validate_name("adapter file", name)
+        missing = [n for n in names if not (src / n).is_file()]
+        if missing:
+            raise StoreError(
+                f"{src} lacks {', '.join(missing)}: an adapter folder needs {', '.join(names)}"
+            )
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+        try:
+            for name in names:
+                shutil.copyfile(src / name, tmp / name)
+                _fsync(tmp / name)
+            digest = digest_files(tmp, names)
+            size = sum((tmp / n).stat().st_size for n in names)
+            try:
+                os.rename(tmp, self.root / digest)
+            except OSError:
+                # The target exists (ENOTEMPTY/EEXIST): the same files are stored already.
+                if not (self.root / digest).is_dir():
+                    raise
+            return digest, size
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def path(self, digest: str) -> Path | None:
+        """The folder holding the blob's files, or None if it is not stored."""
+        folder = self.root / validate_digest(digest)
+        return folder if folder.is_dir() else None
+
+    def delete(self, digest: str) -> bool:
+        """Remove a blob; False if it was not stored. Readers never see a half-deleted blob."""
+        trash = self.root / f".trash-{secrets.token_hex(8)}"
+        try:
+            os.rename(self.root / validate_digest(digest), trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash)
+        return True
+
+    def digests(self) -> list[str]:
+        """The digests of every stored blob, sorted."""
+        return sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
+
+    def remove_stale_temp(self, now: float) -> None:
+        """Remove leftovers of puts and deletes that crashed (older than an hour)."""
+        for p in self.root.iterdir():
+            if p.name.startswith((".tmp-", ".trash-")) and now - p.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+async def collect_garbage(
+    blobs: BlobStore, store: Store, digests: Sequence[str] | None = None
+) -> list[str]:
+    """Delete the blobs (all, or just `digests`) that no adapter record references.
+
+    NOTE: uploads put the blob before the record, so a blob whose record is being written at
+    this moment can be collected; run this after deletes, not concurrently with uploads of the
+    same files, or re-put the blob when a record's blob is missing.
+    """
+    await asyncio.to_thread(blobs.remove_stale_temp, time.time())
+    removed = []
+    for digest in blobs.digests() if digests is None else digests:
+        if not await store.is_digest_referenced(digest) and await asyncio.to_thread(
+            blobs.delete, digest
+        ):
+            removed.append(digest)
+    return removed
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

@@ -1,0 +1,17 @@
+"""Errors raised by the store. All are ValueErrors so a caller can map them to 4xx replies."""
+
+
+class StoreError(ValueError):
+    """Base class: a store call could not be done as asked; the message says why."""
+
+
+class InvalidName(StoreError):
+    """A tenant or adapter name (or a digest) does not follow the naming rule."""
+
+
+class NotFound(StoreError):
+    """The tenant, key or adapter named in the call does not exist."""
+
+
+class AlreadyExists(StoreError):
+    """The tenant being created already exists."""

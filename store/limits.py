@@ -1,0 +1,99 @@
+"""Rate-limit and budget arithmetic shared by the backends (the Redis Lua scripts mirror it).
+
+Rate limits are token buckets, one per (tenant, kind): a bucket holds at most `limit` units and
+refills at `limit` per minute, so a full bucket allows exactly `limit` requests (or tokens) at once
+and then `limit` per minute; a request is allowed only if every bucket can pay its cost, and then
+all of them pay.
+"""
+
+import secrets
+import time
+from datetime import UTC, datetime
+
+from store.errors import StoreError
+from store.models import RateDecision, Reservation, Tenant, Usage
+
+WINDOW_S = 60.0
+
+
+def now_or(now: float | None) -> float:
+    """`now` if given, else the wall clock (tests and callers pass `now` to pin time)."""
+    return time.time() if now is None else now
+
+
+def month_of(now: float) -> str:
+    """The UTC month ("YYYY-MM") that usage at time `now` is billed to."""
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+
+
+def rate_costs(tenant: Tenant, requests: int, tokens: int) -> dict[str, tuple[int, int]]:
+    """{kind: (limit, cost)} for the buckets a request of this size must pay into."""
+    costs = {}
+    if tenant.rpm is not None and requests > 0:
+        costs["rpm"] = (tenant.rpm, requests)
+    if tenant.tpm is not None and tokens > 0:
+        costs["tpm"] = (tenant.tpm, tokens)
+    return costs
+
+
+def take(
+    costs: dict[str, tuple[int, int]], buckets: dict[str, tuple[float, float]], now: float
+) -> tuple[RateDecision, dict[str, tuple[float, float]]]:
+    """Try to pay `costs` from `buckets` ({kind: (level, updated_at)}, missing = full).
+
+    Returns the decision and, when allowed, the buckets to store. A cost above its limit is never
+    allowed; its retry_after is then one window (the gateway should reject such a request as too
+    large by comparing with the tenant's limit).
+    """
+    new_buckets = {}
+    retry_after, limited_by = 0.0, None
+    for kind, (limit, cost) in costs.items():
+        level, updated_at = buckets.get(kind, (float(limit), now))
+        # NOTE: a clock behind the stored one (another gateway process) refills nothing.
+        level = min(float(limit), level + max(0.0, now - updated_at) * limit / WINDOW_S)
+        if level < cost:
+            wait = WINDOW_S if cost > limit else (cost - level) * WINDOW_S / limit
+            if wait > retry_after:
+                retry_after, limited_by = wait, kind
+        new_buckets[kind] = (level - cost, max(updated_at, now))
+    if limited_by is not None:
+        return RateDecision(False, retry_after, limited_by), {}
+    return RateDecision(True), new_buckets
+
+
+def budget_allows(tenant: Tenant, usage: Usage, tokens: int, spend_usd: float) -> bool:
+    """Whether the month's budgets cover `usage` (held reservations included) plus this request.
+
+    NOTE: a spend budget that is used up refuses even requests estimated at $0.
+    """
+    if tenant.monthly_token_budget is not None:
+        used = usage.tokens_in + usage.tokens_out + usage.reserved_tokens
+        if used + tokens > tenant.monthly_token_budget:
+            return False
+    if tenant.monthly_spend_budget_usd is not None:
+        spent = usage.spend_usd + usage.reserved_spend_usd
+        if (
+            spent >= tenant.monthly_spend_budget_usd
+            or spent + spend_usd > tenant.monthly_spend_budget_usd
+        ):
+            return False
+    return True
+
+
+def new_reservation(
+    tenant: Tenant, tokens: int, spend_usd: float, now: float, ttl_s: float
+) -> Reservation:
+    """A hold of `tokens` and `spend_usd` on this month's budgets, lapsing after `ttl_s`."""
+    if tokens < 0 or spend_usd < 0 or ttl_s <= 0:
+        raise StoreError(
+            f"cannot reserve tokens={tokens}, spend_usd={spend_usd}, ttl_s={ttl_s}: "
+            "amounts must be >= 0 and the ttl > 0"
+        )
+    return Reservation(
+        id=secrets.token_hex(8),
+        tenant=tenant.name,
+        month=month_of(now),
+        tokens=tokens,
+        spend_usd=spend_usd,
+        expires_at=now + ttl_s,
+    )

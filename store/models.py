@@ -1,0 +1,117 @@
+"""Records kept by the store, as msgspec Structs (stored as JSON; never pickled)."""
+
+import re
+import time
+
+import msgspec
+
+from store.errors import InvalidName, StoreError
+
+# NOTE: one rule for every name that becomes part of a Redis key or a path: it starts with a letter
+# or digit, so "." and ".." are impossible, and has no "/" or ":".
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def validate_name(kind: str, name: str) -> str:
+    """Return `name` if it is a valid tenant/adapter name, else raise InvalidName saying why."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: use 1-64 characters from letters, digits, '.', '_' "
+            "and '-', starting with a letter or digit"
+        )
+    return name
+
+
+def validate_digest(digest: str) -> str:
+    """Return `digest` if it is a lowercase hex sha256, else raise InvalidName."""
+    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+        raise InvalidName(f"invalid digest {digest!r}: expected 64 lowercase hex characters")
+    return digest
+
+
+def _check_positive(field: str, value: int | float | None) -> None:
+    if value is not None and not value > 0:
+        raise StoreError(f"{field} must be positive or unset (unlimited), got {value!r}")
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant: its name (the id) and its limits. None means unlimited / every model."""
+
+    name: str
+    rpm: int | None = None  # requests per minute
+    tpm: int | None = None  # tokens (prompt + completion) per minute
+    monthly_token_budget: int | None = None
+    monthly_spend_budget_usd: float | None = None
+    allowed_models: tuple[str, ...] | None = None
+    created_at: float = msgspec.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        validate_name("tenant", self.name)
+        _check_positive("rpm", self.rpm)
+        _check_positive("tpm", self.tpm)
+        _check_positive("monthly_token_budget", self.monthly_token_budget)
+        _check_positive("monthly_spend_budget_usd", self.monthly_spend_budget_usd)
+
+
+class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's API key as stored: only its sha256 is kept; `prefix` is shown in listings."""
+
+    id: str
+    tenant: str
+    prefix: str
+    key_hash: str
+    created_at: float
+    revoked: bool = False
+
+
+class AdapterRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One uploaded version of a tenant's LoRA adapter; `digest` (store.blobs) is its identity."""
+
+    tenant: str
+    name: str
+    base_model: str
+    digest: str
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+    version: int = 0  # assigned by Store.put_adapter_record: 1 + the latest version of the name
+    created_at: float = msgspec.field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        validate_name("tenant", self.tenant)
+        validate_name("adapter", self.name)
+        validate_digest(self.digest)
+        _check_positive("rank", self.rank)
+
+
+class RateDecision(msgspec.Struct, frozen=True):
+    """The answer of a rate-limit check: on a refusal, which limit and how long to wait."""
+
+    allowed: bool
+    retry_after: float = 0.0  # seconds; > 0 when not allowed
+    limited_by: str | None = None  # "rpm" or "tpm"
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Budget held for one in-flight request until it is settled with its real counts."""
+
+    id: str
+    tenant: str
+    month: str  # "YYYY-MM" (UTC): the month the request is billed to
+    tokens: int
+    spend_usd: float
+    expires_at: float  # after this the hold is dropped (the gateway died before settling)
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant's counters for one month; `reserved_*` are the holds of requests in flight."""
+
+    tenant: str
+    month: str
+    requests: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    spend_usd: float = 0.0
+    reserved_tokens: int = 0
+    reserved_spend_usd: float = 0.0

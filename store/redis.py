@@ -1,0 +1,333 @@
+"""Redis backend, for several gateway processes sharing tenants, keys, limits and budgets.
+
+Records are msgspec JSON strings. Multi-key writes are WATCH/MULTI transactions (retried when a
+watched key changes); rate buckets and budget holds are Lua scripts (store.redis_lua), so
+concurrent consumers in any number of processes never exceed a limit.
+"""
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+
+from store import redis_lua
+from store.errors import AlreadyExists, NotFound
+from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
+from store.limits import WINDOW_S, month_of, new_reservation, now_or, rate_costs
+from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
+
+
+class _Keys:
+    """Redis key names, all under one prefix so deployments can share a server."""
+
+    def __init__(self, prefix: str) -> None:
+        self.p = prefix
+        self.tenants = prefix + "tenants"  # set of tenant names
+        self.admin_key_hash = prefix + "admin_key_hash"
+
+    def tenant(self, name: str) -> str:
+        return f"{self.p}tenant:{name}"
+
+    def api_key(self, key_id: str) -> str:
+        return f"{self.p}apikey:{key_id}"
+
+    def api_key_hash(self, key_hash: str) -> str:
+        return f"{self.p}apikeyhash:{key_hash}"  # -> key id, for live keys only
+
+    def api_keys(self, tenant: str) -> str:
+        return f"{self.p}apikeys:{tenant}"  # set of key ids
+
+    def adapter(self, tenant: str, name: str) -> str:
+        return f"{self.p}adapter:{tenant}:{name}"  # hash: version -> record
+
+    def adapters(self, tenant: str) -> str:
+        return f"{self.p}adapters:{tenant}"  # set of adapter names
+
+    def digest(self, digest: str) -> str:
+        return f"{self.p}digest:{digest}"  # set of "tenant/name/version" refs
+
+    def rate(self, tenant: str) -> str:
+        return f"{self.p}rate:{tenant}"
+
+    def usage(self, tenant: str, month: str) -> str:
+        return f"{self.p}usage:{tenant}:{month}"
+
+    def holds(self, tenant: str, month: str) -> str:
+        return f"{self.p}holds:{tenant}:{month}"
+
+
+class RedisStore:
+    """The Store protocol over Redis; build it with `await RedisStore.open(url)`."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "sb:") -> None:
+        self._redis = client
+        self._keys = _Keys(prefix)
+        self._rate_script = client.register_script(redis_lua.RATE)
+        self._reserve_script = client.register_script(redis_lua.RESERVE)
+
+    @classmethod
+    async def open(cls, url: str, prefix: str = "sb:") -> "RedisStore":
+        """Connect to the Redis at `url` (redis://host:port/db) and check that it answers."""
+        client = aioredis.from_url(url, decode_responses=True)
+        await client.ping()
+        return cls(client, prefix)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    # Tenants.
+
+    async def create_tenant(self, tenant: Tenant) -> Tenant:
+        key = self._keys.tenant(tenant.name)
+
+        async def insert(pipe: Pipeline) -> Tenant:
+            if await pipe.exists(key):
+                raise AlreadyExists(f"tenant {tenant.name!r} already exists")
+            pipe.multi()
+            pipe.set(key, _enc(tenant))
+            pipe.sadd(self._keys.tenants, tenant.name)
+            return tenant
+
+        return await self._redis.transaction(insert, key, value_from_callable=True)
+
+    async def get_tenant(self, name: str) -> Tenant | None:
+        raw = await self._redis.get(self._keys.tenant(name))
+        return None if raw is None else msgspec.json.decode(raw, type=Tenant)
+
+    async def list_tenants(self) -> list[Tenant]:
+        names = sorted(await self._redis.smembers(self._keys.tenants))
+        if not names:
+            return []
+        raws = await self._redis.mget([self._keys.tenant(n) for n in names])
+        return [msgspec.json.decode(r, type=Tenant) for r in raws if r is not None]
+
+    async def delete_tenant(self, name: str) -> list[AdapterRecord]:
+        k = self._keys
+
+        async def delete(pipe: Pipeline) -> list[AdapterRecord]:
+            if not await pipe.exists(k.tenant(name)):
+                raise NotFound(f"tenant {name!r} does not exist")
+            key_keys = [k.api_key(i) for i in await pipe.smembers(k.api_keys(name))]
+            adapter_keys = [k.adapter(name, n) for n in await pipe.smembers(k.adapters(name))]
+            # NOTE: watched before being read, so a concurrent write to them retries this delete.
+            if key_keys or adapter_keys:
+                await pipe.watch(*key_keys, *adapter_keys)
+            key_records = [
+                msgspec.json.decode(r, type=ApiKeyRecord) for r in await _mget(pipe, key_keys)
+            ]
+            removed = [a for key in adapter_keys for a in _decode_versions(await pipe.hvals(key))]
+            pipe.multi()
+            pipe.delete(k.tenant(name), k.api_keys(name), k.adapters(name), k.rate(name))
+            pipe.srem(k.tenants, name)
+            for key in key_keys + adapter_keys + [k.api_key_hash(r.key_hash) for r in key_records]:
+                pipe.delete(key)
+            for a in removed:
+                pipe.srem(k.digest(a.digest), _ref(a))
+            return sorted(removed, key=lambda a: (a.name, a.version))
+
+        watches = (k.tenant(name), k.api_keys(name), k.adapters(name))
+        return await self._redis.transaction(delete, *watches, value_from_callable=True)
+
+    # API keys.
+
+    async def create_key(self, tenant: str, now: float | None = None) -> tuple[ApiKeyRecord, str]:
+        record, plaintext = new_key(tenant, now)
+        k = self._keys
+
+        async def insert(pipe: Pipeline) -> None:
+            if not await pipe.exists(k.tenant(tenant)):
+                raise NotFound(f"tenant {tenant!r} does not exist")
+            pipe.multi()
+            pipe.set(k.api_key(record.id), _enc(record))
+            pipe.set(k.api_key_hash(record.key_hash), record.id)
+            pipe.sadd(k.api_keys(tenant), record.id)
+
+        await self._redis.transaction(insert, k.tenant(tenant))
+        return record, plaintext
+
+    async def authenticate(self, plaintext: str) -> Tenant | None:
+        if not plaintext.startswith(KEY_PREFIX):
+            return None
+        key_id = await self._redis.get(self._keys.api_key_hash(hash_key(plaintext)))
+        raw = None if key_id is None else await self._redis.get(self._keys.api_key(key_id))
+        if raw is None:
+            return None
+        record = msgspec.json.decode(raw, type=ApiKeyRecord)
+        if record.revoked or not verify_key(plaintext, record.key_hash):
+            return None
+        return await self.get_tenant(record.tenant)
+
+    async def revoke_key(self, key_id: str) -> ApiKeyRecord:
+        key = self._keys.api_key(key_id)
+
+        async def revoke(pipe: Pipeline) -> ApiKeyRecord:
+            raw = await pipe.get(key)
+            if raw is None:
+                raise NotFound(f"API key {key_id!r} does not exist")
+            record = msgspec.structs.replace(
+                msgspec.json.decode(raw, type=ApiKeyRecord), revoked=True
+            )
+            pipe.multi()
+            pipe.set(key, _enc(record))
+            pipe.delete(self._keys.api_key_hash(record.key_hash))
+            return record
+
+        return await self._redis.transaction(revoke, key, value_from_callable=True)
+
+    async def list_keys(self, tenant: str) -> list[ApiKeyRecord]:
+        ids = await self._redis.smembers(self._keys.api_keys(tenant))
+        raws = await _mget(self._redis, [self._keys.api_key(i) for i in ids])
+        records = [msgspec.json.decode(r, type=ApiKeyRecord) for r in raws]
+        return sorted(records, key=lambda r: (r.created_at, r.id))
+
+    async def get_admin_key_hash(self) -> str | None:
+        return await self._redis.get(self._keys.admin_key_hash)
+
+    async def set_admin_key_hash(self, key_hash: str) -> None:
+        await self._redis.set(self._keys.admin_key_hash, key_hash)
+
+    # Adapter records.
+
+    async def put_adapter_record(self, record: AdapterRecord) -> AdapterRecord:
+        k = self._keys
+        key = k.adapter(record.tenant, record.name)
+
+        async def insert(pipe: Pipeline) -> AdapterRecord:
+            if not await pipe.exists(k.tenant(record.tenant)):
+                raise NotFound(f"tenant {record.tenant!r} does not exist")
+            latest = max((int(v) for v in await pipe.hkeys(key)), default=0)
+            stored = msgspec.structs.replace(record, version=latest + 1)
+            pipe.multi()
+            pipe.hset(key, str(stored.version), _enc(stored))
+            pipe.sadd(k.adapters(record.tenant), record.name)
+            pipe.sadd(k.digest(record.digest), _ref(stored))
+            return stored
+
+        return await self._redis.transaction(
+            insert, k.tenant(record.tenant), key, value_from_callable=True
+        )
+
+    async def get_adapter(
+        self, tenant: str, name: str, version: int | None = None
+    ) -> AdapterRecord | None:
+        key = self._keys.adapter(tenant, name)
+        if version is not None:
+            raw = await self._redis.hget(key, str(version))
+            return None if raw is None else msgspec.json.decode(raw, type=AdapterRecord)
+        versions = _decode_versions(await self._redis.hvals(key))
+        return max(versions, key=lambda a: a.version, default=None)
+
+    async def list_adapters(self, tenant: str) -> list[AdapterRecord]:
+        names = sorted(await self._redis.smembers(self._keys.adapters(tenant)))
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for name in names:
+                pipe.hvals(self._keys.adapter(tenant, name))
+            results = await pipe.execute()
+        latest = [
+            max(_decode_versions(raws), key=lambda a: a.version, default=None) for raws in results
+        ]
+        return [a for a in latest if a is not None]
+
+    async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
+        k = self._keys
+        key = k.adapter(tenant, name)
+
+        async def delete(pipe: Pipeline) -> list[AdapterRecord]:
+            removed = _decode_versions(await pipe.hvals(key))
+            if not removed:
+                raise NotFound(f"tenant {tenant!r} has no adapter {name!r}")
+            pipe.multi()
+            pipe.delete(key)
+            pipe.srem(k.adapters(tenant), name)
+            for a in removed:
+                pipe.srem(k.digest(a.digest), _ref(a))
+            return sorted(removed, key=lambda a: a.version)
+
+        return await self._redis.transaction(delete, key, value_from_callable=True)
+
+    async def is_digest_referenced(self, digest: str) -> bool:
+        # NOTE: Redis deletes a set when its last member goes, so existence means referenced.
+        return await self._redis.exists(self._keys.digest(digest)) > 0
+
+    # Rate limits, budgets and usage.
+
+    async def check_and_consume_rate(
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+    ) -> RateDecision:
+        costs = rate_costs(tenant, requests, tokens)
+        if not costs:
+            return RateDecision(True)
+        args = [repr(now_or(now)), repr(WINDOW_S)]
+        for kind, (limit, cost) in costs.items():
+            args += [kind, limit, cost]
+        allowed, retry_after, limited_by = await self._rate_script(
+            keys=[self._keys.rate(tenant.name)], args=args
+        )
+        return RateDecision(bool(allowed), float(retry_after), limited_by or None)
+
+    async def reserve_tokens(
+        self,
+        tenant: Tenant,
+        tokens: int,
+        *,
+        spend_usd: float = 0.0,
+        now: float | None = None,
+        ttl_s: float = 600.0,
+    ) -> Reservation | None:
+        now = now_or(now)
+        r = new_reservation(tenant, tokens, spend_usd, now, ttl_s)
+        budgets = (tenant.monthly_token_budget, tenant.monthly_spend_budget_usd)
+        args = [repr(now), *("" if b is None else repr(b) for b in budgets)]
+        args += [tokens, repr(float(spend_usd)), r.id, repr(r.expires_at), int(ttl_s) + 1]
+        keys = [self._keys.usage(r.tenant, r.month), self._keys.holds(r.tenant, r.month)]
+        return r if await self._reserve_script(keys=keys, args=args) else None
+
+    async def settle(
+        self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
+    ) -> None:
+        usage = self._keys.usage(reservation.tenant, reservation.month)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self._keys.holds(reservation.tenant, reservation.month), reservation.id)
+            pipe.hincrby(usage, "requests", 1)
+            pipe.hincrby(usage, "tokens_in", tokens_in)
+            pipe.hincrby(usage, "tokens_out", tokens_out)
+            pipe.hincrbyfloat(usage, "spend_usd", spend_usd)
+            await pipe.execute()
+
+    async def get_usage(
+        self, tenant: str, month: str | None = None, *, now: float | None = None
+    ) -> Usage:
+        now = now_or(now)
+        month = month or month_of(now)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._keys.usage(tenant, month))
+            pipe.hvals(self._keys.holds(tenant, month))
+            counters, holds = await pipe.execute()
+        live = [(int(t), float(s)) for t, s, exp in (h.split() for h in holds) if float(exp) > now]
+        return Usage(
+            tenant=tenant,
+            month=month,
+            requests=int(counters.get("requests", 0)),
+            tokens_in=int(counters.get("tokens_in", 0)),
+            tokens_out=int(counters.get("tokens_out", 0)),
+            spend_usd=float(counters.get("spend_usd", 0.0)),
+            reserved_tokens=sum(t for t, _ in live),
+            reserved_spend_usd=sum(s for _, s in live),
+        )
+
+
+def _enc(record: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(record)
+
+
+def _ref(adapter: AdapterRecord) -> str:
+    # Names cannot contain "/" (store.models.validate_name), so the ref is unambiguous.
+    return f"{adapter.tenant}/{adapter.name}/{adapter.version}"
+
+
+def _decode_versions(raws: list[str]) -> list[AdapterRecord]:
+    return [msgspec.json.decode(r, type=AdapterRecord) for r in raws]
+
+
+async def _mget(client: aioredis.Redis | Pipeline, keys: list[str]) -> list[str]:
+    """The values of the keys that exist (MGET fails on an empty key list)."""
+    return [] if not keys else [r for r in await client.mget(keys) if r is not None]

@@ -1,0 +1,69 @@
+"""Lua scripts that make the Redis backend's limit checks atomic across gateway processes.
+
+Each script runs as one Redis command, so no other client sees or changes the state between the
+check and the write. They mirror store.limits (take, budget_allows); numbers cross as strings in
+"%.17g" form so floats round-trip exactly.
+"""
+
+# KEYS[1]: the tenant's bucket hash ("<kind>:level", "<kind>:ts" fields; missing = full bucket).
+# ARGV: now, window_s, then one (kind, limit, cost) triple per bucket to pay.
+# Returns {allowed (0/1), retry_after, limited_by}.
+RATE = """
+local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local paid, retry_after, limited_by = {}, 0, ''
+for i = 3, #ARGV, 3 do
+  local kind, limit, cost = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local state = redis.call('HMGET', KEYS[1], kind .. ':level', kind .. ':ts')
+  local level, ts = tonumber(state[1]) or limit, tonumber(state[2]) or now
+  level = math.min(limit, level + math.max(0, now - ts) * limit / window)
+  if level < cost then
+    local wait = window
+    if cost <= limit then wait = (cost - level) * window / limit end
+    if wait > retry_after then retry_after, limited_by = wait, kind end
+  end
+  paid[#paid + 1] = {kind, level - cost, math.max(ts, now)}
+end
+if limited_by ~= '' then
+  return {0, string.format('%.17g', retry_after), limited_by}
+end
+for _, b in ipairs(paid) do
+  redis.call('HSET', KEYS[1], b[1] .. ':level', string.format('%.17g', b[2]),
+             b[1] .. ':ts', string.format('%.17g', b[3]))
+end
+-- An idle bucket is full again after one window, which is what a missing bucket means.
+redis.call('EXPIRE', KEYS[1], math.ceil(2 * window))
+return {1, '0', ''}
+"""
+
+# KEYS[1]: the month's usage hash; KEYS[2]: its holds hash (id -> "tokens spend expires_at").
+# ARGV: now, token_budget or '', spend_budget or '', tokens, spend_usd, hold id, expires_at,
+# key_ttl_s. Drops lapsed holds; returns 1 and stores the hold if the budgets cover it, else 0.
+RESERVE = """
+local now = tonumber(ARGV[1])
+local held_tokens, held_spend = 0, 0
+local holds = redis.call('HGETALL', KEYS[2])
+for i = 1, #holds, 2 do
+  local tokens, spend, expires_at = string.match(holds[i + 1], '^(%S+) (%S+) (%S+)$')
+  if tonumber(expires_at) <= now then
+    redis.call('HDEL', KEYS[2], holds[i])
+  else
+    held_tokens, held_spend = held_tokens + tonumber(tokens), held_spend + tonumber(spend)
+  end
+end
+local usage = redis.call('HMGET', KEYS[1], 'tokens_in', 'tokens_out', 'spend_usd')
+local tokens, spend = tonumber(ARGV[4]), tonumber(ARGV[5])
+if ARGV[2] ~= '' then
+  local used = (tonumber(usage[1]) or 0) + (tonumber(usage[2]) or 0) + held_tokens
+  if used + tokens > tonumber(ARGV[2]) then return 0 end
+end
+if ARGV[3] ~= '' then
+  local spent, budget = (tonumber(usage[3]) or 0) + held_spend, tonumber(ARGV[3])
+  if spent >= budget or spent + spend > budget then return 0 end
+end
+redis.call('HSET', KEYS[2], ARGV[6], ARGV[4] .. ' ' .. ARGV[5] .. ' ' .. ARGV[7])
+-- Holds a dead gateway never settled must not keep the hash alive forever.
+if redis.call('TTL', KEYS[2]) < tonumber(ARGV[8]) then
+  redis.call('EXPIRE', KEYS[2], ARGV[8])
+end
+return 1
+"""

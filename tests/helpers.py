@@ -1,0 +1,84 @@
+"""Factories shared by the tests: small random Hugging Face models, requests, schedulers."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, SamplingParams
+from engine.scheduler import RunnerOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+
+TINY_DIMS = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=384, max_position_embeddings=1024)
+
+
+def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers model of the given family (llama, mistral or qwen2), in float32."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    families = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 24}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    }
+    config_cls, model_cls, extra = families[arch]
+    # A wider init than the default 0.02 keeps the top two logits apart, so greedy parity does not
+    # hinge on float rounding.
+    config = config_cls(**{**TINY_DIMS, "initializer_range": 0.1, **extra, **overrides})
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def save_hf_model(model, folder: Path) -> Path:
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy continuation of one prompt and the logits of every generated step."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens,
+                             min_new_tokens=num_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()  # [n, vocab]
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+_ids = itertools.count()
+
+
+def create_request(num_prompt_tokens: int = 8, max_tokens: int = 4, priority: int = 0,
+                   prompt: list[int] | None = None, **params) -> Request:
+    n = next(_ids)
+    # Distinct default prompts, so no test gets prefix-cache hits it did not ask for.
+    prompt = prompt if prompt is not None else [(n * 101 + i * 7) % 1000 for i in range(num_prompt_tokens)]
+    return Request(f"req-{n}", prompt,
+                   SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
+                   priority=priority)
+
+
+def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,
+                     max_num_seqs: int = 8, max_model_len: int = 256,
+                     enable_prefix_caching: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len), kv)
+
+
+def fake_runner_output(output: SchedulerOutput, token_id: int = 1) -> RunnerOutput:
+    """A hand-built model output: every request whose chunk reached its end samples `token_id`."""
+    return RunnerOutput({s.request.request_id: SampledToken(token_id)
+                         for s in output.scheduled if s.samples})
+
+
+def run_step(scheduler: Scheduler, token_id: int = 1) -> SchedulerOutput:
+    output = scheduler.schedule()
+    scheduler.update(output, fake_runner_output(output, token_id))
+    return output

@@ -1,0 +1,86 @@
+"""AsyncEngine on the demo model: concurrent streams, rejection, and abort on cancellation."""
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def demo_folder(tmp_path_factory):
+    from engine.demo import ensure_demo_model
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "model")
+
+
+@pytest.fixture
+def async_engine(demo_folder):
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(demo_folder), num_kv_blocks=256),
+                                   show_progress=False))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, prompt, params, **kwargs):
+    tokens, text, last = [], "", None
+    async for output in engine.generate(prompt, params, **kwargs):
+        tokens += output.new_token_ids
+        text += output.new_text
+        last = output
+    return tokens, text, last
+
+
+def test_concurrent_streams_equal_the_offline_api(demo_folder, async_engine):
+    prompts = ["alpha", "a much longer prompt " * 5, "ü"]
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    offline = LLM(str(demo_folder), show_progress=False).generate(prompts, params, use_tqdm=False)
+
+    async def main():
+        return await asyncio.gather(*(collect(async_engine, p, params) for p in prompts))
+
+    results = asyncio.run(main())
+    for (tokens, text, last), expected in zip(results, offline):
+        assert tokens == expected.output_token_ids
+        assert text == expected.text
+        assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 9
+
+
+def test_invalid_request_raises_and_engine_keeps_serving(async_engine):
+    async def main():
+        with pytest.raises(ValueError, match="shorten the prompt"):
+            await collect(async_engine, list(range(5)) * 1000, SamplingParams())
+        return await collect(async_engine, "ok", SamplingParams(max_tokens=3, ignore_eos=True))
+
+    tokens, _, last = asyncio.run(main())
+    assert len(tokens) == 3 and last.finished
+
+
+def test_cancelling_the_consumer_aborts_the_request(async_engine):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in async_engine.generate("long", SamplingParams(max_tokens=1000, ignore_eos=True),
+                                                 request_id="victim"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            metrics = async_engine.metrics()
+            if metrics.num_running == 0 and metrics.kv_blocks_used == 0:
+                return metrics
+        return async_engine.metrics()
+
+    metrics = asyncio.run(main())
+    assert metrics.num_running == 0 and metrics.num_waiting == 0
+    assert metrics.kv_blocks_used == 0
+    assert metrics.num_generation_tokens < 1000

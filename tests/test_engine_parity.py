@@ -1,0 +1,120 @@
+"""The engine against transformers on random Llama, Mistral and Qwen2 models (float32, CPU).
+
+Requests arrive at different steps with prompts of very different lengths; greedy tokens must be
+identical and every step's distribution must match transformers' logits within 1e-4.
+"""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.request import SamplingParams
+from tests.helpers import hf_greedy, make_hf_model, random_prompts, save_hf_model
+
+NUM_NEW_TOKENS = 12
+PROMPT_LENGTHS = [3, 61, 17, 140, 1, 33]
+ARRIVAL_STEPS = [0, 0, 2, 3, 5, 9]
+TOP_LOGPROBS = 20
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def family(request, tmp_path_factory):
+    overrides = {}
+    if request.param == "llama":
+        overrides["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0,
+                                        "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}
+    model = make_hf_model(request.param, **overrides)
+    folder = save_hf_model(model, tmp_path_factory.mktemp(request.param))
+    prompts = random_prompts(PROMPT_LENGTHS, model.config.vocab_size, seed=1)
+    references = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
+    return folder, prompts, references
+
+
+def run_engine(folder, prompts, prompt_for_step=ARRIVAL_STEPS, **config):
+    engine = LLMEngine(EngineConfig(model=str(folder), **config), show_progress=False)
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP_LOGPROBS)
+    tokens = {i: [] for i in range(len(prompts))}
+    logprobs = {i: [] for i in range(len(prompts))}
+    step = 0
+    while step <= max(prompt_for_step) or engine.has_unfinished_requests():
+        for i, arrival in enumerate(prompt_for_step):
+            if arrival == step:
+                engine.add_request(str(i), prompts[i], params)
+        for output in engine.step():
+            tokens[int(output.request_id)] += output.new_token_ids
+            logprobs[int(output.request_id)] += output.new_logprobs
+        step += 1
+    return engine, tokens, logprobs
+
+
+def assert_matches_transformers(references, tokens, logprobs):
+    for i, (ref_tokens, ref_logits) in enumerate(references):
+        assert tokens[i] == ref_tokens, f"request {i}: greedy tokens differ"
+        ref_logprobs = torch.log_softmax(ref_logits, dim=-1)
+        for step, entry in enumerate(logprobs[i]):
+            ids = [t for t, _ in entry.top]
+            ours = torch.tensor([lp for _, lp in entry.top])
+            torch.testing.assert_close(ours, ref_logprobs[step, ids], atol=1e-4, rtol=0)
+            assert ids == torch.topk(ref_logprobs[step], TOP_LOGPROBS).indices.tolist()
+            assert entry.token_id == ref_tokens[step]
+            assert abs(entry.logprob - ref_logprobs[step, entry.token_id].item()) < 1e-4
+
+
+def test_staggered_arrivals_match_transformers(family):
+    folder, prompts, references = family
+    engine, tokens, logprobs = run_engine(folder, prompts)
+    assert_matches_transformers(references, tokens, logprobs)
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_chunked_prefill_matches_transformers(family):
+    folder, prompts, references = family
+    engine, tokens, logprobs = run_engine(folder, prompts, max_num_batched_tokens=16)
+    assert_matches_transformers(references, tokens, logprobs)
+
+
+def test_preemption_keeps_outputs_unchanged(family):
+    folder, prompts, references = family
+    # 20 blocks of 8 tokens cannot hold all six requests at once.
+    engine, tokens, logprobs = run_engine(folder, prompts, num_kv_blocks=24, block_size=8,
+                                          max_num_batched_tokens=64,
+                                          prompt_for_step=[0] * len(prompts))
+    assert engine.metrics().num_preemptions > 0
+    assert_matches_transformers(references, tokens, logprobs)
+
+
+def test_prefix_cache_hits_keep_outputs_unchanged(family):
+    folder, prompts, references = family
+    repeated = prompts + prompts
+    arrivals = [0] * len(prompts) + [20] * len(prompts)
+    engine, tokens, logprobs = run_engine(folder, repeated, prompt_for_step=arrivals, block_size=4)
+    metrics = engine.metrics()
+    assert metrics.prefix_cache_hit_tokens > 0
+    assert metrics.prefix_cache_hit_rate == pytest.approx(
+        metrics.prefix_cache_hit_tokens / metrics.prefix_cache_queried_tokens)
+    assert_matches_transformers(references + references, tokens, logprobs)
+
+
+def test_raw_logits_of_a_mixed_batch_match_transformers(family):
+    """One forward pass over a decode token and two prefill chunks, logits compared directly."""
+    folder, prompts, references = family
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=100, block_size=4),
+                       show_progress=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    engine.step()  # "a" is now decoding
+    engine.add_request("b", prompts[2], params)
+    engine.add_request("c", prompts[3], params)  # 140 tokens: only part of it fits the budget
+    output = engine.scheduler.schedule()
+    assert [s.num_tokens for s in output.scheduled] == [1, 17, 82]
+    with torch.inference_mode():
+        batch = engine.runner.prepare_batch(output)
+        logits = engine.model.forward(batch, engine.runner.k_caches, engine.runner.v_caches)
+    assert logits.shape[0] == 2  # "c" is mid-prefill: no logits wanted for it
+    torch.testing.assert_close(logits[0], references[0][1][1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[1], references[2][1][0], atol=1e-4, rtol=0)
+

@@ -1,0 +1,98 @@
+"""Model folders: what loads, and the errors for what does not."""
+
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.model.spec import ModelSpec, UnsupportedModelError
+from engine.request import SamplingParams
+from tests.helpers import make_hf_model, save_hf_model
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        ModelSpec.from_folder(tmp_path)
+
+
+def test_unsupported_rope_type_is_named(tmp_path):
+    model = make_hf_model("llama")
+    folder = save_hf_model(model, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'"):
+        LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
+
+
+def test_pickle_checkpoints_are_refused(tmp_path):
+    model = make_hf_model("llama")
+    folder = save_hf_model(model, tmp_path / "m")
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(UnsupportedModelError, match="pickle checkpoints are never loaded"):
+        LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
+
+
+def test_missing_config_says_what_to_pass(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="no config.json"):
+        LLMEngine(EngineConfig(model=str(tmp_path)), show_progress=False)
+
+
+def test_legacy_rope_layout_is_read():
+    spec = ModelSpec.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 8192}})
+    assert spec.rope_theta == 500000.0 and spec.rope_scaling["rope_type"] == "llama3"
+    assert spec.num_kv_heads == 2 and spec.head_dim == 4
+
+
+@pytest.mark.parametrize("bad", [dict(dtype="float64"), dict(device="tpu"), dict(block_size=0),
+                                 dict(num_kv_blocks=1), dict(max_num_seqs=0)])
+def test_invalid_engine_config_is_rejected(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(model="x", **bad)
+
+
+def test_kv_pool_sized_from_a_memory_budget(tmp_path):
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "m")
+    # 2 layers * 2 (K, V) * 16 tokens * 2 kv heads * 16 dims * 4 bytes = 8 KiB per block
+    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=40 * 8192),
+                       show_progress=False)
+    assert engine.kv_manager.num_blocks == 40
+    assert engine.max_model_len == 40 * 16  # the pool, not max_position_embeddings, is the limit
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_float32(tmp_path, dtype):
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "m")
+    prompts = [[5, 9, 200, 31, 7, 7, 1, 99]]
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    full = LLM(str(folder), show_progress=False).generate(prompts, params, use_tqdm=False)[0]
+    half = LLM(str(folder), show_progress=False, dtype=dtype).generate(prompts, params,
+                                                                        use_tqdm=False)[0]
+    assert half.output_token_ids == full.output_token_ids
+    assert torch.tensor(half.logprobs[0].logprob) == pytest.approx(full.logprobs[0].logprob, abs=0.1)
+
+
+def test_demo_model_generates_text_with_stop_strings(tmp_path):
+    from engine.demo import ensure_demo_model
+    folder = ensure_demo_model(tmp_path / "demo")
+    assert ensure_demo_model(folder) == folder  # written once, then reused
+    llm = LLM(str(folder), show_progress=False)
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert len(free.output_token_ids) == 12 and free.finish_reason == "length"
+    # The demo weights are fixed, so its output is too: cut it at its first printable character.
+    stop = next(c for c in free.text if c != "\ufffd")
+    cut = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, stop=[stop],
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert len(cut.output_token_ids) < 12

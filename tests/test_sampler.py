@@ -1,0 +1,83 @@
+"""Sampling: greedy, seeds, top-k, top-p, repetition penalty and logprobs on hand-made logits."""
+
+import pytest
+import torch
+
+from engine.request import Request, SamplingParams
+from engine.sampler import Sampler
+
+
+def make(params: SamplingParams, prompt=(1,), seeded: Sampler | None = None) -> Request:
+    request = Request("r", list(prompt), params)
+    if seeded is not None and params.seed is not None:
+        request.generator = seeded.make_request_generator(params.seed)
+    return request
+
+
+def test_greedy_takes_the_argmax():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    out = sampler.sample(logits, [make(SamplingParams(temperature=0)), make(SamplingParams(temperature=0))])
+    assert [t.token_id for t in out] == [1, 0]
+
+
+def test_seeded_requests_are_reproducible_regardless_of_batch():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+
+    def draw(batch_neighbours: int) -> list[int]:
+        request = make(SamplingParams(temperature=1.0, seed=42), seeded=sampler)
+        others = [make(SamplingParams(temperature=1.0)) for _ in range(batch_neighbours)]
+        tokens = []
+        for _ in range(20):
+            rows = torch.cat([logits] * (1 + batch_neighbours))
+            tokens.append(sampler.sample(rows, others + [request])[-1].token_id)
+        return tokens
+
+    assert draw(0) == draw(3)
+    assert len(set(draw(0))) > 1
+
+
+def test_top_k_one_is_greedy_and_top_k_limits_support():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[1.0, 2.0, 3.0, 2.9, -1.0]])
+    for _ in range(30):
+        assert sampler.sample(logits, [make(SamplingParams(top_k=1))])[0].token_id == 2
+        assert sampler.sample(logits, [make(SamplingParams(top_k=2))])[0].token_id in (2, 3)
+
+
+def test_top_p_keeps_the_smallest_set_covering_p():
+    sampler = Sampler(0, torch.device("cpu"))
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    seen = {sampler.sample(probs.log(), [make(SamplingParams(top_p=0.7))])[0].token_id
+            for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[2.0, 1.9, 0.0]])
+    plain = make(SamplingParams(temperature=0), prompt=[0])
+    penalized = make(SamplingParams(temperature=0, repetition_penalty=1.5), prompt=[0])
+    assert [t.token_id for t in sampler.sample(logits.repeat(2, 1), [plain, penalized])] == [0, 1]
+
+
+def test_logprobs_report_the_raw_distribution():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    out = sampler.sample(logits, [make(SamplingParams(temperature=0.5, top_k=1, logprobs=2))])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert out.logprobs.token_id == 2
+    assert out.logprobs.logprob == pytest.approx(expected[2].item())
+    assert [t for t, _ in out.logprobs.top] == [2, 1]
+    assert out.logprobs.top[1][1] == pytest.approx(expected[1].item())
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("max_tokens", 0, "max_tokens"), ("temperature", -1, "temperature"), ("top_p", 0, "top_p"),
+    ("top_k", -2, "top_k"), ("logprobs", 21, "logprobs"), ("min_tokens", 99, "min_tokens"),
+    ("repetition_penalty", 0, "repetition_penalty"), ("stop", [""], "stop"),
+])
+def test_invalid_params_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})

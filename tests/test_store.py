@@ -1,0 +1,433 @@
+"""One suite over both Store backends (SQLite file, real redis-server), plus the blob folder."""
+
+import asyncio
+import hashlib
+import shutil
+import sqlite3
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+
+from store import (
+    AdapterRecord,
+    AlreadyExists,
+    InvalidName,
+    NotFound,
+    RateDecision,
+    Store,
+    StoreError,
+    Tenant,
+    open_store,
+)
+from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
+from store.keys import hash_key, verify_key
+from tests.redis_server import redis_server, redis_url  # noqa: F401
+
+pytestmark = pytest.mark.anyio
+
+T0 = datetime(2025, 3, 15, tzinfo=UTC).timestamp()
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # redis.asyncio needs asyncio
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """URL of an empty store; opening it twice gives two clients, like two gateway processes."""
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path}/store.db"
+    return request.getfixturevalue("redis_url")
+
+
+@pytest.fixture
+async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
+    s = await open_store(store_url, tmp_path)
+    yield s
+    await s.close()
+
+
+async def make_tenant(store: Store, name: str = "acme", **limits) -> Tenant:
+    return await store.create_tenant(Tenant(name=name, created_at=T0, **limits))
+
+
+def adapter(tenant: str, name: str, digest: str = DIGEST_A) -> AdapterRecord:
+    return AdapterRecord(
+        tenant=tenant,
+        name=name,
+        base_model="demo-llama",
+        digest=digest,
+        rank=8,
+        target_modules=("q_proj", "v_proj"),
+        size_bytes=1234,
+        created_at=T0,
+    )
+
+
+def dump_backend(store_url: str, tmp_path: Path) -> bytes:
+    """Every byte the backend holds: the SQLite files, or every Redis key and value."""
+    if store_url.startswith("sqlite"):
+        return b"".join(p.read_bytes() for p in sorted(tmp_path.glob("store.db*")))
+    client = redis.Redis.from_url(store_url)
+    out = []
+    for key in client.scan_iter():
+        kind = client.type(key)
+        if kind == b"string":
+            out += [key, client.get(key)]
+        elif kind == b"hash":
+            out += [key, *(b for kv in client.hgetall(key).items() for b in kv)]
+        else:
+            assert kind == b"set", kind
+            out += [key, *client.smembers(key)]
+    client.close()
+    return b"\n".join(out)
+
+
+# Tenants.
+
+
+async def test_tenants_create_get_list_delete(store: Store) -> None:
+    beta = await make_tenant(store, "beta", rpm=10, allowed_models=("small",))
+    alpha = await make_tenant(store, "alpha", monthly_spend_budget_usd=2.5)
+    assert await store.get_tenant("beta") == beta
+    assert await store.get_tenant("gamma") is None
+    assert await store.list_tenants() == [alpha, beta]
+    with pytest.raises(AlreadyExists, match="'beta' already exists"):
+        await make_tenant(store, "beta")
+    assert await store.delete_tenant("beta") == []
+    assert await store.list_tenants() == [alpha]
+    with pytest.raises(NotFound, match="'beta' does not exist"):
+        await store.delete_tenant("beta")
+
+
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../x", "a/b", "a:b", "-a", "a b", "a\n", "x" * 65]
+)
+def test_invalid_names_are_refused(name: str) -> None:
+    with pytest.raises(InvalidName, match="invalid tenant name"):
+        Tenant(name=name)
+    with pytest.raises(InvalidName, match="invalid adapter name"):
+        adapter("acme", name)
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(StoreError, match="rpm must be positive"):
+        Tenant(name="acme", rpm=0)
+    assert Tenant(name="a." + "x" * 62).rpm is None
+
+
+# API keys.
+
+
+async def test_keys_are_stored_only_as_hashes(store: Store, store_url: str, tmp_path: Path) -> None:
+    await make_tenant(store)
+    record, plaintext = await store.create_key("acme", now=T0)
+    assert plaintext.startswith("sb-") and len(plaintext) > 40
+    assert record.key_hash == hashlib.sha256(plaintext.encode()).hexdigest() == hash_key(plaintext)
+    assert plaintext.startswith(record.prefix) and len(record.prefix) == 8
+    assert verify_key(plaintext, record.key_hash) and not verify_key(
+        plaintext + "x", record.key_hash
+    )
+    dump = dump_backend(store_url, tmp_path)
+    assert record.key_hash.encode() in dump
+    assert plaintext.encode() not in dump
+    assert plaintext[len(record.prefix) :].encode() not in dump
+
+
+async def test_authenticate_until_revoked(store: Store) -> None:
+    acme = await make_tenant(store)
+    first, first_key = await store.create_key("acme", now=T0)
+    second, second_key = await store.create_key("acme", now=T0 + 1)
+    assert await store.authenticate(first_key) == acme
+    assert await store.authenticate(first_key[:-1]) is None
+    assert await store.authenticate("not-a-key") is None
+    revoked = await store.revoke_key(first.id)
+    assert revoked.revoked and revoked.id == first.id
+    assert await store.authenticate(first_key) is None
+    assert await store.authenticate(second_key) == acme
+    assert await store.list_keys("acme") == [revoked, second]
+    with pytest.raises(NotFound, match="'key_nope' does not exist"):
+        await store.revoke_key("key_nope")
+    with pytest.raises(NotFound, match="'ghost' does not exist"):
+        await store.create_key("ghost")
+
+
+async def test_admin_key_hash(store: Store) -> None:
+    assert await store.get_admin_key_hash() is None
+    await store.set_admin_key_hash(hash_key("sb-admin-1"))
+    await store.set_admin_key_hash(hash_key("sb-admin-2"))
+    assert await store.get_admin_key_hash() == hash_key("sb-admin-2")
+
+
+# Adapter records.
+
+
+async def test_adapter_versions_and_tenant_isolation(store: Store) -> None:
+    await make_tenant(store, "acme")
+    await make_tenant(store, "beta")
+    v1 = await store.put_adapter_record(adapter("acme", "sql"))
+    v2 = await store.put_adapter_record(adapter("acme", "sql", DIGEST_B))
+    assert (v1.version, v2.version) == (1, 2)
+    other = await store.put_adapter_record(adapter("beta", "sql"))
+    assert other.version == 1
+    chat = await store.put_adapter_record(adapter("acme", "chat"))
+    assert await store.get_adapter("acme", "sql") == v2
+    assert await store.get_adapter("acme", "sql", version=1) == v1
+    assert await store.get_adapter("acme", "sql", version=3) is None
+    assert await store.get_adapter("beta", "sql") == other
+    assert await store.get_adapter("beta", "chat") is None
+    assert await store.list_adapters("acme") == [chat, v2]
+    assert await store.list_adapters("beta") == [other]
+    assert await store.list_adapters("nobody") == []
+    with pytest.raises(NotFound, match="'ghost' does not exist"):
+        await store.put_adapter_record(adapter("ghost", "sql"))
+
+
+async def test_concurrent_uploads_get_distinct_versions(store: Store) -> None:
+    await make_tenant(store)
+    records = await asyncio.gather(
+        *(store.put_adapter_record(adapter("acme", "sql")) for _ in range(6))
+    )
+    assert sorted(r.version for r in records) == [1, 2, 3, 4, 5, 6]
+    assert (await store.get_adapter("acme", "sql")).version == 6
+
+
+async def test_delete_adapter_returns_versions_and_drops_refs(store: Store) -> None:
+    await make_tenant(store, "acme")
+    await make_tenant(store, "beta")
+    v1 = await store.put_adapter_record(adapter("acme", "sql", DIGEST_A))
+    v2 = await store.put_adapter_record(adapter("acme", "sql", DIGEST_B))
+    await store.put_adapter_record(adapter("beta", "shared", DIGEST_B))
+    assert await store.delete_adapter("acme", "sql") == [v1, v2]
+    assert await store.get_adapter("acme", "sql") is None
+    assert not await store.is_digest_referenced(DIGEST_A)
+    assert await store.is_digest_referenced(DIGEST_B)  # beta still uses the same files
+    with pytest.raises(NotFound, match="no adapter 'sql'"):
+        await store.delete_adapter("acme", "sql")
+    again = await store.put_adapter_record(adapter("acme", "sql"))
+    assert again.version == 1
+
+
+async def test_delete_tenant_cascades(store: Store) -> None:
+    await make_tenant(store, "acme", rpm=1)
+    _, key = await store.create_key("acme")
+    sql = await store.put_adapter_record(adapter("acme", "sql", DIGEST_A))
+    chat = await store.put_adapter_record(adapter("acme", "chat", DIGEST_B))
+    await store.check_and_consume_rate(await store.get_tenant("acme"), now=T0)
+    assert await store.delete_tenant("acme") == [chat, sql]
+    assert await store.authenticate(key) is None
+    assert await store.list_keys("acme") == []
+    assert await store.list_adapters("acme") == []
+    assert not await store.is_digest_referenced(DIGEST_A)
+    assert not await store.is_digest_referenced(DIGEST_B)
+    fresh = await make_tenant(store, "acme", rpm=1)
+    assert (await store.put_adapter_record(adapter("acme", "sql"))).version == 1
+    assert (await store.check_and_consume_rate(fresh, now=T0)).allowed  # rate state went too
+
+
+# Rate limits.
+
+
+async def test_rate_limit_allows_exactly_n_then_retry_after(store: Store) -> None:
+    acme = await make_tenant(store, rpm=5)
+    decisions = [await store.check_and_consume_rate(acme, now=T0) for _ in range(6)]
+    assert decisions[:5] == [RateDecision(True)] * 5
+    assert decisions[5] == RateDecision(False, 12.0, "rpm")  # one request refills in 60 / 5 s
+    assert (await store.check_and_consume_rate(acme, now=T0 + 6)).retry_after == 6.0
+    assert (await store.check_and_consume_rate(acme, now=T0 + 12)).allowed
+    assert not (await store.check_and_consume_rate(acme, now=T0 + 12)).allowed
+    unlimited = await make_tenant(store, "free")
+    assert all([(await store.check_and_consume_rate(unlimited, now=T0)).allowed for _ in range(50)])
+
+
+async def test_refused_request_consumes_nothing(store: Store) -> None:
+    acme = await make_tenant(store, rpm=2, tpm=100)
+    assert (await store.check_and_consume_rate(acme, tokens=100, now=T0)).allowed
+    refused = await store.check_and_consume_rate(acme, tokens=50, now=T0)
+    assert refused == RateDecision(False, 30.0, "tpm")
+    assert (await store.check_and_consume_rate(acme, tokens=0, now=T0)).allowed  # rpm kept 1
+    assert await store.check_and_consume_rate(acme, now=T0) == RateDecision(False, 30.0, "rpm")
+    too_big = await store.check_and_consume_rate(acme, requests=0, tokens=101, now=T0 + 600)
+    assert too_big == RateDecision(False, 60.0, "tpm")
+
+
+async def test_concurrent_consumers_get_exactly_n(
+    store: Store, store_url: str, tmp_path: Path
+) -> None:
+    acme = await make_tenant(store, rpm=10)
+    other = await open_store(store_url, tmp_path)  # a second gateway process
+    try:
+        calls = [s.check_and_consume_rate(acme, now=T0) for s in (store, other) for _ in range(15)]
+        decisions = await asyncio.gather(*calls)
+    finally:
+        await other.close()
+    assert sum(d.allowed for d in decisions) == 10
+    assert {d.retry_after for d in decisions if not d.allowed} == {6.0}
+
+
+# Budgets and usage.
+
+
+async def test_reservations_settle_to_real_counts(store: Store) -> None:
+    acme = await make_tenant(store, monthly_token_budget=1000)
+    held = await store.reserve_tokens(acme, 600, now=T0)
+    assert held is not None and held.month == "2025-03" and held.tokens == 600
+    assert await store.reserve_tokens(acme, 500, now=T0) is None
+    usage = await store.get_usage("acme", now=T0)
+    assert (usage.reserved_tokens, usage.tokens_in, usage.requests) == (600, 0, 0)
+    await store.settle(held, tokens_in=100, tokens_out=200, spend_usd=0.25)
+    usage = await store.get_usage("acme", "2025-03", now=T0)
+    assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.spend_usd) == (
+        1,
+        100,
+        200,
+        0.25,
+    )
+    assert (usage.reserved_tokens, usage.reserved_spend_usd) == (0, 0.0)
+    assert await store.reserve_tokens(acme, 700, now=T0) is not None  # 300 used + 700 = budget
+    assert await store.reserve_tokens(acme, 1, now=T0) is None
+    with pytest.raises(StoreError, match="amounts must be >= 0"):
+        await store.reserve_tokens(acme, -1, now=T0)
+
+
+async def test_spend_budget(store: Store) -> None:
+    acme = await make_tenant(store, monthly_spend_budget_usd=1.0)
+    first = await store.reserve_tokens(acme, 10, spend_usd=0.75, now=T0)
+    assert first is not None
+    assert await store.reserve_tokens(acme, 10, spend_usd=0.5, now=T0) is None
+    await store.settle(first, tokens_in=5, tokens_out=5, spend_usd=0.5)
+    second = await store.reserve_tokens(acme, 10, spend_usd=0.5, now=T0)
+    assert second is not None
+    await store.settle(second, tokens_in=5, tokens_out=5, spend_usd=0.5)
+    assert (await store.get_usage("acme", now=T0)).spend_usd == 1.0
+    assert await store.reserve_tokens(acme, 10, spend_usd=0.0, now=T0) is None  # used up
+
+
+async def test_unsettled_reservation_lapses(store: Store) -> None:
+    acme = await make_tenant(store, monthly_token_budget=100)
+    assert await store.reserve_tokens(acme, 100, now=T0, ttl_s=10) is not None
+    assert await store.reserve_tokens(acme, 1, now=T0 + 9) is None
+    assert (await store.get_usage("acme", now=T0 + 11)).reserved_tokens == 0
+    assert await store.reserve_tokens(acme, 100, now=T0 + 11) is not None
+
+
+async def test_usage_is_per_month(store: Store) -> None:
+    acme = await make_tenant(store, monthly_token_budget=100)
+    april = datetime(2025, 4, 1, tzinfo=UTC).timestamp()
+    march_hold = await store.reserve_tokens(acme, 100, now=T0)
+    april_hold = await store.reserve_tokens(acme, 100, now=april)
+    assert march_hold is not None and april_hold is not None
+    await store.settle(march_hold, tokens_in=60, tokens_out=0, spend_usd=0.0)
+    await store.settle(april_hold, tokens_in=7, tokens_out=3, spend_usd=0.0)
+    assert (await store.get_usage("acme", "2025-03")).tokens_in == 60
+    april_usage = await store.get_usage("acme", now=april)
+    assert (april_usage.month, april_usage.tokens_in, april_usage.tokens_out) == ("2025-04", 7, 3)
+
+
+async def test_concurrent_reservations_never_exceed_budget(
+    store: Store, store_url: str, tmp_path: Path
+) -> None:
+    acme = await make_tenant(store, monthly_token_budget=1000)
+    other = await open_store(store_url, tmp_path)
+    try:
+        calls = [s.reserve_tokens(acme, 100, now=T0) for s in (store, other) for _ in range(15)]
+        holds = await asyncio.gather(*calls)
+    finally:
+        await other.close()
+    assert sum(h is not None for h in holds) == 10
+    assert (await store.get_usage("acme", now=T0)).reserved_tokens == 1000
+
+
+# Opening.
+
+
+async def test_open_store_urls(tmp_path: Path) -> None:
+    default = await open_store(None, tmp_path)
+    await default.close()
+    relative = await open_store("sqlite://sub/x.db", tmp_path)
+    await relative.close()
+    assert (tmp_path / "switchboard.db").is_file() and (tmp_path / "sub" / "x.db").is_file()
+    with sqlite3.connect(tmp_path / "switchboard.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    with pytest.raises(StoreError, match="unknown store URL 'postgres://x'"):
+        await open_store("postgres://x", tmp_path)
+
+
+# Blobs.
+
+
+def write_adapter(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    (folder / "README.md").write_text("not part of the identity")
+    return folder
+
+
+def expected_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in sorted(ADAPTER_FILES):
+        data = (folder / name).read_bytes()
+        h.update(name.encode() + b"\0" + len(data).to_bytes(8, "big") + data)
+    return h.hexdigest()
+
+
+def test_blobs_are_content_addressed(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    first = write_adapter(tmp_path / "one", b"\x01" * 100)
+    digest, size = blobs.put(first)
+    assert digest == expected_digest(first) == digest_files(first)
+    assert size == 100 + len('{"r": 8}')
+    assert blobs.put(write_adapter(tmp_path / "two", b"\x01" * 100)) == (digest, size)
+    other, _ = blobs.put(write_adapter(tmp_path / "three", b"\x02" * 100))
+    assert other != digest
+    assert blobs.digests() == sorted([digest, other])
+    stored = blobs.path(digest)
+    assert stored == tmp_path / "blobs" / digest
+    assert sorted(p.name for p in stored.iterdir()) == sorted(ADAPTER_FILES)
+    assert (stored / "adapter_model.safetensors").read_bytes() == b"\x01" * 100
+    assert [p.name for p in (tmp_path / "blobs").iterdir() if p.name.startswith(".")] == []
+
+
+def test_blob_put_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    src = write_adapter(tmp_path / "src", b"\x03" * 10)
+    real_copy = shutil.copyfile
+
+    def copy_then_fail(a: Path, b: Path) -> None:
+        if Path(b).name == ADAPTER_FILES[1]:
+            raise OSError("disk full")
+        real_copy(a, b)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        blobs.put(src)
+    assert list((tmp_path / "blobs").iterdir()) == []
+    (src / ADAPTER_FILES[1]).unlink()
+    with pytest.raises(StoreError, match="lacks adapter_model.safetensors"):
+        blobs.put(src)
+
+
+def test_blob_delete_and_bad_digest(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    digest, _ = blobs.put(write_adapter(tmp_path / "src", b"\x04"))
+    assert blobs.delete(digest) and not blobs.delete(digest)
+    assert blobs.path(digest) is None and blobs.digests() == []
+    with pytest.raises(InvalidName, match="invalid digest '../etc'"):
+        blobs.path("../etc")
+
+
+async def test_collect_garbage_keeps_referenced_blobs(store: Store, tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    kept, _ = blobs.put(write_adapter(tmp_path / "a", b"\x05"))
+    dropped, _ = blobs.put(write_adapter(tmp_path / "b", b"\x06"))
+    await make_tenant(store)
+    await store.put_adapter_record(msgspec.structs.replace(adapter("acme", "sql"), digest=kept))
+    assert await collect_garbage(blobs, store) == [dropped]
+    assert blobs.digests() == [kept]
