@@ -19,7 +19,11 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase | None:
     if not any((folder / name).exists() for name in _TOKENIZER_FILES):
         logger.warning("%s has no tokenizer files: only token-id prompts will be accepted", folder)
         return None
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as error:  # transformers raises many types here; all mean "cannot load"
+        raise ValueError(f"could not load the tokenizer in {folder}: {error}. A tokenizer.json "
+                         "(fast tokenizer) is the most portable form; add one to the folder") from error
 
 
 def generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
