@@ -1,4 +1,8 @@
-"""Factories shared by the tests: small random Hugging Face models, requests, schedulers."""
+"""Factories shared by the tests: small random Hugging Face models, PEFT adapters, requests, schedulers.
+
+NOTE: transformers and peft are imported inside functions only: importing them loads triton, and
+tests/test_sgmv.py must set TRITON_INTERPRET before triton is first imported during collection.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,10 @@ from pathlib import Path
 
 import torch
 
+from adapters.targets import PROJECTION_PARENTS
+from adapters.targets import PROJECTIONS as ALL_PROJECTIONS
 from engine.kv_cache import KVCacheManager
+from engine.model.spec import ModelSpec
 from engine.request import Request, SamplingParams
 from engine.scheduler import RunnerOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -82,3 +89,48 @@ def run_step(scheduler: Scheduler, token_id: int = 1) -> SchedulerOutput:
     output = scheduler.schedule()
     scheduler.update(output, fake_runner_output(output, token_id))
     return output
+
+
+def tiny_spec() -> ModelSpec:
+    """The spec of make_hf_model("llama"), without building the model."""
+    return ModelSpec.from_dict({"model_type": "llama", **TINY_DIMS})
+
+
+def make_peft_model(arch: str = "llama", seed: int = 0, model_overrides: dict | None = None,
+                    peft_config=None, **lora_kwargs):
+    """A PEFT model over a fresh tiny base model, with random lora_B (PEFT's init is zero, which
+    would make every adapter a no-op). `lora_kwargs` go to LoraConfig unless `peft_config` is given."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_hf_model(arch, **(model_overrides or {}))
+    if peft_config is None:
+        peft_config = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": list(ALL_PROJECTIONS),
+                                    **lora_kwargs})
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(base, peft_config).eval()
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    return model
+
+
+def save_peft_adapter(folder: Path, arch: str = "llama", seed: int = 0, **kwargs):
+    """Write a PEFT adapter folder (see make_peft_model) and return its PEFT model."""
+    model = make_peft_model(arch, seed, **kwargs)
+    model.save_pretrained(folder)
+    return model
+
+
+def peft_module(model, layer: int, proj: str) -> torch.nn.Module:
+    """A projection of a PEFT model: LoRA-wrapped if the adapter targets it, else the plain Linear."""
+    decoder = model.base_model.model.model.layers[layer]
+    return getattr(getattr(decoder, PROJECTION_PARENTS[proj]), proj)
+
+
+def peft_lora_layers(model) -> dict[tuple[int, str], torch.nn.Module]:
+    """(layer, projection) -> PEFT's LoRA-wrapped linear, for every module the adapter targets."""
+    num_layers = len(model.base_model.model.model.layers)
+    modules = {(i, p): peft_module(model, i, p) for i in range(num_layers) for p in ALL_PROJECTIONS}
+    return {key: m for key, m in modules.items() if "default" in getattr(m, "lora_A", {})}

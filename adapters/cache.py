@@ -1,0 +1,242 @@
+"""AdapterCache: adapter residency in two tiers, host memory and device slots, both LRU.
+
+    storage --load (loader threads)--> host tier (packed, pinned on CUDA) --page-in--> device slot
+
+An adapter is addressed by its digest (DESIGN.md, "Adapter identity"): a new version under the same
+name has a new digest, so it never shares an entry or a slot with the old one. A load checks that
+the files the loader returns hash to the digest asked for.
+
+The scheduler uses `can_acquire` / `acquire` as a check/commit pair and `release` when a request
+stops running; device slots held by running requests (refcount > 0) are never evicted. `prefetch`
+warms both tiers for waiting requests without evicting anything.
+
+On CUDA, page-ins run on a side stream. A page-in into a slot that held another adapter first
+waits for the compute already queued (it may still read that slot); the runner calls
+`wait_page_ins()` before a forward so the compute stream waits for the copies.
+
+NOTE: every method runs on the engine thread; only `_load` runs on loader threads, and it touches
+nothing but the host tier and its counters, under `_lock`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adapters.config import AdapterConfig
+from adapters.errors import AdapterValidationError
+from adapters.peft_format import load_adapter
+from adapters.slots import PackedAdapter, SlotBuffers, pack_adapter
+from engine.model.spec import ModelSpec
+
+Loader = Callable[[str], Path]  # adapter digest -> folder holding its files
+
+
+@dataclass
+class AdapterCacheStats:
+    num_hits: int = 0  # acquires that found the adapter in a device slot
+    num_misses: int = 0  # acquires that had to page it in
+    num_evictions: int = 0  # device slots taken from an idle adapter
+    num_page_ins: int = 0  # copies into a device slot, by acquire or prefetch
+    num_loads: int = 0  # adapters read from storage, validated and packed into the host tier
+    num_host_evictions: int = 0  # host-tier entries dropped for room
+
+
+class AdapterCache:
+    """Host tier and device slots of one engine. `acquire` returns the slot the kernels index."""
+
+    def __init__(self, config: AdapterConfig, spec: ModelSpec, dtype: torch.dtype,
+                 device: torch.device | str, loader: Loader):
+        self.config, self.spec, self.dtype, self.loader = config, spec, dtype, loader
+        self.device = torch.device(device)
+        self.slots = SlotBuffers(spec, config.max_gpu_adapters, config.max_lora_rank, dtype, self.device)
+        self.stats = AdapterCacheStats()
+        self._resident: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recent first
+        self._refcounts: dict[str, int] = {}  # only adapters in use (count > 0)
+        # NOTE: a slot leaves this list once and never returns (eviction hands it over directly), so
+        # no queued kernel can be reading a slot taken from here.
+        self._unused_slots = list(range(config.max_gpu_adapters - 1, -1, -1))
+        self._host: OrderedDict[str, PackedAdapter] = OrderedDict()  # least recent first
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future[PackedAdapter]] = {}  # started by can_acquire / prefetch
+        self._executor = (ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
+                          if config.num_load_threads else None)
+        self._copy_stream = None
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(self.device)
+            # NOTE: the slot buffers' zero fill was queued on the current stream; copies must follow it.
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._pending_copies: list[torch.cuda.Event] = []
+
+    def can_acquire(self, adapter_id: str) -> bool:
+        """Whether `acquire(adapter_id)` would succeed now without waiting for storage.
+
+        Starts loading the adapter if it is not in the host tier. Raises the load's error
+        (AdapterValidationError for a bad adapter) once, if its load failed.
+        """
+        if adapter_id in self._resident:
+            return True
+        if self._poll(adapter_id) is None:
+            self._raise_if_failed(adapter_id)
+            return False
+        return bool(self._unused_slots) or self._idle_adapter() is not None
+
+    def acquire(self, adapter_id: str) -> int:
+        """Pin the adapter in a device slot (paging it in if needed) and return the slot.
+
+        Blocks on storage if the adapter is not loaded yet; evicts the least recently used idle
+        adapter if no slot is free. Raises AdapterValidationError for an adapter that cannot be
+        served, leaving every tier as it was.
+        """
+        slot = self._resident.get(adapter_id)
+        if slot is not None:
+            self.stats.num_hits += 1
+        else:
+            packed = self._packed(adapter_id)
+            slot, is_reused = self._take_slot()
+            self.stats.num_misses += 1
+            self._page_in(adapter_id, slot, packed, wait_for_compute=is_reused)
+        self._resident.move_to_end(adapter_id)
+        self._refcounts[adapter_id] = self._refcounts.get(adapter_id, 0) + 1
+        return slot
+
+    def release(self, adapter_id: str) -> None:
+        """Undo one acquire; at zero the adapter stays resident but may be evicted."""
+        count = self._refcounts.get(adapter_id, 0)
+        if count == 0:
+            raise RuntimeError(f"release({adapter_id!r}) without a matching acquire")
+        if count == 1:
+            del self._refcounts[adapter_id]
+        else:
+            self._refcounts[adapter_id] = count - 1
+
+    def prefetch(self, adapter_ids: Iterable[str]) -> None:
+        """Warm the tiers for adapters that waiting requests need: start loading those not in the
+        host tier, page those that are into unused slots. Never evicts and never blocks on storage;
+        load errors surface later in can_acquire or acquire."""
+        for adapter_id in adapter_ids:
+            if adapter_id in self._resident:
+                continue
+            packed = self._poll(adapter_id)
+            if packed is not None and self._unused_slots:
+                self._page_in(adapter_id, self._unused_slots.pop(), packed, wait_for_compute=False)
+
+    def wait_page_ins(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait for every page-in issued so far. Call
+        before each forward; a no-op on CPU, where page-ins are synchronous."""
+        if not self._pending_copies:
+            return
+        stream = stream or torch.cuda.current_stream(self.device)
+        for event in self._pending_copies:
+            stream.wait_event(event)
+        self._pending_copies.clear()
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        return self._resident.get(adapter_id)
+
+    def resident_ids(self) -> list[str]:
+        """Adapters in device slots, least recently acquired first."""
+        return list(self._resident)
+
+    def host_ids(self) -> list[str]:
+        """Adapters in the host tier, least recently used first."""
+        with self._lock:
+            return list(self._host)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _idle_adapter(self) -> str | None:
+        """The least recently acquired resident adapter that no request holds."""
+        return next((a for a in self._resident if a not in self._refcounts), None)
+
+    def _take_slot(self) -> tuple[int, bool]:
+        """A slot for a new adapter and whether it held another one before."""
+        if self._unused_slots:
+            return self._unused_slots.pop(), False
+        victim = self._idle_adapter()
+        if victim is None:
+            raise RuntimeError(
+                f"all {self.config.max_gpu_adapters} adapter slots hold adapters in use; "
+                "check can_acquire before acquire")
+        self.stats.num_evictions += 1
+        return self._resident.pop(victim), True
+
+    def _page_in(self, adapter_id: str, slot: int, packed: PackedAdapter, wait_for_compute: bool) -> None:
+        if self._copy_stream is None:
+            self.slots.write(slot, packed)
+        else:
+            if wait_for_compute:
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            # NOTE: packed tensors are pinned by the caching host allocator, which keeps their
+            # memory from reuse until these copies finish even if the host tier drops them.
+            with torch.cuda.stream(self._copy_stream):
+                self.slots.write(slot, packed)
+                self._pending_copies.append(self._copy_stream.record_event())
+        self._resident[adapter_id] = slot
+        self.stats.num_page_ins += 1
+
+    def _poll(self, adapter_id: str) -> PackedAdapter | None:
+        """The packed adapter if it is loaded; otherwise start loading it (once) and return None."""
+        future = self._loading.get(adapter_id)
+        if future is None:
+            with self._lock:
+                packed = self._host.get(adapter_id)
+            if packed is not None:
+                return packed
+            future = self._loading[adapter_id] = self._submit(adapter_id)
+        if not future.done() or future.exception() is not None:
+            return None  # a failed load stays until can_acquire or acquire raises its error
+        del self._loading[adapter_id]
+        return future.result()
+
+    def _raise_if_failed(self, adapter_id: str) -> None:
+        future = self._loading.get(adapter_id)
+        if future is not None and future.done() and (error := future.exception()) is not None:
+            del self._loading[adapter_id]
+            raise error
+
+    def _packed(self, adapter_id: str) -> PackedAdapter:
+        """The packed adapter, waiting for its load if one is running or loading it here if not."""
+        future = self._loading.pop(adapter_id, None)
+        if future is not None:
+            return future.result()
+        with self._lock:
+            packed = self._host.get(adapter_id)
+            if packed is not None:
+                self._host.move_to_end(adapter_id)
+        return packed if packed is not None else self._load(adapter_id)
+
+    def _submit(self, adapter_id: str) -> Future[PackedAdapter]:
+        if self._executor is not None:
+            return self._executor.submit(self._load, adapter_id)
+        future: Future[PackedAdapter] = Future()
+        try:
+            future.set_result(self._load(adapter_id))
+        except Exception as e:  # kept for can_acquire / acquire, as a loader thread would
+            future.set_exception(e)
+        return future
+
+    def _load(self, adapter_id: str) -> PackedAdapter:
+        """Storage -> validated, packed host-tier entry. Runs on a loader thread under prefetch."""
+        folder = self.loader(adapter_id)
+        adapter = load_adapter(folder, self.spec, self.config.max_lora_rank)
+        if adapter.digest != adapter_id:
+            raise AdapterValidationError(
+                f"the files in {folder} have digest {adapter.digest}, not {adapter_id}: the stored "
+                "blob is corrupt or the loader returned another adapter's folder; upload it again")
+        packed = pack_adapter(adapter, self.spec, self.dtype, pin_memory=self.device.type == "cuda")
+        with self._lock:
+            self._host[adapter_id] = packed
+            self.stats.num_loads += 1
+            while len(self._host) > self.config.max_cpu_adapters:
+                self._host.popitem(last=False)
+                self.stats.num_host_evictions += 1
+        return packed

@@ -1,0 +1,188 @@
+"""Load a PEFT LoRA adapter folder and validate it against a base model, before anything is kept.
+
+A folder holds adapter_config.json and adapter_model.safetensors, as PEFT's `save_pretrained`
+writes them. Pickle checkpoints (.bin, .pt, ...) are never opened: unpickling runs code.
+Tensor names look like
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight   # [r, in_features]
+    base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight   # [out_features, r]
+(PEFT strips the adapter name on save; a `.default` segment after lora_A/lora_B is accepted too).
+Every check happens on the safetensors header first, so a wrong file is rejected before its
+tensors are read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from adapters.errors import AdapterValidationError
+from adapters.peft_config import LoraSettings, read_lora_settings
+from adapters.targets import PROJECTION_PARENTS, PROJECTIONS, module_key, projection_shapes
+from engine.model.spec import ModelSpec
+from store.blobs import digest_files
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_LORA_NAME = re.compile(
+    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)"
+    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """The LoRA weights of one base linear: delta(x) = scaling * (x @ lora_a^T) @ lora_b^T."""
+
+    lora_a: torch.Tensor  # [rank, in_features], the file's dtype
+    lora_b: torch.Tensor  # [out_features, rank]
+    scaling: float  # lora_alpha / rank, or lora_alpha / sqrt(rank) with use_rslora
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A validated adapter: the weights of every module it targets, and its identity."""
+
+    digest: str  # sha256 of its files (store.blobs.digest_files): the adapter's identity
+    modules: dict[tuple[int, str], LoraModule]  # (layer index, PEFT projection name) -> weights
+
+
+def load_adapter(folder: str | Path, spec: ModelSpec, max_lora_rank: int) -> LoraAdapter:
+    """Read and validate a PEFT LoRA adapter folder for the base model `spec`.
+
+    Raises AdapterValidationError, saying what is wrong and what to do, for anything the engine
+    cannot serve exactly as PEFT would run it.
+    """
+    folder = Path(folder)
+    _check_files(folder)
+    settings = read_lora_settings(folder)
+    expected = _targeted_modules(settings, spec)
+    try:
+        with safe_open(str(folder / WEIGHTS_NAME), framework="pt", device="cpu") as f:
+            names = _module_tensor_names(list(f.keys()), spec.num_layers)
+            _check_module_set(set(names), expected)
+            shapes = projection_shapes(spec)
+            for key, pair in names.items():
+                _check_header(f, key, pair, settings, shapes[key[1]], max_lora_rank)
+            modules = {key: _read_module(f, key, pair, settings) for key, pair in sorted(names.items())}
+    except (SafetensorError, OSError) as e:
+        raise AdapterValidationError(f"{WEIGHTS_NAME} is truncated or corrupt ({e}); upload it again") from e
+    return LoraAdapter(digest_files(folder), modules)
+
+
+def _check_files(folder: Path) -> None:
+    if not folder.is_dir():
+        raise AdapterValidationError(f"adapter folder {folder} does not exist")
+    if (folder / WEIGHTS_NAME).is_file():
+        return
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise AdapterValidationError(
+            f"{folder} has {', '.join(pickled)} but no {WEIGHTS_NAME}: pickle checkpoints are never "
+            "opened; re-save the adapter with save_pretrained(..., safe_serialization=True)")
+    raise AdapterValidationError(
+        f"{folder} has no {WEIGHTS_NAME}: save the adapter with PEFT's save_pretrained")
+
+
+def _targeted_modules(settings: LoraSettings, spec: ModelSpec) -> set[tuple[int, str]]:
+    for key, what in (("model.embed_tokens", "the token embeddings"), ("lm_head", "lm_head")):
+        if settings.targets(key):
+            raise AdapterValidationError(
+                f"LoRA on {what} ({key}) is not supported yet; target only the decoder layers' "
+                f"projections ({', '.join(PROJECTIONS)})")
+    return {(layer, proj) for layer in range(spec.num_layers) for proj in PROJECTIONS
+            if settings.targets(module_key(layer, proj))}
+
+
+def _module_tensor_names(names: list[str], num_layers: int) -> dict[tuple[int, str], tuple[str, str]]:
+    """(layer, projection) -> (lora_A name, lora_B name), every tensor name accounted for."""
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    for name in names:
+        match = _LORA_NAME.fullmatch(name)
+        if match is None:
+            raise AdapterValidationError(_unsupported_tensor(name))
+        layer, proj = int(match["layer"]), match["proj"]
+        if PROJECTION_PARENTS.get(proj) != match["parent"]:
+            raise AdapterValidationError(_unsupported_tensor(name))
+        if layer >= num_layers:
+            raise AdapterValidationError(
+                f"tensor {name} is for layer {layer}, but the base model has {num_layers} layers: "
+                "the adapter was trained for a different base model")
+        pair = found.setdefault((layer, proj), {})
+        if match["ab"] in pair:
+            raise AdapterValidationError(
+                f"{WEIGHTS_NAME} has two lora_{match['ab']} tensors for {module_key(layer, proj)} "
+                f"({pair[match['ab']]} and {name}); save one adapter per folder")
+        pair[match["ab"]] = name
+    for (layer, proj), pair in found.items():
+        if len(pair) != 2:
+            have, lack = ("A", "B") if "A" in pair else ("B", "A")
+            raise AdapterValidationError(
+                f"{module_key(layer, proj)} has lora_{have} but no lora_{lack} in {WEIGHTS_NAME}: "
+                "the file is incomplete; save the adapter again")
+    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}
+
+
+def _unsupported_tensor(name: str) -> str:
+    if "lora_embedding" in name or "embed_tokens" in name:
+        return f"tensor {name}: LoRA on the token embeddings is not supported yet"
+    if name.startswith("base_model.model.lm_head"):
+        return f"tensor {name}: LoRA on lm_head is not supported yet"
+    if "lora_magnitude_vector" in name:
+        return f"tensor {name}: DoRA adapters are not supported; serve a plain LoRA adapter"
+    if name.endswith(".bias"):
+        return f"tensor {name}: bias terms are not supported; train with bias='none' and lora_bias=False"
+    return (f"tensor {name} is not a LoRA weight of a decoder layer's projection "
+            f"({', '.join(PROJECTIONS)}); other modules are not supported")
+
+
+def _check_module_set(found: set[tuple[int, str]], expected: set[tuple[int, str]]) -> None:
+    if not found:
+        raise AdapterValidationError(f"{WEIGHTS_NAME} holds no LoRA weights")
+    if missing := sorted(expected - found):
+        raise AdapterValidationError(
+            f"adapter_config.json targets {len(missing)} modules that have no weights in {WEIGHTS_NAME} "
+            f"(first: {module_key(*missing[0])}): the file is incomplete or belongs to another config")
+    if extra := sorted(found - expected):
+        raise AdapterValidationError(
+            f"{WEIGHTS_NAME} has weights for {len(extra)} modules that adapter_config.json does not "
+            f"target (first: {module_key(*extra[0])}); PEFT would ignore them: fix target_modules "
+            "or layers_to_transform")
+
+
+def _check_header(f, key: tuple[int, str], names: tuple[str, str], settings: LoraSettings,
+                  shape: tuple[int, int], max_lora_rank: int) -> None:
+    """Dtype, rank and shapes of one module's tensors, from the safetensors header alone."""
+    name = module_key(*key)
+    rank, (in_features, out_features) = settings.rank(name), shape
+    if rank > max_lora_rank:
+        raise AdapterValidationError(
+            f"{name} has rank {rank}, above this server's max_lora_rank {max_lora_rank}; "
+            f"retrain with r <= {max_lora_rank}")
+    for tensor_name, want in zip(names, ([rank, in_features], [out_features, rank])):
+        tensor = f.get_slice(tensor_name)
+        if tensor.get_dtype() not in _DTYPES:
+            raise AdapterValidationError(
+                f"{tensor_name} has dtype {tensor.get_dtype()}; LoRA weights must be float16, bfloat16 "
+                "or float32")
+        if tensor.get_shape() != want:
+            raise AdapterValidationError(
+                f"{tensor_name} has shape {tensor.get_shape()}, expected {want} (r={rank} from "
+                f"adapter_config.json; {name} maps {in_features} to {out_features} features in the base "
+                "model): the adapter belongs to a different base model, or its config does not match "
+                "its weights")
+
+
+def _read_module(f, key: tuple[int, str], names: tuple[str, str], settings: LoraSettings) -> LoraModule:
+    lora_a, lora_b = (f.get_tensor(name) for name in names)
+    for name, tensor in zip(names, (lora_a, lora_b)):
+        if not torch.isfinite(tensor).all():
+            raise AdapterValidationError(f"{name} holds NaN or Inf values; the adapter's training diverged")
+    return LoraModule(lora_a, lora_b, settings.scaling(module_key(*key)))

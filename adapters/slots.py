@@ -1,0 +1,133 @@
+"""Device slots: per-target, slot-stacked LoRA weight buffers, and adapters packed to fill one slot.
+
+For each LoRA target (qkv_proj, o_proj, gate_up_proj, down_proj) one set of buffers holds every
+layer and every slot, so layer i's view is exactly what kernels/sgmv.py takes:
+    lora_a[i]         [num_slices, num_slots, max_rank, d_in]
+    lora_b[i]         [num_slots, d_out, max_rank]   (the slices' B rows concatenated)
+    slot_ranks[i]     [num_slots] int32              0 = the slot's adapter leaves this linear alone
+    slot_scalings[i]  [num_slots] float32
+Ranks are per (layer, target), so a target an adapter does not touch costs no LoRA compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adapters.peft_format import LoraAdapter
+from adapters.targets import LoraTarget, lora_targets
+from engine.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class PackedTarget:
+    """One adapter's weights for one target, every layer: the contents of one slot, unpadded."""
+
+    lora_a: torch.Tensor  # [num_layers, num_slices, rank, d_in], model dtype; rank = max over layers
+    lora_b: torch.Tensor  # [num_layers, d_out, rank]
+    ranks: torch.Tensor  # [num_layers] int32, each layer's own rank (0 = not targeted)
+    scalings: torch.Tensor  # [num_layers] float32
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    """An adapter laid out for page-in (the host tier's entries); pinned on CUDA machines."""
+
+    digest: str
+    targets: dict[str, PackedTarget]  # by LoraTarget.name
+
+
+def pack_adapter(adapter: LoraAdapter, spec: ModelSpec, dtype: torch.dtype,
+                 pin_memory: bool) -> PackedAdapter:
+    """Stack a validated adapter's modules per target, in the model dtype."""
+    targets = {t.name: _pack_target(adapter, t, spec.num_layers, dtype) for t in lora_targets(spec)}
+    if pin_memory:
+        targets = {name: PackedTarget(*(x.pin_memory() for x in (t.lora_a, t.lora_b, t.ranks, t.scalings)))
+                   for name, t in targets.items()}
+    return PackedAdapter(adapter.digest, targets)
+
+
+def _pack_target(adapter: LoraAdapter, target: LoraTarget, num_layers: int,
+                 dtype: torch.dtype) -> PackedTarget:
+    # layers[i]: (slice index, module) of each projection of the target the adapter has in layer i
+    layers = [[(s, adapter.modules[(i, p)]) for s, p in enumerate(target.projections)
+               if (i, p) in adapter.modules] for i in range(num_layers)]
+    ranks = [max((m.rank for _, m in slices), default=0) for slices in layers]
+    rank, offsets = max(ranks), target.slice_offsets
+    lora_a = torch.zeros(num_layers, target.num_slices, rank, target.in_features)  # float32
+    lora_b = torch.zeros(num_layers, offsets[-1], rank)
+    scalings = torch.zeros(num_layers)
+    for layer, slices in enumerate(layers):
+        if not slices:
+            continue
+        scalings[layer] = slot_scaling = max((m.scaling for _, m in slices), key=abs)
+        for s, m in slices:
+            # NOTE: the fused slices of one slot share one scaling in the kernel, so a slice whose own
+            # scaling differs (rank_pattern / alpha_pattern) gets the ratio folded into its B rows.
+            # Its rows past its own rank stay zero, so padding to the layer's rank changes nothing.
+            fold = m.scaling / slot_scaling if slot_scaling else 0.0
+            lora_a[layer, s, :m.rank] = m.lora_a.float()
+            lora_b[layer, offsets[s]:offsets[s + 1], :m.rank] = m.lora_b.float() * fold
+    return PackedTarget(lora_a.to(dtype), lora_b.to(dtype), torch.tensor(ranks, dtype=torch.int32), scalings)
+
+
+@dataclass(frozen=True)
+class LoraLayerWeights:
+    """One layer's slot-stacked weights of one target, in the layout kernels/sgmv.py takes."""
+
+    lora_a: torch.Tensor  # [num_slices, num_slots, max_rank, d_in]
+    lora_b: torch.Tensor  # [num_slots, d_out, max_rank]
+    slot_ranks: torch.Tensor  # [num_slots] int32
+    slot_scalings: torch.Tensor  # [num_slots] float32
+    slice_offsets: torch.Tensor  # [num_slices + 1] int32
+
+
+class TargetSlots:
+    """The device buffers of one target, all layers and slots; slots are written whole."""
+
+    def __init__(self, target: LoraTarget, num_layers: int, num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.target = target
+        d_out = target.slice_offsets[-1]
+        self.lora_a = torch.zeros(num_layers, target.num_slices, num_slots, max_rank, target.in_features,
+                                  dtype=dtype, device=device)
+        self.lora_b = torch.zeros(num_layers, num_slots, d_out, max_rank, dtype=dtype, device=device)
+        self.slot_ranks = torch.zeros(num_layers, num_slots, dtype=torch.int32, device=device)
+        self.slot_scalings = torch.zeros(num_layers, num_slots, dtype=torch.float32, device=device)
+        self.slice_offsets = torch.tensor(target.slice_offsets, dtype=torch.int32, device=device)
+
+    def layer(self, index: int) -> LoraLayerWeights:
+        return LoraLayerWeights(self.lora_a[index], self.lora_b[index], self.slot_ranks[index],
+                                self.slot_scalings[index], self.slice_offsets)
+
+    def write(self, slot: int, packed: PackedTarget) -> None:
+        """Copy an adapter into `slot` on the current stream, zeroing the rank padding."""
+        rank = packed.lora_a.shape[2]
+        self.lora_a[:, :, slot, :rank].copy_(packed.lora_a, non_blocking=True)
+        self.lora_a[:, :, slot, rank:].zero_()
+        self.lora_b[:, slot, :, :rank].copy_(packed.lora_b, non_blocking=True)
+        self.lora_b[:, slot, :, rank:].zero_()
+        self.slot_ranks[:, slot].copy_(packed.ranks, non_blocking=True)
+        self.slot_scalings[:, slot].copy_(packed.scalings, non_blocking=True)
+
+
+class SlotBuffers:
+    """Device slots of every target: `max_gpu_adapters` adapters resident at once."""
+
+    def __init__(self, spec: ModelSpec, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.targets = {t.name: TargetSlots(t, spec.num_layers, num_slots, max_rank, dtype, device)
+                        for t in lora_targets(spec)}
+
+    def layer(self, index: int) -> dict[str, LoraLayerWeights]:
+        """Layer `index`'s weights by target name: what its LoRA-aware linears read."""
+        return {name: t.layer(index) for name, t in self.targets.items()}
+
+    def write(self, slot: int, packed: PackedAdapter) -> None:
+        for name, target in self.targets.items():
+            target.write(slot, packed.targets[name])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.lora_a.nbytes + t.lora_b.nbytes for t in self.targets.values())

@@ -1,0 +1,193 @@
+"""AdapterCache: LRU order in both tiers, refcounts, exact counters, identity by digest, prefetch."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from adapters import AdapterCache, AdapterConfig, AdapterValidationError
+from adapters.peft_format import load_adapter
+from store.blobs import BlobStore
+from tests.helpers import save_peft_adapter, tiny_spec
+from tests.test_adapters_slots import assert_slot_holds
+
+SPEC = tiny_spec()
+NUM_ADAPTERS = 6
+
+
+@pytest.fixture(scope="module")
+def blobs(tmp_path_factory):
+    """Six adapters of different ranks and targets in a blob store; returns (store, digests)."""
+    root = tmp_path_factory.mktemp("cache")
+    store = BlobStore(root / "blobs")
+    targets = [["q_proj", "v_proj"], "all-linear", ["o_proj", "down_proj"]]
+    digests = []
+    for i in range(NUM_ADAPTERS):
+        save_peft_adapter(root / f"src{i}", seed=i, r=2 + i, target_modules=targets[i % 3])
+        digests.append(store.put(root / f"src{i}")[0])
+    return store, digests
+
+
+def make_cache(store: BlobStore, loader=None, **config) -> AdapterCache:
+    config = AdapterConfig(**{"max_lora_rank": 8, "max_gpu_adapters": 2, "max_cpu_adapters": 8,
+                              "num_load_threads": 0, **config})
+    return AdapterCache(config, SPEC, torch.float32, "cpu", loader or store.path)
+
+
+def counts(cache: AdapterCache) -> tuple[int, int, int, int]:
+    s = cache.stats
+    return s.num_hits, s.num_misses, s.num_evictions, s.num_page_ins
+
+
+def use(cache: AdapterCache, adapter_id: str) -> int:
+    """One request's life: acquire, run, release."""
+    slot = cache.acquire(adapter_id)
+    cache.release(adapter_id)
+    return slot
+
+
+def test_acquire_pages_in_exact_weights(blobs):
+    store, ids = blobs
+    cache = make_cache(store)
+    assert cache.can_acquire(ids[1])
+    assert cache.acquire(ids[1]) == 0
+    cache.wait_page_ins()
+    assert_slot_holds(cache.slots, 0, load_adapter(store.path(ids[1]), SPEC, 8))
+    assert counts(cache) == (0, 1, 0, 1) and cache.stats.num_loads == 1
+
+
+def test_lru_order(blobs):
+    store, (a, b, c, *_) = blobs
+    cache = make_cache(store)
+    assert [use(cache, a), use(cache, b), use(cache, a)] == [0, 1, 0]
+    assert use(cache, c) == 1  # b is the least recently used
+    assert cache.resident_ids() == [a, c] and cache.slot_of(b) is None
+    assert counts(cache) == (1, 3, 1, 3)
+
+
+def test_refcount_prevents_eviction(blobs):
+    store, (a, b, c, *_) = blobs
+    cache = make_cache(store)
+    cache.acquire(a)
+    cache.acquire(b)
+    cache.acquire(b)
+    assert not cache.can_acquire(c)
+    with pytest.raises(RuntimeError, match="in use"):
+        cache.acquire(c)
+    assert cache.resident_ids() == [a, b]
+    cache.release(b)
+    assert not cache.can_acquire(c)  # b is still held once
+    cache.release(a)
+    assert cache.can_acquire(c)
+    assert cache.acquire(c) == 0  # took a's slot although a is older than b: b is in use
+    assert cache.resident_ids() == [b, c]
+    assert_slot_holds(cache.slots, 0, load_adapter(store.path(c), SPEC, 8))
+    with pytest.raises(RuntimeError, match="without a matching acquire"):
+        cache.release(a)
+
+
+def test_two_slots_cycle_six_adapters(blobs):
+    store, ids = blobs
+    cache = make_cache(store, max_cpu_adapters=4)
+    for _ in range(2):
+        for adapter_id in ids:
+            slot = use(cache, adapter_id)
+            assert_slot_holds(cache.slots, slot, load_adapter(store.path(adapter_id), SPEC, 8))
+    assert counts(cache) == (0, 12, 10, 12)
+    assert (cache.stats.num_loads, cache.stats.num_host_evictions) == (12, 8)
+    assert cache.host_ids() == ids[2:]
+
+    # A skewed pattern: 0 and 3 stay hot.
+    cache = make_cache(store)
+    slots = [use(cache, ids[i]) for i in (0, 1, 0, 2, 0, 3, 1, 3)]
+    assert slots == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert counts(cache) == (3, 5, 3, 5)
+    assert cache.resident_ids() == [ids[1], ids[3]]
+
+
+def test_new_version_under_same_name_gets_new_slot(blobs, tmp_path):
+    store, _ = blobs
+    names = {}  # what the store's adapter records do: name -> digest
+    save_peft_adapter(tmp_path / "upload", seed=10, target_modules=["q_proj"])
+    names["acme/support"] = v1 = store.put(tmp_path / "upload")[0]
+    cache = make_cache(store)
+    assert use(cache, names["acme/support"]) == 0
+    save_peft_adapter(tmp_path / "upload", seed=11, target_modules=["q_proj"])
+    names["acme/support"] = v2 = store.put(tmp_path / "upload")[0]
+    assert v2 != v1
+    assert use(cache, names["acme/support"]) == 1
+    assert cache.resident_ids() == [v1, v2]
+    assert_slot_holds(cache.slots, 0, load_adapter(store.path(v1), SPEC, 8))
+    assert_slot_holds(cache.slots, 1, load_adapter(tmp_path / "upload", SPEC, 8))
+
+
+def test_loader_folder_with_other_digest_is_rejected(blobs):
+    store, (a, b, *_) = blobs
+    cache = make_cache(store, loader=lambda _: store.path(b))
+    with pytest.raises(AdapterValidationError, match=f"have digest {b}, not {a}"):
+        cache.acquire(a)
+    assert cache.resident_ids() == [] and cache.host_ids() == []
+
+
+def test_host_tier_lru(blobs):
+    store, (a, b, c, *_) = blobs
+    cache = make_cache(store, max_gpu_adapters=4, max_cpu_adapters=2)
+    for adapter_id in (a, b, a, c):
+        use(cache, adapter_id)
+    assert cache.host_ids() == [b, c]  # a was only a device hit the second time
+    assert (cache.stats.num_loads, cache.stats.num_host_evictions) == (3, 1)
+    assert counts(cache) == (1, 3, 0, 3)
+
+
+def test_prefetch_fills_unused_slots_and_never_evicts(blobs):
+    store, (a, b, c, *_) = blobs
+    cache = make_cache(store)
+    cache.prefetch([a])
+    assert cache.resident_ids() == [a]
+    assert use(cache, a) == 0
+    use(cache, b)
+    cache.prefetch([c])
+    assert cache.resident_ids() == [a, b] and cache.host_ids() == [a, b, c]
+    assert use(cache, c) == 0
+    assert counts(cache) == (1, 2, 1, 3)
+    assert cache.stats.num_loads == 3
+
+
+def test_prefetch_loads_in_background(blobs):
+    store, (a, *_) = blobs
+    gate = threading.Event()
+
+    def slow_loader(adapter_id):
+        assert gate.wait(10)
+        return store.path(adapter_id)
+
+    cache = make_cache(store, loader=slow_loader, num_load_threads=1)
+    try:
+        cache.prefetch([a])
+        assert not cache.can_acquire(a) and cache.host_ids() == []
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not cache.can_acquire(a):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        cache.prefetch([a])
+        assert cache.acquire(a) == 0
+        assert counts(cache) == (1, 0, 0, 1) and cache.stats.num_loads == 1
+    finally:
+        cache.close()
+
+
+def test_failed_prefetch_surfaces_in_can_acquire(blobs, tmp_path):
+    store, _ = blobs
+    bad = "f" * 64
+    cache = make_cache(store, loader=lambda _: tmp_path / "nowhere")
+    cache.prefetch([bad])
+    with pytest.raises(AdapterValidationError, match="does not exist"):
+        cache.can_acquire(bad)
+    assert cache.resident_ids() == [] and cache.host_ids() == [] and counts(cache) == (0, 0, 0, 0)
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="max_gpu_adapters must be >= 1"):
+        AdapterConfig(max_gpu_adapters=0)

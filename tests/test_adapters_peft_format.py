@@ -1,0 +1,235 @@
+"""PEFT adapter folders: loading matches PEFT exactly; everything unservable is rejected with a
+message saying why, before any cache tier keeps it."""
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from adapters import AdapterCache, AdapterConfig, AdapterValidationError, load_adapter
+from adapters.targets import module_key
+from store.blobs import digest_files
+from tests.helpers import (ALL_PROJECTIONS, make_peft_model, peft_lora_layers,
+                                         save_peft_adapter, tiny_spec)
+
+SPEC = tiny_spec()
+MAX_RANK = 16
+PREFIX = "base_model.model."
+
+
+def test_load_equals_peft_state_dict(tmp_path):
+    from peft import get_peft_model_state_dict
+
+    model = save_peft_adapter(tmp_path, r=4, lora_alpha=8)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+
+    state = get_peft_model_state_dict(model)
+    assert len(state) == 2 * len(adapter.modules) == 2 * 2 * 7
+    for (layer, proj), module in adapter.modules.items():
+        key = f"{PREFIX}{module_key(layer, proj)}"
+        assert torch.equal(module.lora_a, state[f"{key}.lora_A.weight"])
+        assert torch.equal(module.lora_b, state[f"{key}.lora_B.weight"])
+        assert module.rank == 4 and module.scaling == 2.0
+    assert adapter.digest == digest_files(tmp_path)
+
+
+@pytest.mark.parametrize("use_rslora, expected", [(False, 12 / 9), (True, 12 / 3)])
+def test_scaling_with_and_without_rslora(tmp_path, use_rslora, expected):
+    model = save_peft_adapter(tmp_path, r=9, lora_alpha=12, use_rslora=use_rslora)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    peft_layers = peft_lora_layers(model)
+    for key, module in adapter.modules.items():
+        assert module.scaling == pytest.approx(expected, rel=1e-12)
+        assert module.scaling == peft_layers[key].scaling["default"]
+
+
+def test_rank_and_alpha_patterns(tmp_path):
+    model = save_peft_adapter(tmp_path, r=4, lora_alpha=8, alpha_pattern={"v_proj": 3},
+                              rank_pattern={"v_proj": 2, r"layers\.1\.mlp\.up_proj": 6})
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    for key, layer in peft_lora_layers(model).items():
+        module = adapter.modules[key]
+        assert module.rank == layer.r["default"]
+        assert module.scaling == layer.scaling["default"]
+    assert adapter.modules[(0, "v_proj")].rank == 2 and adapter.modules[(0, "v_proj")].scaling == 1.5
+    assert adapter.modules[(1, "up_proj")].rank == 6 and adapter.modules[(0, "up_proj")].rank == 4
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(target_modules=["q_proj", "v_proj"]), {(i, p) for i in (0, 1) for p in ("q_proj", "v_proj")}),
+    (dict(target_modules=r".*\.layers\.1\.mlp\.(gate|up)_proj"), {(1, "gate_proj"), (1, "up_proj")}),
+    (dict(target_modules="all-linear"), {(i, p) for i in (0, 1) for p in ALL_PROJECTIONS}),
+    (dict(target_modules=["o_proj", "down_proj"], layers_to_transform=1), {(1, "o_proj"), (1, "down_proj")}),
+    (dict(target_modules=["self_attn.k_proj"], layers_to_transform=[0], layers_pattern="layers"),
+     {(0, "k_proj")}),
+    (dict(target_modules=["q_proj"], exclude_modules=["model.layers.0.self_attn.q_proj"]), {(1, "q_proj")}),
+])
+def test_target_modules_give_exact_module_set(tmp_path, kwargs, expected):
+    model = save_peft_adapter(tmp_path, **kwargs)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert set(adapter.modules) == expected == set(peft_lora_layers(model))
+
+
+def test_all_linear_written_literally(tmp_path):
+    # PEFT saves all-linear expanded to module names; a hand-written config may keep the shorthand.
+    save_peft_adapter(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": "ALL-LINEAR"}))
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert set(adapter.modules) == {(i, p) for i in (0, 1) for p in ALL_PROJECTIONS}
+
+
+def test_lora_delta_equals_peft_module_output(tmp_path):
+    model = save_peft_adapter(tmp_path, r=5, lora_alpha=7, rank_pattern={"gate_proj": 3}, use_rslora=True)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for key, layer in peft_lora_layers(model).items():
+            m = adapter.modules[key]
+            x = torch.randn(6, layer.in_features, generator=gen)
+            ours = layer.base_layer(x) + (x @ m.lora_a.T @ m.lora_b.T) * m.scaling
+            torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_name_segment_is_accepted(tmp_path):
+    save_peft_adapter(tmp_path, target_modules=["q_proj"])
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(path)
+    save_file({k.replace(".weight", ".default.weight"): v for k, v in tensors.items()}, path)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    key = f"{PREFIX}model.layers.1.self_attn.q_proj.lora_B.weight"
+    assert torch.equal(adapter.modules[(1, "q_proj")].lora_b, tensors[key])
+
+
+def test_half_precision_weights_keep_their_dtype(tmp_path):
+    save_peft_adapter(tmp_path, target_modules=["v_proj"])
+    path = tmp_path / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(path).items()}, path)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert {m.lora_a.dtype for m in adapter.modules.values()} == {torch.bfloat16}
+
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+def _edit_config(**changes):
+    def edit(folder):
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return edit
+
+
+def _edit_tensors(fn):
+    def edit(folder):
+        save_file(fn(load_file(folder / WEIGHTS)), folder / WEIGHTS)
+    return edit
+
+
+def _drop_tensors(part: str):
+    return _edit_tensors(lambda tensors: {k: v for k, v in tensors.items() if part not in k})
+
+
+def _change_tensor(suffix: str, change):
+    """Apply `change` to the first (by name) tensor whose name ends with `suffix`."""
+    def fn(tensors):
+        key = sorted(k for k in tensors if k.endswith(suffix))[0]
+        return {**tensors, key: change(tensors[key])}
+    return _edit_tensors(fn)
+
+
+def _write(name: str, data: bytes):
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+def _remake(**kwargs):
+    def edit(folder):
+        shutil.rmtree(folder)
+        make_peft_model(**kwargs).save_pretrained(folder)
+    return edit
+
+
+def _ia3(folder):
+    from peft import IA3Config
+    shutil.rmtree(folder)
+    config = IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    make_peft_model(peft_config=config).save_pretrained(folder)
+
+
+def _pickle_only(folder):
+    (folder / WEIGHTS).unlink()
+    (folder / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+
+
+def _truncate(folder):
+    (folder / WEIGHTS).write_bytes((folder / WEIGHTS).read_bytes()[:-100])
+
+
+def _nan_row(t: torch.Tensor) -> torch.Tensor:
+    return t.index_fill(0, torch.tensor([1]), math.nan)
+
+
+# Each case turns a good adapter folder (r=4 on every projection) into a bad one.
+REJECTIONS = {
+    "missing folder": (shutil.rmtree, "does not exist"),
+    "missing config": (lambda f: (f / "adapter_config.json").unlink(), "has no adapter_config.json"),
+    "missing weights": (lambda f: (f / WEIGHTS).unlink(), f"has no {WEIGHTS}"),
+    "pickle": (_pickle_only, r"adapter_model\.bin .*never opened.*safe_serialization=True"),
+    "truncated": (_truncate, "truncated or corrupt"),
+    "garbage weights": (_write(WEIGHTS, b"x" * 64), "truncated or corrupt"),
+    "bad json": (_write("adapter_config.json", b"{r: 4"), "not valid JSON"),
+    "ia3": (_ia3, "peft_type 'IA3' is not supported"),
+    "prompt tuning": (_edit_config(peft_type="PROMPT_TUNING"), "only LoRA adapters"),
+    "dora": (_remake(use_dora=True), "DoRA"),
+    "modules_to_save": (_remake(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
+    "embedding": (_remake(target_modules=["embed_tokens", "q_proj"]), "embeddings .* not supported yet"),
+    "lm_head": (_remake(target_modules=["lm_head"]), r"lm_head \(lm_head\) is not supported yet"),
+    "bias": (_remake(target_modules=["q_proj"], bias="all"), "bias='all'"),
+    "lora_bias": (_remake(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
+    "rank too large": (_remake(r=32), "rank 32, above this server's max_lora_rank 16"),
+    "rank pattern too large": (_remake(rank_pattern={"o_proj": 17}), "o_proj has rank 17"),
+    "other hidden size": (_remake(model_overrides=dict(hidden_size=32)), "belongs to a different base model"),
+    "more layers": (_remake(model_overrides=dict(num_hidden_layers=3)), "layer 2, but the base model has 2"),
+    "config rank differs": (_edit_config(r=2), r"shape \[4, 160\], expected \[2, 160\]"),
+    "weights lack a module": (_drop_tensors("layers.1.mlp.up_proj"),
+                              r"targets 1 modules that have no weights .*model\.layers\.1\.mlp\.up_proj"),
+    "weights beyond config": (_edit_config(target_modules=["q_proj", "k_proj"]), "does not target"),
+    "missing lora_B": (_drop_tensors("layers.1.mlp.up_proj.lora_B"),
+                       "model.layers.1.mlp.up_proj has lora_A but no lora_B"),
+    "nan": (_change_tensor("lora_B.weight", _nan_row), "NaN or Inf"),
+    "inf": (_change_tensor("lora_A.weight", lambda t: t / 0), "NaN or Inf"),
+    "float64": (_change_tensor("lora_A.weight", torch.Tensor.double), "dtype F64"),
+    "int8": (_change_tensor("lora_B.weight", lambda t: t.to(torch.int8)), "dtype I8"),
+    "foreign tensor": (_edit_tensors(lambda t: {**t, f"{PREFIX}model.norm.weight": torch.ones(64)}),
+                       "model.norm.weight is not a LoRA weight"),
+    "regex with layers": (_edit_config(target_modules=".*q_proj", layers_to_transform=[0]),
+                          "layers_to_transform cannot be used"),
+    "bad regex": (_edit_config(target_modules="(q_proj"), "not a valid regular expression"),
+    "no tensors": (_edit_tensors(lambda t: {}), "holds no LoRA weights"),
+}
+
+
+@pytest.mark.parametrize("case", REJECTIONS)
+def test_rejection(tmp_path, case):
+    edit, message = REJECTIONS[case]
+    folder = tmp_path / "adapter"
+    save_peft_adapter(folder, r=4)
+    edit(folder)
+    with pytest.raises(AdapterValidationError, match=message) as raised:
+        load_adapter(folder, SPEC, MAX_RANK)
+
+    # The cache keeps nothing of it, in any tier, and reports the same error.
+    cache = AdapterCache(AdapterConfig(max_lora_rank=MAX_RANK, max_gpu_adapters=2, num_load_threads=0),
+                         SPEC, torch.float32, "cpu", loader=lambda _: folder)
+    adapter_id = "0" * 64
+    with pytest.raises(AdapterValidationError, match=re.escape(str(raised.value))):
+        cache.can_acquire(adapter_id)
+    with pytest.raises(AdapterValidationError):
+        cache.acquire(adapter_id)
+    assert cache.resident_ids() == [] and cache.host_ids() == []
+    assert all(not t.lora_a.any() and not t.lora_b.any() and not t.slot_ranks.any()
+               for t in cache.slots.targets.values())
+    assert cache.stats.num_loads == cache.stats.num_page_ins == 0
