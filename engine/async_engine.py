@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.engine import EngineMetrics, LLMEngine, RequestOutput
+from engine.lora import LoraRequest
 from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class _AddCommand:
     params: SamplingParams
     priority: int
     tenant: str | None
+    lora: LoraRequest | None
     stream: "_Stream"
     accepted: Future
 
@@ -67,7 +69,8 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, priority: int = 0,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None,
+                       lora: LoraRequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Raises ValueError if the engine rejects the request.
 
         Leaving the loop early (or cancelling the task) aborts the request in the engine.
@@ -75,7 +78,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         accepted: Future = Future()
-        self._send(_AddCommand(request_id, prompt, params, priority, tenant, stream, accepted))
+        self._send(_AddCommand(request_id, prompt, params, priority, tenant, lora, stream, accepted))
         await asyncio.wrap_future(accepted)
         finished = False
         try:
@@ -143,7 +146,7 @@ class AsyncEngine:
     def _add(self, command: _AddCommand) -> None:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    command.priority, command.tenant)
+                                    command.priority, command.tenant, command.lora)
         except Exception as error:
             command.accepted.set_exception(error)
             return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adapters.config import AdapterConfig
+
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -33,6 +35,8 @@ class EngineConfig:
     """Share full KV blocks between requests with the same token prefix."""
     seed: int = 0
     """Seed of the engine-wide generator used by requests that carry no seed of their own."""
+    lora: AdapterConfig | None = None
+    """Serve LoRA adapters with these residency limits; None serves the base model only."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from adapters.cache import AdapterCache
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
+from engine.lora import LoraRequest
 from engine.model.loader import load_model
 from engine.model.spec import ModelSpec
 from engine.request import Request, RequestStatus, SamplingParams, TokenLogprobs
@@ -37,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    error: str | None = None  # why the request failed, when finish_reason is "error"
 
 
 @dataclass
@@ -54,6 +58,11 @@ class EngineMetrics:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    adapter_hits: int = 0
+    adapter_misses: int = 0
+    adapter_evictions: int = 0
+    adapter_page_ins: int = 0
+    adapters_resident: int = 0
 
 
 @dataclass
@@ -77,17 +86,28 @@ class LLMEngine:
         self.model = load_model(config.model, dtype, device, max_positions=max_len,
                                 show_progress=show_progress)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self._adapter_paths: dict[str, Path] = {}
+        self.adapter_cache = None
+        if config.lora is not None:
+            self.adapter_cache = AdapterCache(config.lora, self.spec, dtype, device,
+                                              loader=self._adapter_paths.__getitem__)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
-            self.kv_manager)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.seed)
+            self.kv_manager, self.adapter_cache)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.seed,
+                                  self.adapter_cache)
         self._outputs: dict[str, _OutputState] = {}
         logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, config.block_size, max_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, tenant: str | None = None) -> Request:
-        """Queue a request. Raises ValueError (with the reason) for prompts it can never run."""
+                    priority: int = 0, tenant: str | None = None,
+                    lora: LoraRequest | None = None) -> Request:
+        """Queue a request, on the base model or with `lora`'s adapter.
+
+        Raises ValueError (with the reason) for requests it can never run."""
+        if lora is not None and self.adapter_cache is None:
+            raise ValueError("this engine was started without LoRA support; enable it to use adapters")
         token_ids = self._prompt_token_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens but this model accepts at most "
@@ -95,7 +115,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model folder has none")
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
-                          priority=priority, tenant=tenant)
+                          priority=priority, tenant=tenant,
+                          adapter_id=lora.adapter_id if lora else None)
+        if lora is not None:
+            self._adapter_paths[lora.adapter_id] = Path(lora.path)
         if params.seed is not None:
             request.generator = self.runner.sampler.make_request_generator(params.seed)
         self.scheduler.add_request(request)
@@ -118,10 +141,18 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
-        return [self._make_output(request) for request in updated]
+        failed = [self._error_output(request) for request in self.scheduler.take_failed()]
+        return failed + [self._make_output(request) for request in updated]
 
     def metrics(self) -> EngineMetrics:
         kv, stats = self.kv_manager, self.scheduler.stats
+        adapters = {}
+        if self.adapter_cache is not None:
+            cache_stats = self.adapter_cache.stats
+            adapters = dict(adapter_hits=cache_stats.num_hits, adapter_misses=cache_stats.num_misses,
+                            adapter_evictions=cache_stats.num_evictions,
+                            adapter_page_ins=cache_stats.num_page_ins,
+                            adapters_resident=len(self.adapter_cache.resident_ids()))
         return EngineMetrics(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -134,6 +165,7 @@ class LLMEngine:
             num_prompt_tokens=stats.num_prompt_tokens_computed,
             num_generation_tokens=stats.num_generation_tokens,
             num_preemptions=stats.num_preemptions,
+            **adapters,
         )
 
     def _make_output(self, request: Request) -> RequestOutput:
@@ -166,6 +198,13 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+    def _error_output(self, request: Request) -> RequestOutput:
+        self._outputs.pop(request.request_id, None)
+        return RequestOutput(request.request_id, [], "", [], finished=True, finish_reason="error",
+                             stop_reason=None, num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=request.num_output_tokens,
+                             num_cached_tokens=request.num_cached_tokens, error=request.error)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

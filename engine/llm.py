@@ -11,6 +11,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.demo import ensure_demo_model
 from engine.engine import LLMEngine, RequestOutput
+from engine.lora import LoraRequest
 from engine.request import SamplingParams, TokenLogprobs
 
 
@@ -49,16 +50,16 @@ class LLM:
 
     def generate(self, prompts: Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[CompletionOutput]:
-        """Outputs in the order of `prompts`. One SamplingParams applies to all prompts."""
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+                 use_tqdm: bool = True,
+                 lora: LoraRequest | Sequence[LoraRequest | None] | None = None) -> list[CompletionOutput]:
+        """Outputs in the order of `prompts`. One SamplingParams (or adapter) applies to all
+        prompts; a sequence gives one per prompt."""
+        sampling_params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)
+        loras = _per_prompt(lora, LoraRequest, prompts)
         results: dict[str, CompletionOutput] = {}
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params, adapter in zip(prompts, sampling_params, loras):
             request_id = str(next(self._ids))
-            request = self.engine.add_request(request_id, prompt, params)
+            request = self.engine.add_request(request_id, prompt, params, lora=adapter)
             results[request_id] = CompletionOutput(request_id, request.prompt_token_ids)
         with tqdm(total=len(results), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
@@ -66,3 +67,11 @@ class LLM:
                     results[output.request_id].add(output)
                     bar.update(int(output.finished))
         return list(results.values())
+
+
+def _per_prompt(value, single_type: type, prompts: Sequence) -> list:
+    if value is None or isinstance(value, single_type):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(value)} {single_type.__name__} values")
+    return list(value)

@@ -66,11 +66,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 @dataclass
@@ -116,6 +116,10 @@ class Request:
     """Prompt tokens served from the prefix cache when the request was first scheduled."""
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    lora_slot: int = -1
+    """Device slot of the request's adapter while it runs; -1 = base model or not admitted."""
+    error: str | None = None
+    """Why the request ended with FINISHED_ERROR."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

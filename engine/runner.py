@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from adapters.cache import AdapterCache
+from engine.lora import LoraBatch
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import ForwardBatch, LlamaModel
 from engine.model.spec import ModelSpec
 from engine.sampler import Sampler
-from engine.scheduler import RunnerOutput, SchedulerOutput
+from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -22,9 +24,11 @@ def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int,
+                 adapter_cache: AdapterCache | None = None):
         spec = model.spec
         self.model = model
+        self.adapter_cache = adapter_cache
         self.block_size = block_size
         self.device = model.device
         shape = (num_blocks * block_size, spec.num_kv_heads, spec.head_dim)
@@ -38,19 +42,27 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         if output.is_empty:
             return RunnerOutput({})
-        batch = self.prepare_batch(output)
+        items = self.batch_order(output)
+        batch = self.prepare_batch(items)
+        if batch.lora is not None:
+            self.adapter_cache.wait_page_ins()
         logits = self.model.forward(batch, self.k_caches, self.v_caches)
-        sampling = [item.request for item in output.scheduled if item.samples]
+        sampling = [item.request for item in items if item.samples]
         if not sampling:
             return RunnerOutput({})
         tokens = self.sampler.sample(logits, sampling)
         return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)})
 
-    def prepare_batch(self, output: SchedulerOutput) -> ForwardBatch:
+    @staticmethod
+    def batch_order(output: SchedulerOutput) -> list[ScheduledRequest]:
+        """Scheduled requests grouped by adapter slot, so each adapter is one SGMV segment."""
+        return sorted(output.scheduled, key=lambda item: item.request.lora_slot)
+
+    def prepare_batch(self, items: list[ScheduledRequest]) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, context_lens, block_tables, logits_rows = [], [], [], []
-        for item in output.scheduled:
+        for item in items:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_tokens
@@ -63,9 +75,14 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
         attention = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size,
                                             self.model.spec.sliding_window, self.device)
+        lora = None
+        if self.adapter_cache is not None:
+            token_slots = [(item.num_tokens, item.request.lora_slot) for item in items]
+            lora = LoraBatch.build(token_slots, self.adapter_cache.slots, self.device)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attention=attention,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            lora=lora,
         )

@@ -11,7 +11,12 @@ import bisect
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
+from engine.lora import AdapterSlots
 from engine.request import Request, RequestStatus, TokenLogprobs
+
+
+# Distinct adapters of the queue head warmed each step; deeper in the queue they would only churn.
+_MAX_PREFETCH_ADAPTERS = 16
 
 
 @dataclass
@@ -68,14 +73,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the KV block manager; never touches tensors."""
+    """Owns the waiting and running queues, the KV block manager and adapter slot admission;
+    never touches tensors."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 adapter_slots: AdapterSlots | None = None):
         self.config = config
         self.kv = kv_manager
+        self.adapter_slots = adapter_slots
         self.waiting: list[Request] = []  # NOTE: kept sorted by Request.sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.failed: list[Request] = []  # finished with an error since the last `take_failed`
         self.stats = SchedulerStats()
 
     def add_request(self, request: Request) -> None:
@@ -112,25 +121,67 @@ class Scheduler:
                 continue
             break
 
-        # Then admit waiting requests into whatever budget is left, in priority/FCFS order. A step
-        # that had to preempt admits nothing: the pool is full.
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+        if not preempted:  # a step that had to preempt admits nothing: the pool is full
+            scheduled += self._admit_waiting(budget)
+        self._prefetch_waiting_adapters()
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
+        """Admit waiting requests into the budget left, in priority/FCFS order.
+
+        KV memory is first come, first served: the first request that does not fit stops admission.
+        Adapter slots are not: a request whose adapter cannot get a slot now waits without blocking
+        requests of the base model behind it. NOTE: once one adapter request is blocked, later
+        adapter requests wait too, so the busy adapters drain and free a slot for it; otherwise a
+        steady stream for resident adapters could starve it forever.
+        """
+        admitted = []
+        slot_blocked = False
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[index]
+            if request.adapter_id is not None and (slot_blocked or not self._can_get_slot(request)):
+                slot_blocked = True
+                index += 1
+                continue
             hits = self.kv.get_computed_blocks(request)
-            num_pending = request.num_tokens - len(hits) * self.kv.block_size
-            num_new = min(num_pending, budget)
+            num_new = min(request.num_tokens - len(hits) * self.kv.block_size, budget)
             if not self.kv.can_allocate(request, num_new, hits):
                 break
-            self.waiting.pop(0)
+            del self.waiting[index]
             self.kv.allocate(request, num_new, hits)
+            if request.adapter_id is not None:
+                request.lora_slot = self.adapter_slots.acquire(request.adapter_id)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new))
+            admitted.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, preempted)
+        return admitted
+
+    def _can_get_slot(self, request: Request) -> bool:
+        if self.adapter_slots is None:
+            raise RuntimeError("a request with an adapter reached an engine without LoRA support")
+        try:
+            return self.adapter_slots.can_acquire(request.adapter_id)
+        except Exception as error:  # the adapter failed to load: fail this request, not the step
+            self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+            request.error = f"adapter {request.adapter_id} could not be loaded: {error}"
+            self.failed.append(request)
+            return False
+
+    def _prefetch_waiting_adapters(self) -> None:
+        if self.adapter_slots is None:
+            return
+        wanted = list(dict.fromkeys(r.adapter_id for r in self.waiting if r.adapter_id is not None))
+        wanted = wanted[:_MAX_PREFETCH_ADAPTERS]
+        if wanted:
+            self.adapter_slots.prefetch(wanted)
+
+    def take_failed(self) -> list[Request]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance scheduled requests past the step; returns those that got a new token.
@@ -167,9 +218,16 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self._release(request)
         request.status = status
         return request
+
+    def _release(self, request: Request) -> None:
+        """Give back everything a running request holds: KV blocks and its adapter slot."""
+        self.kv.free(request)
+        if request.lora_slot >= 0:
+            self.adapter_slots.release(request.adapter_id)
+            request.lora_slot = -1
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -185,8 +243,8 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: drop the KV, keep the tokens, go back to waiting."""
-        self.kv.free(request)
+        """Recompute-style preemption: drop the KV and the slot, keep the tokens, wait again."""
+        self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

@@ -112,7 +112,7 @@ def test_raw_logits_of_a_mixed_batch_match_transformers(family):
     output = engine.scheduler.schedule()
     assert [s.num_tokens for s in output.scheduled] == [1, 17, 82]
     with torch.inference_mode():
-        batch = engine.runner.prepare_batch(output)
+        batch = engine.runner.prepare_batch(engine.runner.batch_order(output))
         logits = engine.model.forward(batch, engine.runner.k_caches, engine.runner.v_caches)
     assert logits.shape[0] == 2  # "c" is mid-prefill: no logits wanted for it
     torch.testing.assert_close(logits[0], references[0][1][1], atol=1e-4, rtol=0)

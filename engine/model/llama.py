@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.lora import LoraBatch
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.rope import RotaryEmbedding
 from engine.model.spec import ModelSpec
@@ -44,6 +45,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens]
     attention: AttentionMetadata
     logits_rows: torch.Tensor  # [num_sampled] rows whose next-token logits are wanted
+    lora: LoraBatch | None = None  # None when no token of the step uses an adapter
 
 
 class LlamaModel:
@@ -72,27 +74,42 @@ class LlamaModel:
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
         eps = self.spec.rms_norm_eps
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
+        for index, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
+            lora = _LayerLora(batch.lora, index)
             attn_in = rms_norm(hidden, layer.input_norm, eps)
-            hidden = hidden + self._attention(layer, attn_in, batch, k_cache, v_cache)
+            hidden = hidden + self._attention(layer, attn_in, batch, k_cache, v_cache, lora)
             mlp_in = rms_norm(hidden, layer.post_attention_norm, eps)
-            hidden = hidden + self._mlp(layer, mlp_in)
+            hidden = hidden + self._mlp(layer, mlp_in, lora)
         last = rms_norm(hidden[batch.logits_rows], self.norm, eps)
         return F.linear(last, self.lm_head).float()  # [num_sampled, vocab]
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, lora: "_LayerLora") -> torch.Tensor:
         spec = self.spec
         num_tokens = x.shape[0]
-        qkv = layer.qkv_proj(x)
+        qkv = lora(layer.qkv_proj, "qkv_proj", x)
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = self.rotary.apply(q.view(num_tokens, spec.num_heads, spec.head_dim), batch.positions)
         k = self.rotary.apply(k.view(num_tokens, spec.num_kv_heads, spec.head_dim), batch.positions)
         v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
         write_kv(k, v, k_cache, v_cache, batch.attention.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, batch.attention, self.scale)
-        return layer.o_proj(out.view(num_tokens, spec.q_size))
+        return lora(layer.o_proj, "o_proj", out.view(num_tokens, spec.q_size))
 
-    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-        return layer.down_proj(F.silu(gate) * up)
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor, lora: "_LayerLora") -> torch.Tensor:
+        gate, up = lora(layer.gate_up_proj, "gate_up_proj", x).chunk(2, dim=-1)
+        return lora(layer.down_proj, "down_proj", F.silu(gate) * up)
+
+
+@dataclass
+class _LayerLora:
+    """Runs one layer's linears, adding the batch's LoRA deltas when the step has any."""
+
+    batch: LoraBatch | None
+    layer: int
+
+    def __call__(self, linear: Linear, target: str, x: torch.Tensor) -> torch.Tensor:
+        out = linear(x)
+        if self.batch is not None:
+            self.batch.apply(self.layer, target, x, out)
+        return out

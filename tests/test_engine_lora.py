@@ -1,0 +1,140 @@
+"""Multi-LoRA in one continuous batch, against PEFT's own greedy output for each adapter."""
+
+import pytest
+import torch
+
+from adapters.config import AdapterConfig
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.lora import LoraRequest
+from engine.request import SamplingParams
+from store.blobs import digest_files
+from tests.helpers import make_hf_model, random_prompts, save_hf_model, save_peft_adapter
+
+NUM_NEW_TOKENS = 8
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ADAPTERS = [  # different ranks, alphas, rslora and targets
+    dict(r=4, lora_alpha=8, target_modules=ATTENTION),
+    dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+    dict(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    dict(r=4, lora_alpha=4, target_modules=["q_proj", "up_proj", "down_proj"], layers_to_transform=[1]),
+    dict(r=8, lora_alpha=32, target_modules=["gate_proj", "up_proj"]),
+    dict(r=2, lora_alpha=2, target_modules=r".*\.(k|o)_proj"),
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = save_hf_model(make_hf_model("llama"), root / "base")
+    prompts = random_prompts([5, 23, 9, 41, 14, 30], 384, seed=4)
+    adapters, references = [], {}
+    for i, kwargs in enumerate(ADAPTERS):
+        folder = root / f"adapter{i}"
+        peft_model = save_peft_adapter(folder, "llama", seed=10 + i, **kwargs)
+        adapters.append(LoraRequest(digest_files(folder), str(folder)))
+        references[i] = [_peft_greedy(peft_model, p) for p in prompts]
+    base_model = make_hf_model("llama")
+    references[None] = [_peft_greedy(base_model, p) for p in prompts]
+    return base, prompts, adapters, references
+
+
+def _peft_greedy(model, prompt):
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS,
+                             min_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_mixed(engine, prompts, adapters, assignment, arrivals):
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens = {i: [] for i in range(len(assignment))}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i, (adapter_index, prompt_index) in enumerate(assignment):
+            if arrivals[i] == step:
+                lora = adapters[adapter_index] if adapter_index is not None else None
+                engine.add_request(str(i), prompts[prompt_index], params, lora=lora)
+        for output in engine.step():
+            assert output.finish_reason != "error", output.error
+            tokens[int(output.request_id)] += output.new_token_ids
+        step += 1
+    return tokens
+
+
+def test_base_and_three_adapters_in_one_batch_match_peft(setup):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=4, num_load_threads=0)), show_progress=False)
+    assignment = [(a, p) for p in range(4) for a in (None, 0, 1, 2)]
+    tokens = run_mixed(engine, prompts, adapters, assignment, [i // 4 for i in range(len(assignment))])
+    for i, (adapter_index, prompt_index) in enumerate(assignment):
+        assert tokens[i] == references[adapter_index][prompt_index], (adapter_index, prompt_index)
+    # The adapters really changed the output (PEFT's B is random here, not zero).
+    assert references[0][0] != references[None][0] and references[1][0] != references[None][0]
+    assert engine.metrics().adapter_page_ins == 3 and engine.metrics().adapter_evictions == 0
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_two_slots_six_adapters_stay_exact_and_count_evictions(setup):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, max_num_seqs=6, lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=2, max_cpu_adapters=3, num_load_threads=0)),
+        show_progress=False)
+    assignment = [(a, (a + k) % len(prompts)) for k in range(2) for a in range(6)] + [(None, 3)]
+    tokens = run_mixed(engine, prompts, adapters, assignment, [0] * len(assignment))
+    for i, (adapter_index, prompt_index) in enumerate(assignment):
+        assert tokens[i] == references[adapter_index][prompt_index], (adapter_index, prompt_index)
+    metrics = engine.metrics()
+    assert metrics.adapters_resident == 2
+    assert metrics.adapter_page_ins >= 6 and metrics.adapter_evictions == metrics.adapter_page_ins - 2
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_adapter_requests_do_not_block_base_requests(setup):
+    base, prompts, adapters, _ = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=1, num_load_threads=0)), show_progress=False)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("a0", prompts[0], params, lora=adapters[0])
+    engine.add_request("a1", prompts[1], params, lora=adapters[1])
+    engine.add_request("base", prompts[2], params)
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == {"a0", "base"}  # a1 waits for the only slot; base goes ahead of it
+
+
+def test_prefix_cache_is_not_shared_across_adapters(setup):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=2, num_load_threads=0)), show_progress=False)
+    tokens = run_mixed(engine, prompts, adapters, [(None, 3), (0, 3), (0, 3)], [0, 10, 20])
+    assert tokens[1] == tokens[2] == references[0][3]
+    assert tokens[0] == references[None][3]
+    # Only the second request of adapter 0 hit the cache: the base run's blocks are not its own.
+    assert engine.metrics().prefix_cache_hit_tokens == (len(prompts[3]) - 1) // 4 * 4
+
+
+def test_lora_request_on_an_engine_without_lora_is_refused(setup):
+    base, prompts, adapters, _ = setup
+    engine = LLMEngine(EngineConfig(model=str(base)), show_progress=False)
+    with pytest.raises(ValueError, match="without LoRA support"):
+        engine.add_request("x", prompts[0], SamplingParams(), lora=adapters[0])
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_adapter_that_fails_to_load_fails_only_its_request(setup, tmp_path):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, num_load_threads=0)), show_progress=False)
+    missing = LoraRequest("0" * 64, str(tmp_path / "nothing-here"))
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("bad", prompts[0], params, lora=missing)
+    engine.add_request("good", prompts[0], params, lora=adapters[0])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    assert outputs["bad"][-1].finish_reason == "error" and "could not be loaded" in outputs["bad"][-1].error
+    assert [t for o in outputs["good"] for t in o.new_token_ids] == references[0][0]
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
