@@ -138,3 +138,24 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(setup, tmp_path):
     assert outputs["bad"][-1].finish_reason == "error" and "could not be loaded" in outputs["bad"][-1].error
     assert [t for o in outputs["good"] for t in o.new_token_ids] == references[0][0]
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_a_waiting_adapter_is_not_starved_by_a_busy_one(setup):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), max_num_seqs=8, lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=1, num_load_threads=0)), show_progress=False)
+    busy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("busy-0", prompts[0], busy, lora=adapters[0])
+    engine.step()
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("patient", prompts[1], params, lora=adapters[1])
+    patient = []
+    for step in range(1, 60):  # adapter 0 gets a new request every step, forever
+        engine.add_request(f"busy-{step}", prompts[step % 6], busy, lora=adapters[0])
+        for output in engine.step():
+            if output.request_id == "patient":
+                patient += output.new_token_ids
+        if len(patient) == NUM_NEW_TOKENS:
+            break
+    assert patient == references[1][1]
+    assert step < 20
