@@ -44,8 +44,13 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | Exception) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | Exception) -> bool:
+        """Deliver to the consumer; False when its event loop is gone (nobody will ever read)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            return False
+        return True
 
 
 class AsyncEngine:
@@ -122,10 +127,11 @@ class AsyncEngine:
                 continue
             for output in outputs:
                 stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
                 if output.finished:
                     self._streams.pop(output.request_id, None)
+                if stream is not None and not stream.put(output) and not output.finished:
+                    self._streams.pop(output.request_id, None)
+                    self.engine.abort_request(output.request_id)
             self._metrics = self.engine.metrics()
         self._fail_all(RuntimeError("the engine was shut down"))
 

@@ -174,9 +174,12 @@ class LLMEngine:
         stop_reason = None
         if detokenizer is not None:
             detokenizer.add_tokens(request.output_token_ids[-1:])
-            if detokenizer.stop_reason is not None and not request.is_finished:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             stop_reason = detokenizer.stop_reason
+            if stop_reason is not None:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                # NOTE: a stop string completed by the last allowed token is still a stop.
+                request.status = RequestStatus.FINISHED_STOPPED
         last = request.output_token_ids[-1]
         if stop_reason is None and request.status == RequestStatus.FINISHED_STOPPED \
                 and last in request.sampling_params.stop_token_ids:

@@ -1,0 +1,154 @@
+"""The admin API (admin key only): tenants, their limits and their API keys.
+
+Key plaintexts appear exactly once, in the reply that creates them; listings show only a prefix.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.auth import require_admin
+from gateway.errors import ApiError, invalid_request, not_found
+from gateway.serving import decode_body
+from gateway.state import gateway_state
+from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
+                   Usage)
+
+
+class TenantCreate(msgspec.Struct, kw_only=True):
+    """POST /admin/tenants. Limits left out (or null) are unlimited."""
+
+    name: str
+    rpm: int | None = None
+    tpm: int | None = None
+    monthly_token_budget: int | None = None
+    monthly_spend_budget_usd: float | None = None
+    allowed_models: list[str] | None = None
+
+
+class KeyInfo(msgspec.Struct, kw_only=True):
+    """A key as listed: never its plaintext or hash."""
+
+    id: str
+    prefix: str
+    created_at: float
+    revoked: bool
+
+
+class TenantDetail(msgspec.Struct, kw_only=True):
+    tenant: Tenant
+    keys: list[KeyInfo]
+    usage: Usage
+
+
+class CreatedKey(msgspec.Struct, kw_only=True):
+    """A new key: `key` is its plaintext, shown this once."""
+
+    id: str
+    key: str
+    tenant: str
+    prefix: str
+    created_at: float
+
+
+class TenantList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[Tenant]
+
+
+def _json(payload: msgspec.Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status, media_type="application/json")
+
+
+async def _admin_store(request: Request) -> Store:
+    store = gateway_state(request).require_store()
+    await require_admin(request, store)
+    return store
+
+
+async def create_tenant(request: Request) -> Response:
+    """Create a tenant with its rate limits and monthly budgets."""
+    store = await _admin_store(request)
+    body = await decode_body(request, TenantCreate)
+    allowed = None if body.allowed_models is None else tuple(body.allowed_models)
+    try:
+        tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
+                        monthly_token_budget=body.monthly_token_budget,
+                        monthly_spend_budget_usd=body.monthly_spend_budget_usd,
+                        allowed_models=allowed)
+        created = await store.create_tenant(tenant)
+    except AlreadyExists as error:
+        raise ApiError(409, str(error), code="tenant_exists") from None
+    except InvalidName as error:
+        raise invalid_request(str(error), param="name") from None
+    except StoreError as error:
+        raise invalid_request(str(error)) from None
+    return _json(created, 201)
+
+
+async def list_tenants(request: Request) -> Response:
+    """List every tenant with its limits."""
+    store = await _admin_store(request)
+    return _json(TenantList(data=await store.list_tenants()))
+
+
+async def get_tenant(request: Request) -> Response:
+    """One tenant: its limits, its keys (prefixes only) and this month's usage."""
+    store = await _admin_store(request)
+    name = request.path_params["tenant"]
+    tenant = await store.get_tenant(name)
+    if tenant is None:
+        raise not_found(f"tenant {name!r} does not exist", code="tenant_not_found")
+    keys = [_key_info(k) for k in await store.list_keys(name)]
+    return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name)))
+
+
+async def delete_tenant(request: Request) -> Response:
+    """Delete a tenant and its keys (its usage records are kept for billing)."""
+    store = await _admin_store(request)
+    name = request.path_params["tenant"]
+    try:
+        await store.delete_tenant(name)
+    except NotFound as error:
+        raise not_found(str(error), code="tenant_not_found") from None
+    return Response(msgspec.json.encode({"name": name, "deleted": True}),
+                    media_type="application/json")
+
+
+async def create_key(request: Request) -> Response:
+    """Create an API key for a tenant; the reply holds its plaintext, shown only this once."""
+    store = await _admin_store(request)
+    try:
+        record, plaintext = await store.create_key(request.path_params["tenant"])
+    except NotFound as error:
+        raise not_found(str(error), code="tenant_not_found") from None
+    return _json(CreatedKey(id=record.id, key=plaintext, tenant=record.tenant,
+                            prefix=record.prefix, created_at=record.created_at), 201)
+
+
+async def revoke_key(request: Request) -> Response:
+    """Revoke an API key; requests with it get 401 from then on."""
+    store = await _admin_store(request)
+    try:
+        record = await store.revoke_key(request.path_params["key_id"])
+    except NotFound as error:
+        raise not_found(str(error), code="key_not_found") from None
+    return _json(_key_info(record))
+
+
+def _key_info(record: ApiKeyRecord) -> KeyInfo:
+    return KeyInfo(id=record.id, prefix=record.prefix, created_at=record.created_at,
+                   revoked=record.revoked)
+
+
+ROUTES = [
+    Route("/admin/tenants", create_tenant, methods=["POST"]),
+    Route("/admin/tenants", list_tenants, methods=["GET"]),
+    Route("/admin/tenants/{tenant}", get_tenant, methods=["GET"]),
+    Route("/admin/tenants/{tenant}", delete_tenant, methods=["DELETE"]),
+    Route("/admin/tenants/{tenant}/keys", create_key, methods=["POST"]),
+    Route("/admin/keys/{key_id}", revoke_key, methods=["DELETE"]),
+]

@@ -1,0 +1,69 @@
+"""Admission: a tenant's rate limits and monthly budget, checked before any engine work.
+
+The rate check pays the request's estimated tokens (prompt + max_tokens for every choice) into
+the tenant's tpm bucket up front; the budget holds the same estimate until the call settles with
+the tokens it really used (streamed ones included, also when the client went away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+from gateway.errors import ApiError
+from store import Reservation, Store, Tenant
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """A call let in under its tenant's limits; `settle` once with the real counts."""
+
+    def __init__(self, store: Store, reservation: Reservation):
+        self._store = store
+        self._reservation = reservation
+
+    async def settle(self, tokens_in: int, tokens_out: int) -> None:
+        """Bill the real counts and release the hold. Runs as its own task, so a cancelled caller
+        (a client that disconnected) still bills what was generated."""
+        task = asyncio.create_task(self._settle(tokens_in, tokens_out))
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+        await asyncio.shield(task)
+
+    async def _settle(self, tokens_in: int, tokens_out: int) -> None:
+        try:
+            await self._store.settle(self._reservation, tokens_in=tokens_in,
+                                     tokens_out=tokens_out, spend_usd=0.0)
+        except Exception:  # the hold lapses on its own; billing must not fail the response
+            logger.exception("could not settle usage of tenant %s", self._reservation.tenant)
+
+
+_pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish
+
+
+async def admit(store: Store, tenant: Tenant, estimated_tokens: int) -> Admission:
+    """Charge the rate limits and hold the budget for one call, or raise the ApiError to send."""
+    if tenant.tpm is not None and estimated_tokens > tenant.tpm:
+        raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
+                       f"max_tokens for every choice) but your limit is {tenant.tpm} tokens per "
+                       "minute; lower max_tokens or n, or shorten the prompt",
+                       param="max_tokens", code="request_too_large")
+    decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
+    if not decision.allowed:
+        unit = "requests" if decision.limited_by == "rpm" else "tokens"
+        limit = tenant.rpm if decision.limited_by == "rpm" else tenant.tpm
+        wait = max(1, math.ceil(decision.retry_after))
+        raise ApiError(429, f"rate limit reached: {limit} {unit} per minute "
+                       f"({decision.limited_by}); retry in {wait} s",
+                       type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(wait)})
+    reservation = await store.reserve_tokens(tenant, estimated_tokens)
+    if reservation is None:
+        raise ApiError(429, f"tenant {tenant.name!r} has used its monthly token budget of "
+                       f"{tenant.monthly_token_budget} (this request may need {estimated_tokens} "
+                       "more); ask your administrator to raise it",
+                       type="insufficient_quota", code="insufficient_quota",
+                       headers={"x-should-retry": "false"})
+    return Admission(store, reservation)

@@ -1,0 +1,74 @@
+"""create_app: the Starlette application of the gateway, over engines built by the caller.
+
+The app owns the store (opened on the server's event loop by its lifespan, since Redis
+connections belong to one loop); the caller owns the engines and closes them after the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from gateway import admin, version
+from gateway.auth import ensure_admin_key
+from gateway.chat import create_chat_completion
+from gateway.completions import create_completion
+from gateway.engine_client import EngineClient
+from gateway.errors import EXCEPTION_HANDLERS
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import AccessLog
+from gateway.openapi import openapi_json
+from gateway.ops import health, list_models, metrics
+from gateway.state import GatewayState
+from store import open_store
+
+logger = logging.getLogger(__name__)
+
+ROUTES = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/completions", create_completion, methods=["POST"]),
+    Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    *admin.ROUTES,
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi_json, methods=["GET"]),
+]
+
+
+def _log_admin_key(key: str) -> None:
+    logger.warning("created the admin key (stored only as a hash; it is not shown again): %s", key)
+
+
+def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
+               admin_key: str | None = None,
+               announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
+    """The gateway serving `engines` (by the model name clients send).
+
+    On startup it opens the store (`store_url`, see store.open_store; SQLite in `data_dir` when
+    None) and sets the admin key to `admin_key`; with none given and none stored, it creates one
+    and hands its plaintext to `announce_admin_key`, once.
+    """
+    gateway = GatewayState(engines=engines, metrics=GatewayMetrics())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gateway.store = await open_store(store_url, data_dir)
+        try:
+            created = await ensure_admin_key(gateway.store, admin_key)
+            if created is not None:
+                announce_admin_key(created)
+            yield
+        finally:
+            await gateway.store.close()
+
+    app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS,
+                    middleware=[Middleware(AccessLog, metrics=gateway.metrics)])
+    app.state.gateway = gateway
+    app.state.version = version()
+    return app

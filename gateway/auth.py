@@ -1,0 +1,79 @@
+"""Bearer-key authentication: tenant keys for /v1, the admin key for /admin.
+
+The store keeps only hashes. The admin key is not a tenant key: it manages tenants and keys, and
+calls to /v1 with it are refused with a hint to create a tenant key.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.requests import Request
+
+from gateway.errors import ApiError
+from store import Store, Tenant
+from store.keys import KEY_PREFIX, hash_key, verify_key
+
+_ADMIN_PREFIX = KEY_PREFIX + "admin-"
+
+
+def bearer_key(request: Request) -> str:
+    """The key of `Authorization: Bearer <key>`, or a 401 saying what is missing."""
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _unauthenticated("missing API key: send it as the header "
+                               "'Authorization: Bearer <key>'")
+    return key.strip()
+
+
+async def authenticate_tenant(request: Request, store: Store) -> Tenant:
+    """The tenant owning the request's key; 401 for unknown or revoked keys."""
+    key = bearer_key(request)
+    tenant = await store.authenticate(key)
+    if tenant is not None:
+        request.state.tenant = tenant.name  # for the access log and request metrics
+        return tenant
+    if await _is_admin_key(store, key):
+        raise ApiError(403, "this is the admin key, which manages tenants under /admin; create a "
+                       "tenant (POST /admin/tenants) and a key for it "
+                       "(POST /admin/tenants/{tenant}/keys) to call /v1",
+                       type="permission_error", code="admin_key_not_allowed")
+    raise _unauthenticated("invalid API key: it is unknown or was revoked")
+
+
+async def require_admin(request: Request, store: Store) -> None:
+    """Pass for the admin key; 403 for a tenant key, 401 for anything else."""
+    key = bearer_key(request)
+    if await _is_admin_key(store, key):
+        return
+    if await store.authenticate(key) is not None:
+        raise ApiError(403, "this endpoint needs the admin key; tenant keys cannot manage tenants",
+                       type="permission_error", code="admin_key_required")
+    raise _unauthenticated("invalid admin key")
+
+
+async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:
+    """Make the store's admin key `admin_key` (when given); on a store with none, make one.
+
+    Returns the plaintext of a newly created key, to be shown once (only its hash is kept), else
+    None.
+    """
+    if admin_key is not None:
+        await store.set_admin_key_hash(hash_key(admin_key))
+        return None
+    if await store.get_admin_key_hash() is not None:
+        return None
+    created = _ADMIN_PREFIX + secrets.token_urlsafe(32)
+    await store.set_admin_key_hash(hash_key(created))
+    return created
+
+
+async def _is_admin_key(store: Store, key: str) -> bool:
+    key_hash = await store.get_admin_key_hash()
+    return key_hash is not None and verify_key(key, key_hash)
+
+
+def _unauthenticated(message: str) -> ApiError:
+    return ApiError(401, message, type="authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions: messages through the model's chat template, replies whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.auth import authenticate_tenant
+from gateway.engine_client import EngineClient, EngineFailure, RequestRejected, TokenLogprob
+from gateway.errors import engine_failed, invalid_request
+from gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
+                              ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, ChatMessage,
+                              ChatTokenLogprob, Delta, TopLogprob)
+from gateway.serving import (Call, check_context_length, decode_body, refuse_unsupported,
+                             resolve_engine, respond, sampling_options, start_call, token_namer)
+from gateway.sse import DONE, event
+from gateway.state import gateway_state
+
+
+async def create_chat_completion(request: Request) -> Response:
+    """Create the assistant's reply to a conversation."""
+    state = gateway_state(request)
+    tenant = await authenticate_tenant(request, state.require_store())
+    body = await decode_body(request, ChatCompletionRequest)
+    engine = resolve_engine(state, tenant, body.model)
+    request.state.model = body.model
+    refuse_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    prompt = chat_prompt_token_ids(engine, body.messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:  # as OpenAI: the reply may fill the rest of the context
+        max_tokens = max(1, engine.max_model_len - len(prompt))
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    check_context_length(len(prompt), max_tokens, engine.max_model_len, param)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    call = await start_call(request, "chatcmpl", tenant, body.model, engine, [prompt],
+                            sampling_options(body, max_tokens, num_top), body.n or 1)
+    name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs else None
+    stream = None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _stream(call, name, num_top, include_usage)
+
+    def whole() -> ChatCompletion:
+        choices = [ChatChoice(c.index, AssistantMessage(c.text),
+                              name and _logprobs(name, c.logprobs, num_top), c.finish_reason)
+                   for c in call.generation.choices]
+        return ChatCompletion(id=call.id, created=call.created, model=call.model,
+                              choices=choices, usage=call.usage())
+
+    return await respond(request, call, stream, whole)
+
+
+def chat_prompt_token_ids(engine: EngineClient, messages: list[ChatMessage]) -> list[int]:
+    """The conversation as prompt token ids, through the model's chat template if it has one.
+
+    Without a template the prompt is a plain transcript ("role: content" lines, then
+    "assistant:"). Template output already holds any special tokens, so none are added to it.
+    """
+    turns = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
+    try:
+        rendered = engine.render_chat(turns)
+        if rendered is not None:
+            return engine.tokenize(rendered, add_special_tokens=False)
+        transcript = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+        return engine.tokenize(transcript)
+    except RequestRejected as error:
+        raise invalid_request(str(error), param="messages") from None
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise invalid_request(f"messages[{index}] has a content part of type {part.type!r}; "
+                                  "only text parts are supported", param=f"messages[{index}].content")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+async def _stream(call: Call, name: Callable[[int], str] | None, num_top: int | None,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """A role delta per choice, then one event per engine chunk with text, logprobs or the end."""
+
+    def chunk(choices: list[ChatChunkChoice]) -> bytes:
+        return event(ChatCompletionChunk(id=call.id, created=call.created, model=call.model,
+                                         choices=choices))
+
+    for choice in call.generation.choices:
+        yield chunk([ChatChunkChoice(choice.index, Delta(role="assistant", content=""), None, None)])
+    try:
+        async for index, out in call.generation:
+            if out.text or out.finished or (name and out.logprobs):
+                delta = Delta(content=out.text) if out.text else Delta()
+                logprobs = name and _logprobs(name, out.logprobs, num_top)
+                yield chunk([ChatChunkChoice(index, delta, logprobs, out.finish_reason)])
+    except EngineFailure as error:
+        yield event(engine_failed(error).body)
+    else:
+        if include_usage:
+            yield event(ChatCompletionChunk(id=call.id, created=call.created, model=call.model,
+                                            choices=[], usage=call.usage()))
+    yield DONE
+
+
+def _logprobs(name: Callable[[int], str], logprobs: list[TokenLogprob],
+              num_top: int) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        text = name(token_id)
+        return TopLogprob(text, logprob, list(text.encode()))
+
+    content = []
+    for lp in logprobs:
+        sampled = entry(lp.token_id, lp.logprob)
+        top = [entry(t, v) for t, v in lp.top[:num_top]]
+        content.append(ChatTokenLogprob(sampled.token, sampled.logprob, sampled.bytes, top))
+    return ChatLogprobs(content)

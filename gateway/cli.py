@@ -1,0 +1,128 @@
+"""The `switchboard` command: `switchboard serve` runs the gateway with its engines.
+
+This is the one module of the gateway that builds engines (and so imports torch, lazily).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from pathlib import Path
+
+from gateway import version
+from gateway.config import DEFAULT_DATA_DIR, ServeConfig, load_serve_config, parse_size
+
+logger = logging.getLogger("gateway")
+
+_SERVE_EPILOG = """\
+Sources, strongest first: these options, then the environment (SWITCHBOARD_HOME is the data
+folder, SWITCHBOARD_ADMIN_KEY the admin key), then --config FILE.toml (same keys as the long
+options, e.g. port = 8080, max_num_seqs = 32, model = ["small=/models/a"]), then the defaults.
+
+With no --model, the embedded demo model (random weights, byte tokenizer) is written to
+DATA_DIR/switchboard-demo and served as "switchboard-demo". The first start without an
+admin key creates one and prints it once; only its hash is stored.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="switchboard",
+        description="Switchboard: a multi-LoRA, multi-model LLM gateway with an OpenAI API.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve", help="serve models over the OpenAI API", epilog=_SERVE_EPILOG,
+        description="Serve models over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
+    serve.add_argument("--config", type=Path, metavar="FILE.toml", help="read settings from a TOML file")
+    serve.add_argument("--model", action="append", metavar="NAME=PATH",
+                       help="serve the Hugging Face model folder PATH as NAME (repeatable; "
+                            "default: the demo model as switchboard-demo)")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    serve.add_argument("--data-dir", type=Path,
+                       help=f"data folder (default $SWITCHBOARD_HOME, else ./{DEFAULT_DATA_DIR})")
+    serve.add_argument("--store", metavar="URL",
+                       help="store: sqlite:///path/file.db or redis://host:port/0 "
+                            "(default: SQLite in the data folder)")
+    serve.add_argument("--admin-key", help="admin key (default $SWITCHBOARD_ADMIN_KEY, else the "
+                                           "stored one, else a new one printed once)")
+    serve.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                       help="weights and KV-cache dtype (default float32)")
+    serve.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
+    serve.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    serve.add_argument("--kv-cache-memory", type=parse_size, metavar="SIZE",
+                       help="KV-cache budget per model, e.g. 4GiB (default: 1GiB on CPU, 85%% of "
+                            "free memory on CUDA)")
+    serve.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                       help="log level (default info)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    if command == "serve":
+        config_file = args.pop("config", None)
+        try:
+            config = load_serve_config(args, config_file)
+        except (ValueError, TypeError) as error:
+            print(f"switchboard serve: {error}", file=sys.stderr)
+            return 2
+        return serve(config)
+    raise AssertionError(f"unhandled command {command!r}")
+
+
+def serve(config: ServeConfig) -> int:
+    """Load the engines, then serve until interrupted; the exit status."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.local_engine import load_engines
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    models = config.models() or _demo_model(config.data_dir)
+    logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
+    engines = load_engines(models, **config.engine_options())
+    try:
+        app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
+                         admin_key=config.admin_key,
+                         announce_admin_key=functools.partial(
+                             _print_admin_key, f"http://{config.host}:{config.port}"))
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                               log_config=None, access_log=False,
+                                               log_level=config.log_level, lifespan="on"))
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+            pass
+        return 0 if server.started else 1
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _demo_model(data_dir: Path) -> dict[str, Path]:
+    from engine.demo import DEMO_NAME, ensure_demo_model
+
+    # NOTE: the engine's own default when data_dir is $SWITCHBOARD_HOME, so both share one copy.
+    return {DEMO_NAME: ensure_demo_model(data_dir / DEMO_NAME)}
+
+
+def _print_admin_key(base_url: str, key: str) -> None:
+    auth = f"-H 'Authorization: Bearer {key}'"
+    print(f"\nCreated the admin key. It is shown only now (the store keeps its hash):\n\n  {key}\n\n"
+          "Create a tenant and an API key for it:\n"
+          f"  curl {auth} -d '{{\"name\": \"acme\"}}' {base_url}/admin/tenants\n"
+          f"  curl {auth} -X POST {base_url}/admin/tenants/acme/keys\n", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

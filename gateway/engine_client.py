@@ -1,0 +1,99 @@
+"""EngineClient: how the gateway talks to an engine, in-process or (later) over HTTP.
+
+These types are the whole boundary: the gateway never imports torch or the engine package, so a
+remote worker can implement the same protocol by sending the Structs below as JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How one engine request is decoded; mirrors the engine's SamplingParams field for field."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """Logprob of one sampled token and the top alternatives, (token id, logprob) best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine step produced for one request (the tokens and text since the last chunk)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine's gauges and cumulative counters, as published after its latest step."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_hit_rate: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+
+
+class EngineClient(Protocol):
+    """One served base model."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt plus output the engine accepts, in tokens."""
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; RequestRejected if the model has no tokenizer."""
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
+        """The prompt text of a chat through the model's chat template; None if it has none."""
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (for logprobs)."""
+
+    def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
+                 request_id: str, tenant: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream one request's chunks. The first iteration raises RequestRejected if the engine
+        refuses the request, later ones EngineFailure; leaving the loop early aborts it."""
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's gauges and counters."""
+
+    def close(self) -> None:
+        """Stop the engine; requests still running fail."""
+
+
+class RequestRejected(ValueError):
+    """The engine cannot serve this request as asked; the message says why and what to change."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while running the request (or was shut down); the request is gone."""

@@ -1,0 +1,95 @@
+"""API errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+_MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_MSGSPEC_MISSING = re.compile(r"missing required field `(.*)`")
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    """An error that reaches the client as `status` with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code))
+        self.headers = headers or {}
+
+    def response(self) -> Response:
+        return Response(msgspec.json.encode(self.body), self.status, self.headers,
+                        media_type="application/json")
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def not_found(message: str, code: str = "not_found") -> ApiError:
+    return ApiError(404, message, code=code)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"the model {model!r} does not exist or you do not have access to it; "
+                    "GET /v1/models lists the models you can use", param="model",
+                    code="model_not_found")
+
+
+def engine_failed(error: Exception) -> ApiError:
+    return ApiError(500, f"the engine failed on this request: {error}", type="server_error",
+                    code="engine_failure")
+
+
+def from_validation_error(error: msgspec.ValidationError | msgspec.DecodeError) -> ApiError:
+    """A 400 for a body msgspec refused, naming the offending field as `param`."""
+    text = str(error)
+    match = _MSGSPEC_PATH.search(text)
+    if match is None:
+        missing = _MSGSPEC_MISSING.search(text)
+        param = missing.group(1) if missing else None
+        return invalid_request(f"invalid request body: {text}", param=param)
+    param = match.group(1) or None
+    return invalid_request(f"invalid value for '{param}': {text[:match.start()]}", param=param)
+
+
+async def handle_api_error(request: Request, error: ApiError) -> Response:
+    return error.response()
+
+
+async def handle_http_exception(request: Request, error: HTTPException) -> Response:
+    """Starlette's own 404/405s, in the OpenAI shape."""
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    return ApiError(error.status_code, str(error.detail), type=kind,
+                    headers=error.headers).response()
+
+
+async def handle_unexpected(request: Request, error: Exception) -> Response:
+    """A 500 in the OpenAI shape; Starlette re-raises the error afterwards, so uvicorn logs it."""
+    return ApiError(500, "the gateway failed on this request; see its log",
+                    type="server_error").response()
+
+
+EXCEPTION_HANDLERS = {
+    ApiError: handle_api_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}

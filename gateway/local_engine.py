@@ -1,0 +1,103 @@
+"""LocalEngineClient: the EngineClient of an AsyncEngine in this process.
+
+NOTE: this module imports the engine (and so torch); only the CLI and test fixtures import it, so
+the request-handling modules stay free of torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+from gateway.engine_client import (EngineFailure, EngineStats, GenerationChunk, RequestRejected,
+                                   SamplingOptions, TokenLogprob)
+
+
+class LocalEngineClient:
+    """Serves one model folder with an in-process AsyncEngine (its step loop runs on a thread)."""
+
+    def __init__(self, engine: AsyncEngine):
+        self._engine = engine
+        self._tokenizer = engine.tokenizer
+
+    @classmethod
+    def load(cls, config: EngineConfig, show_progress: bool = True) -> "LocalEngineClient":
+        """Load the model of `config` (with a progress bar) and start its step loop."""
+        return cls(AsyncEngine(LLMEngine(config, show_progress=show_progress)))
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.engine.max_model_len
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._tokenizer is None:
+            raise RequestRejected("this model has no tokenizer: send token ids instead of text")
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
+        if self._tokenizer is None or not getattr(self._tokenizer, "chat_template", None):
+            return None
+        try:
+            return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=True)
+        except Exception as error:  # templates raise jinja errors for chats they do not support
+            raise RequestRejected(f"the model's chat template rejected the messages: {error}") from None
+
+    def token_text(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id])
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None = None) -> AsyncIterator[GenerationChunk]:
+        try:
+            params = SamplingParams(**msgspec.structs.asdict(options))
+        except ValueError as error:
+            raise RequestRejected(str(error)) from None
+        outputs = self._engine.generate(prompt_token_ids, params, request_id=request_id,
+                                        tenant=tenant)
+        try:
+            async for output in outputs:
+                yield _chunk(output)
+        except ValueError as error:  # NOTE: the engine only raises it when adding the request
+            raise RequestRejected(str(error)) from None
+        except RuntimeError as error:
+            raise EngineFailure(str(error)) from None
+        finally:
+            await outputs.aclose()  # aborts the engine request if this stream is closed early
+
+    def stats(self) -> EngineStats:
+        m = self._engine.metrics()
+        return EngineStats(
+            num_running=m.num_running, num_waiting=m.num_waiting,
+            kv_blocks_total=m.kv_blocks_total, kv_blocks_used=m.kv_blocks_used,
+            prefix_cache_hit_rate=m.prefix_cache_hit_rate, num_prompt_tokens=m.num_prompt_tokens,
+            num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions)
+
+    def close(self) -> None:
+        self._engine.shutdown()
+
+
+def load_engines(models: dict[str, Path], **config) -> dict[str, LocalEngineClient]:
+    """One LocalEngineClient per served name; `config` holds the EngineConfig fields they share."""
+    return {name: LocalEngineClient.load(EngineConfig(model=str(path), **config))
+            for name, path in models.items()}
+
+
+def _chunk(output: RequestOutput) -> GenerationChunk:
+    return GenerationChunk(
+        token_ids=output.new_token_ids,
+        text=output.new_text,
+        logprobs=[TokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in output.new_logprobs],
+        finished=output.finished,
+        finish_reason=output.finish_reason,
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_output_tokens=output.num_output_tokens,
+        num_cached_tokens=output.num_cached_tokens,
+    )

@@ -1,0 +1,94 @@
+"""The gateway's Prometheus series: traffic by tenant/model/status, latencies, engine gauges.
+
+Engine gauges are read from each EngineClient when /metrics is scraped, so they are never stale
+and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.engine_client import EngineClient
+from gateway.prometheus import BoundHistogram, Counter, Gauge, Histogram, Metric, render
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class LatencyMetrics:
+    """One model's latency histograms, bound once per call."""
+
+    time_to_first_token: BoundHistogram
+    time_per_output_token: BoundHistogram
+    e2e_request_latency: BoundHistogram
+
+
+class GatewayMetrics:
+    """Every series the gateway exports; `render(engines)` is the /metrics body."""
+
+    def __init__(self) -> None:
+        self.requests = Counter("switchboard_requests_total",
+                                "API requests by tenant, model and HTTP status.",
+                                ("tenant", "model", "status"))
+        self.prompt_tokens = Counter("switchboard_prompt_tokens_total",
+                                     "Prompt tokens processed, by tenant and model.",
+                                     ("tenant", "model"))
+        self.generation_tokens = Counter("switchboard_generation_tokens_total",
+                                         "Tokens generated, by tenant and model.", ("tenant", "model"))
+        self.time_to_first_token = Histogram(
+            "switchboard_time_to_first_token_seconds",
+            "Time from the request's arrival to its first output token.", _TTFT_BUCKETS, ("model",))
+        self.time_per_output_token = Histogram(
+            "switchboard_time_per_output_token_seconds",
+            "Time between consecutive output tokens of a request.", _TPOT_BUCKETS, ("model",))
+        self.e2e_request_latency = Histogram(
+            "switchboard_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token.", _E2E_BUCKETS, ("model",))
+        self.num_waiting = Gauge("switchboard_num_requests_waiting",
+                                 "Requests queued in the engine, waiting to be scheduled.", ("model",))
+        self.num_running = Gauge("switchboard_num_requests_running",
+                                 "Requests in the engine's running batch.", ("model",))
+        self.kv_usage = Gauge("switchboard_kv_cache_usage_ratio",
+                              "Fraction of the engine's KV-cache blocks in use.", ("model",))
+        self.kv_blocks_used = Gauge("switchboard_kv_cache_blocks_used",
+                                    "KV-cache blocks in use.", ("model",))
+        self.kv_blocks_total = Gauge("switchboard_kv_cache_blocks_total",
+                                     "KV-cache blocks in the engine's pool.", ("model",))
+        self.prefix_cache_hit_rate = Gauge("switchboard_prefix_cache_hit_rate",
+                                           "Share of queried prompt tokens served from the prefix "
+                                           "cache.", ("model",))
+        self.num_preemptions = Gauge("switchboard_num_preemptions",
+                                     "Requests preempted by the engine since it started.", ("model",))
+
+    def latency(self, model: str) -> LatencyMetrics:
+        return LatencyMetrics(self.time_to_first_token.labels(model=model),
+                              self.time_per_output_token.labels(model=model),
+                              self.e2e_request_latency.labels(model=model))
+
+    def count_tokens(self, tenant: str, model: str, prompt: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt, tenant=tenant, model=model)
+        self.generation_tokens.inc(generated, tenant=tenant, model=model)
+
+    def render(self, engines: Mapping[str, EngineClient]) -> str:
+        for model, engine in engines.items():
+            self._read_engine(model, engine)
+        return render(self._all())
+
+    def _read_engine(self, model: str, engine: EngineClient) -> None:
+        stats = engine.stats()
+        self.num_waiting.set(stats.num_waiting, model=model)
+        self.num_running.set(stats.num_running, model=model)
+        self.kv_usage.set(stats.kv_blocks_used / max(1, stats.kv_blocks_total), model=model)
+        self.kv_blocks_used.set(stats.kv_blocks_used, model=model)
+        self.kv_blocks_total.set(stats.kv_blocks_total, model=model)
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate, model=model)
+        self.num_preemptions.set(stats.num_preemptions, model=model)
+
+    def _all(self) -> list[Metric]:
+        return [m for m in vars(self).values() if isinstance(m, Metric)]

@@ -1,0 +1,56 @@
+"""AccessLog: one INFO line per request, and the request counter of the /v1 API.
+
+Handlers leave what they learn in `request.state` (tenant, model, token counts); this middleware
+reads it when the response is complete, so a stream is logged once, with its final counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger("gateway.access")
+
+_COUNTED_PREFIX = "/v1/"
+
+
+class AccessLog:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})  # NOTE: shared with the handler's request.state
+        started = state["arrived_at"] = time.monotonic()
+        status = 500  # what the client sees if the app fails before starting a response
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self._record(scope, status, time.monotonic() - started)
+
+    def _record(self, scope: Scope, status: int, elapsed: float) -> None:
+        state = scope["state"]
+        tenant, model = state.get("tenant", "-"), state.get("model", "-")
+        path = scope["path"]
+        if path.startswith(_COUNTED_PREFIX):
+            self.metrics.requests.inc(tenant=tenant, model=model, status=str(status))
+        tokens = ""
+        if "completion_tokens" in state:
+            tokens = f" prompt_tokens={state['prompt_tokens']} " \
+                     f"completion_tokens={state['completion_tokens']}"
+        logger.info("%s %s %d tenant=%s model=%s%s %.3fs", scope["method"], path, status,
+                    tenant, model, tokens, elapsed)

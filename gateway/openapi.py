@@ -1,0 +1,86 @@
+"""The OpenAPI 3.1 document of the gateway, built from its route table.
+
+Every route appears, summarised by the first line of its endpoint's docstring; request bodies
+get JSON schemas generated from their msgspec Structs, so the document cannot drift from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.admin import TenantCreate
+from gateway.errors import ErrorResponse
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+_REQUEST_BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
+    ("POST", "/v1/completions"): CompletionRequest,
+    ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+    ("POST", "/admin/tenants"): TenantCreate,
+}
+_PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
+_REF_TEMPLATE = "#/components/schemas/{name}"
+
+
+def openapi_document(routes: list[BaseRoute], version: str) -> dict[str, Any]:
+    """The OpenAPI document describing every route in `routes`."""
+    bodies = sorted(set(_REQUEST_BODIES.values()), key=lambda t: t.__name__)
+    body_schemas, components = msgspec.json.schema_components([*bodies, ErrorResponse],
+                                                              ref_template=_REF_TEMPLATE)
+    body_refs = dict(zip(bodies, body_schemas))
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        if not isinstance(route, Route):
+            continue
+        for method in sorted((route.methods or set()) - {"HEAD"}):
+            operation = _operation(route, method)
+            body = _REQUEST_BODIES.get((method, route.path))
+            if body is not None:
+                operation["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": body_refs[body]}},
+                }
+            paths.setdefault(route.path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Switchboard", "version": version,
+                 "description": "OpenAI-compatible multi-model LLM gateway."},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _operation(route: Route, method: str) -> dict[str, Any]:
+    doc = (route.endpoint.__doc__ or route.name).strip()
+    operation: dict[str, Any] = {
+        "summary": doc.splitlines()[0],
+        "operationId": f"{method.lower()}_{route.name}",
+        "responses": {
+            "200": {"description": "OK"},
+            "default": {
+                "description": "An error, in OpenAI's error shape",
+                "content": {"application/json": {"schema": {"$ref": _REF_TEMPLATE.format(
+                    name="ErrorResponse")}}},
+            },
+        },
+    }
+    if route.path not in _PUBLIC_PATHS:
+        operation["security"] = [{"bearer": []}]
+    if route.param_convertors:
+        operation["parameters"] = [{"name": name, "in": "path", "required": True,
+                                    "schema": {"type": "string"}}
+                                   for name in route.param_convertors]
+    return operation
+
+
+async def openapi_json(request: Request) -> Response:
+    """This document: every route of the gateway with its request schema."""
+    document = openapi_document(request.app.routes, request.app.state.version)
+    return Response(msgspec.json.encode(document), media_type="application/json")

@@ -1,0 +1,215 @@
+"""The OpenAI API's request and response bodies as msgspec Structs.
+
+Requests ignore unknown fields (as OpenAI does); constraints are declared with `Meta`, so a bad
+value is refused at decode time with the field's path, which becomes the error's `param`. Every
+optional field accepts null, as OpenAI clients send it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+TopK = Annotated[int, Meta(ge=-1)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
+NumChoices = Annotated[int, Meta(ge=1, le=128)]
+Penalty = Annotated[float, Meta(gt=0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras (top_k onwards)."""
+
+    model: str
+    n: NumChoices | None = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    top_k: TopK | None = None
+    min_tokens: NonNegativeInt | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: Penalty | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    return_tokens_as_token_ids: bool | None = False
+    """Logprob tokens as "token_id:<id>" instead of text (vLLM's extra; exact for any bytes)."""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first OpenAI field set to something this gateway cannot honour, if any: better a
+        400 than a reply that silently ignored it."""
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
+        return "logit_bias" if self.logit_bias else None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of ids."""
+
+    prompt: str | list[str | int | list[int]]
+    max_tokens: PositiveInt | None = 16
+    logprobs: NumLogprobs | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported_field(self) -> str | None:
+        if self.echo or self.suffix or (self.best_of or 1) > (self.n or 1):
+            return "echo" if self.echo else "suffix" if self.suffix else "best_of"
+        return super().unsupported_field()
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions. `max_completion_tokens` wins over the older `max_tokens`."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: NumLogprobs | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def unsupported_field(self) -> str | None:
+        if self.tools:
+            return "tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return super().unsupported_field()
+
+
+# Responses.
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """A /v1/completions response, and (with `usage` None) each of its stream chunks."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "switchboard"
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,37 @@
+"""Server-sent events for streamed completions: `data: <json>` events ending in `data: [DONE]`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(payload: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Streams `content`, then awaits `on_close` however the stream ended.
+
+    NOTE: when the client disconnects, Starlette cancels the task that iterates `content`, maybe
+    before it started or while it is suspended at a `yield`, where no `finally` of the iterator
+    runs. `on_close` runs here instead, outside that cancelled task, so it can stop the engine
+    requests and bill what they produced.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()

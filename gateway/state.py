@@ -1,0 +1,30 @@
+"""GatewayState: what every handler reaches through `request.app.state.gateway`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from gateway.engine_client import EngineClient
+from gateway.metrics import GatewayMetrics
+from store import Store
+
+
+@dataclass
+class GatewayState:
+    """The served models (by the name clients use), the store, and the metrics."""
+
+    engines: dict[str, EngineClient]
+    metrics: GatewayMetrics
+    store: Store | None = None  # opened by the app's lifespan, on the server's event loop
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    def require_store(self) -> Store:
+        assert self.store is not None, "the store is opened by the app's lifespan"
+        return self.store
+
+
+def gateway_state(request: Request) -> GatewayState:
+    return request.app.state.gateway

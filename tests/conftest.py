@@ -1,0 +1,123 @@
+"""Shared fixtures: the demo model, one engine for the session, and real gateway servers.
+
+A gateway server is the real app under uvicorn on a free loopback port, on its own thread, so
+tests talk to it over HTTP exactly as clients do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # NOTE: set before anything imports triton's JIT: without a GPU, kernels run interpreted.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEMO_MODEL = "switchboard-demo"
+ADMIN_KEY = "sb-admin-test-key"
+_START_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.demo import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / DEMO_MODEL)
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_model_dir: Path) -> Iterator:
+    """One LocalEngineClient over the demo model, shared by every gateway test."""
+    import torch
+
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    # NOTE: one intra-op thread: the tiny demo model gains nothing from more, and on a busy
+    # 2-core machine OpenMP threads spinning against each other make each step 100x slower.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512),
+                                    show_progress=False)
+    yield engine
+    engine.close()
+    torch.set_num_threads(num_threads)
+
+
+@dataclass
+class GatewayServer:
+    """A running gateway: its URL, its admin key, and helpers for the admin API."""
+
+    url: str
+    admin_key: str
+    app: object
+
+    def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.admin_key}"}
+        return httpx.request(method, self.url + path, headers=headers, timeout=30, **kwargs)
+
+    def new_tenant(self, name: str, **limits) -> str:
+        """Create a tenant with `limits` and return a fresh API key for it."""
+        created = self.admin("POST", "/admin/tenants", json={"name": name, **limits})
+        assert created.status_code == 201, created.text
+        key = self.admin("POST", f"/admin/tenants/{name}/keys")
+        assert key.status_code == 201, key.text
+        return key.json()["key"]
+
+    def engine_metrics(self):
+        return self.app.state.gateway.engines[DEMO_MODEL].stats()
+
+
+@contextmanager
+def run_server(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port until the block ends; yields its URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
+                                           lifespan="on", log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start; see the log above")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@contextmanager
+def gateway_server(engine, data_dir: Path, store_url: str | None = None,
+                   admin_key: str = ADMIN_KEY) -> Iterator[GatewayServer]:
+    """A gateway serving the demo engine as `switchboard-demo`, with its store in `data_dir`."""
+    from gateway.app import create_app
+
+    app = create_app({DEMO_MODEL: engine}, data_dir=data_dir, store_url=store_url,
+                     admin_key=admin_key)
+    with run_server(app) as url:
+        yield GatewayServer(url, admin_key, app)
+
+
+@pytest.fixture(scope="module")
+def server(demo_engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """One SQLite-backed gateway per test module."""
+    with gateway_server(demo_engine, tmp_path_factory.mktemp("gateway")) as running:
+        yield running

@@ -1,0 +1,130 @@
+"""The `switchboard` command: help, settings from options/env/TOML, and a real `serve` run."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.cli import main
+from gateway.config import ServeConfig, load_serve_config, parse_size
+from tests.conftest import DEMO_MODEL
+
+SWITCHBOARD = [sys.executable, "-m", "gateway.cli"]  # what the `switchboard` script runs
+SCRIPT = [shutil.which("switchboard")] if shutil.which("switchboard") else SWITCHBOARD
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"]])
+def test_help_exits_zero(argv):
+    result = subprocess.run(SCRIPT + argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "usage: switchboard" in result.stdout
+    if "serve" in argv:
+        assert all(option in result.stdout for option in (
+            "--model NAME=PATH", "--host", "--port", "--data-dir", "--store", "--admin-key",
+            "--device", "--dtype", "--config", "--max-num-seqs", "--max-num-batched-tokens",
+            "--kv-cache-memory", "--max-model-len", "SWITCHBOARD_HOME"))
+
+
+def test_a_command_is_required():
+    with pytest.raises(SystemExit) as raised:
+        main([])
+    assert raised.value.code == 2
+
+
+def test_command_line_beats_environment_beats_config_file(tmp_path):
+    config = tmp_path / "switchboard.toml"
+    config.write_text('port = 9000\nhost = "0.0.0.0"\nmax-num-seqs = 8\nadmin_key = "from-file"\n'
+                      'model = ["a=/models/a", "/models/b"]\nkv_cache_memory = "2GiB"\n')
+    environ = {"SWITCHBOARD_ADMIN_KEY": "from-env", "SWITCHBOARD_HOME": "/srv/sb"}
+    loaded = load_serve_config({"port": 9100}, config, environ)
+    assert (loaded.port, loaded.host, loaded.max_num_seqs) == (9100, "0.0.0.0", 8)
+    assert (loaded.admin_key, loaded.data_dir) == ("from-env", Path("/srv/sb"))
+    assert loaded.models() == {"a": Path("/models/a"), "b": Path("/models/b")}
+    assert loaded.engine_options() == {"device": "cpu", "dtype": "float32", "max_num_seqs": 8,
+                                       "kv_cache_memory_bytes": 2 << 30}
+    defaults = load_serve_config({}, None, {})
+    assert (defaults.host, defaults.port, defaults.data_dir) == ("127.0.0.1", 8000, Path("data"))
+    assert defaults.models() == {} and defaults.store is None and defaults.admin_key is None
+
+
+@pytest.mark.parametrize("text, size", [("1024", 1024), ("512MiB", 512 << 20), ("4G", 4 << 30),
+                                        ("3 KiB", 3 << 10)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(model=["a=/x", "a=/y"]), "given twice"),
+    (dict(model=["=/x"]), "NAME=PATH"),
+    (dict(port=70000), "port"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_invalid_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServeConfig(**kwargs)
+
+
+def test_unknown_config_keys_exit_2_with_the_reason(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text("prot = 1\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "unknown keys" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_prints_a_new_admin_key_once_and_serves(demo_model_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "SWITCHBOARD_HOME": str(tmp_path / "home")}
+    env.pop("SWITCHBOARD_ADMIN_KEY", None)
+    command = SWITCHBOARD + ["serve", "--port", str(port), "--model",
+                             f"{DEMO_MODEL}={demo_model_dir}", "--kv-cache-memory", "16MiB"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        admin_key = _read_admin_key(process)
+        _wait_for_health(url, process)
+        auth = {"Authorization": f"Bearer {admin_key}"}
+        assert httpx.post(url + "/admin/tenants", json={"name": "cli"}, headers=auth).status_code == 201
+        key = httpx.post(url + "/admin/tenants/cli/keys", headers=auth).json()["key"]
+        completion = httpx.post(url + "/v1/completions", timeout=30, json={
+            "model": DEMO_MODEL, "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+            headers={"Authorization": f"Bearer {key}"})
+        assert completion.json()["usage"]["completion_tokens"] == 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert admin_key not in stdout  # printed once, before this rest of the output
+    assert "POST /v1/completions 200 tenant=cli model=switchboard-demo" in stderr
+    assert (tmp_path / "home" / "switchboard.db").is_file()
+
+
+def _read_admin_key(process: subprocess.Popen) -> str:
+    for line in process.stdout:
+        if line.strip().startswith("sb-admin-"):
+            return line.strip()
+    raise AssertionError(f"no admin key printed; stderr: {process.stderr.read()}")
+
+
+def _wait_for_health(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.ConnectError:
+            time.sleep(0.1)
+    raise AssertionError("the server did not become healthy")

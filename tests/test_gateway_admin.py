@@ -1,0 +1,182 @@
+"""Auth, the admin API, rate limits and budgets, against both store backends."""
+
+import itertools
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ADMIN_KEY, DEMO_MODEL, gateway_server, run_server
+from tests.redis_server import redis_server  # noqa: F401
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def server(request, demo_engine, tmp_path_factory):
+    """A gateway per store backend (the Redis one on a throwaway redis-server)."""
+    store_url = request.getfixturevalue("redis_server") if request.param == "redis" else None
+    with gateway_server(demo_engine, tmp_path_factory.mktemp("admin"), store_url) as running:
+        yield running
+
+
+@pytest.fixture
+def tenant(server):
+    """A fresh tenant name and key (names are unique: the Redis store outlives one test)."""
+    name = f"t{next(_names)}"
+    return name, server.new_tenant(name)
+
+
+def get(server, path: str, key: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return httpx.get(server.url + path, headers=headers)
+
+
+def complete(server, key: str, **body) -> httpx.Response:
+    body = {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1, **body}
+    return httpx.post(server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_v1_needs_a_valid_key(server, tenant):
+    _, key = tenant
+    assert get(server, "/v1/models", key).status_code == 200
+    for bad in (None, "sb-wrong", "not-even-prefixed"):
+        response = get(server, "/v1/models", bad)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    admin = get(server, "/v1/models", ADMIN_KEY)
+    assert admin.status_code == 403 and "admin key" in admin.json()["error"]["message"]
+
+
+def test_admin_endpoints_need_the_admin_key(server, tenant):
+    _, key = tenant
+    assert get(server, "/admin/tenants", None).status_code == 401
+    assert get(server, "/admin/tenants", "sb-wrong").status_code == 401
+    forbidden = get(server, "/admin/tenants", key)
+    assert forbidden.status_code == 403
+    assert forbidden.json()["error"]["type"] == "permission_error"
+    assert get(server, "/admin/tenants", ADMIN_KEY).status_code == 200
+
+
+def test_tenant_lifecycle(server):
+    name = f"t{next(_names)}"
+    created = server.admin("POST", "/admin/tenants",
+                           json={"name": name, "rpm": 10, "tpm": 1000, "unknown": "ignored"})
+    assert created.status_code == 201
+    assert (created.json()["name"], created.json()["rpm"], created.json()["tpm"]) == (name, 10, 1000)
+    assert server.admin("POST", "/admin/tenants", json={"name": name}).status_code == 409
+    listed = server.admin("GET", "/admin/tenants").json()["data"]
+    assert name in [t["name"] for t in listed]
+    detail = server.admin("GET", f"/admin/tenants/{name}").json()
+    assert detail["tenant"]["rpm"] == 10 and detail["keys"] == []
+    assert detail["usage"]["requests"] == 0
+    assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+    missing = server.admin("GET", f"/admin/tenants/{name}")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "tenant_not_found"
+    assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 404
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"name": "bad/name"}, "name"),
+    ({"name": "ok", "rpm": 0}, None),
+    ({"rpm": 3}, "name"),
+    ({"name": "ok", "rpm": "many"}, "rpm"),
+])
+def test_invalid_tenants_are_bad_requests(server, body, param):
+    response = server.admin("POST", "/admin/tenants", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_key_is_shown_once_authenticates_and_is_revoked(server, tenant):
+    name, _ = tenant
+    created = server.admin("POST", f"/admin/tenants/{name}/keys")
+    assert created.status_code == 201
+    body = created.json()
+    assert set(body) == {"id", "key", "tenant", "prefix", "created_at"}
+    assert body["key"].startswith(body["prefix"])
+    assert get(server, "/v1/models", body["key"]).status_code == 200
+    listed = server.admin("GET", f"/admin/tenants/{name}").json()["keys"]
+    assert body["id"] in [k["id"] for k in listed]
+    assert body["key"] not in created.text.replace(body["key"], "", 1)  # shown exactly once
+    assert body["key"] not in str(listed)
+    revoked = server.admin("DELETE", f"/admin/keys/{body['id']}")
+    assert revoked.status_code == 200 and revoked.json()["revoked"] is True
+    assert get(server, "/v1/models", body["key"]).status_code == 401
+    assert server.admin("DELETE", "/admin/keys/key_nope").status_code == 404
+    assert server.admin("POST", "/admin/tenants/nobody/keys").status_code == 404
+
+
+def test_deleting_a_tenant_invalidates_its_keys(server, tenant):
+    name, key = tenant
+    assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+    assert get(server, "/v1/models", key).status_code == 401
+
+
+def test_rpm_limit_allows_exactly_that_many_then_429_with_retry_after(server):
+    key = server.new_tenant(f"t{next(_names)}", rpm=3)
+    statuses = [complete(server, key).status_code for _ in range(3)]
+    assert statuses == [200, 200, 200]
+    limited = complete(server, key)
+    assert limited.status_code == 429
+    assert 1 <= int(limited.headers["retry-after"]) <= 20  # one request refills in 60 / 3 s
+    error = limited.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=DEMO_MODEL, prompt="hi", max_tokens=1)
+
+
+def test_tpm_counts_prompt_plus_max_tokens(server):
+    key = server.new_tenant(f"t{next(_names)}", tpm=40)
+    too_large = complete(server, key, max_tokens=50)
+    assert too_large.status_code == 400 and too_large.json()["error"]["code"] == "request_too_large"
+    # "hi" is 3 prompt tokens (BOS + 2 bytes): 3 + 17 = 20 tokens, twice fills the bucket of 40.
+    assert [complete(server, key, max_tokens=17).status_code for _ in range(2)] == [200, 200]
+    limited = complete(server, key, max_tokens=17)
+    assert limited.status_code == 429 and "tpm" in limited.json()["error"]["message"]
+
+
+def test_monthly_budget_is_settled_with_real_counts(server):
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, monthly_token_budget=30)
+    # Reserves 3 + 10 = 13; settles 3 + 4 (EOS cannot end it early: ignore_eos, min 4 tokens).
+    first = complete(server, key, max_tokens=4, ignore_eos=True)
+    assert first.status_code == 200 and first.json()["usage"]["total_tokens"] == 7
+    streamed = complete(server, key, max_tokens=6, ignore_eos=True, stream=True)
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["requests"], usage["tokens_in"], usage["tokens_out"]) == (2, 6, 10)
+    assert usage["reserved_tokens"] == 0
+    over = complete(server, key, max_tokens=20)  # 16 used + 3 + 20 > 30
+    assert over.status_code == 429
+    assert over.json()["error"]["code"] == "insufficient_quota"
+    assert over.headers["x-should-retry"] == "false"
+
+
+def test_allowed_models_limit_what_a_tenant_sees(server):
+    key = server.new_tenant(f"t{next(_names)}", allowed_models=["other-model"])
+    assert get(server, "/v1/models", key).json()["data"] == []
+    response = complete(server, key)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_first_start_creates_an_admin_key_once(demo_engine, tmp_path):
+    from gateway.app import create_app
+
+    announced = []
+    for _ in range(2):
+        app = create_app({DEMO_MODEL: demo_engine}, data_dir=tmp_path,
+                         announce_admin_key=announced.append)
+        with run_server(app) as url:
+            assert len(announced) == 1
+            headers = {"Authorization": f"Bearer {announced[0]}"}
+            assert httpx.get(url + "/admin/tenants", headers=headers).status_code == 200
+    app = create_app({DEMO_MODEL: demo_engine}, data_dir=tmp_path, admin_key="sb-admin-new",
+                     announce_admin_key=announced.append)
+    with run_server(app) as url:
+        old = httpx.get(url + "/admin/tenants", headers={"Authorization": f"Bearer {announced[0]}"})
+        new = httpx.get(url + "/admin/tenants", headers={"Authorization": "Bearer sb-admin-new"})
+        assert (old.status_code, new.status_code, len(announced)) == (401, 200, 1)

@@ -1,0 +1,229 @@
+"""The OpenAI API through the official `openai` client against a real server and engine."""
+
+import httpx
+import openai
+import pytest
+
+from engine.llm import LLM
+from engine.request import SamplingParams
+from tests.conftest import DEMO_MODEL
+
+PROMPT = "The quick brown fox"
+CHAT_PROMPT = "<|system|>\nBe brief.\n<|user|>\nhello\n<|assistant|>\n"  # the demo's template
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def key(server) -> str:
+    return server.new_tenant("api-tests")
+
+
+@pytest.fixture(scope="module")
+def client(server, key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(demo_model_dir):
+    """The offline engine API over the same model: the reference for greedy outputs."""
+    return LLM(str(demo_model_dir), show_progress=False, num_kv_blocks=128)
+
+
+def offline_greedy(offline, prompt, max_tokens, **params):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+    return offline.generate([prompt], params, use_tqdm=False)[0]
+
+
+def ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [DEMO_MODEL]
+    assert models[0].object == "model" and models[0].owned_by == "switchboard"
+
+
+def test_greedy_completion_equals_offline_engine(client, offline):
+    expected = offline_greedy(offline, PROMPT, 12, ignore_eos=True, logprobs=1)
+    completion = client.completions.create(
+        model=DEMO_MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    choice = completion.choices[0]
+    assert ids(choice.logprobs.tokens) == expected.output_token_ids
+    assert choice.text == expected.text
+    assert choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs],
+                                                           abs=1e-4)
+    assert all(len(top) <= 1 for top in choice.logprobs.top_logprobs)
+    num_prompt = len(expected.prompt_token_ids)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens,
+            completion.usage.total_tokens) == (num_prompt, 12, num_prompt + 12)
+
+
+def test_greedy_chat_equals_offline_engine_on_the_templated_prompt(client, offline, demo_engine):
+    prompt_ids = demo_engine.tokenize(CHAT_PROMPT, add_special_tokens=False)
+    expected = offline_greedy(offline, prompt_ids, 10, ignore_eos=True)
+    chat = client.chat.completions.create(
+        model=DEMO_MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0,
+        logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    choice = chat.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert ids([t.token for t in choice.logprobs.content]) == expected.output_token_ids
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert chat.usage.prompt_tokens == len(prompt_ids) == len(CHAT_PROMPT)
+    assert chat.usage.completion_tokens == 10 and choice.finish_reason == "length"
+
+
+def test_streamed_completion_matches_the_whole_one(client):
+    kwargs = dict(model=DEMO_MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_streamed_chat_sends_role_first_content_then_usage_and_done(server, key, client):
+    kwargs = dict(model=DEMO_MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True,
+                                                 stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage == whole.usage
+    raw = httpx.post(server.url + "/v1/chat/completions", json={**kwargs, "stream": True,
+                     **kwargs["extra_body"]}, headers={"Authorization": f"Bearer {key}"})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.text.split("\n\n") if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert '"usage":null' in events[0]  # no usage chunk unless include_usage
+
+
+def test_n_choices_with_seeds_are_reproducible(client):
+    kwargs = dict(model=DEMO_MODEL, prompt=PROMPT, max_tokens=6, n=3, seed=7, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 18
+    assert first.usage.prompt_tokens == len(PROMPT) + 1  # counted once per prompt (byte + BOS)
+
+
+def test_streamed_n_choices_carry_their_index(client):
+    chunks = list(client.chat.completions.create(
+        model=DEMO_MODEL, messages=MESSAGES, max_tokens=4, n=2, stream=True, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index: c.choices[0].finish_reason
+                for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_stop_string_ends_the_completion_without_it(client, offline):
+    full = offline_greedy(offline, PROMPT, 12, ignore_eos=True).text
+    stop = next(c for c in full[:-1] if c != "\ufffd")  # complete before the last token
+    completion = client.completions.create(model=DEMO_MODEL, prompt=PROMPT, max_tokens=12,
+                                           temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == full[:full.index(stop)]
+
+
+def test_token_id_prompts_and_prompt_lists(client, offline, demo_engine):
+    prompt_ids = demo_engine.tokenize("abc")
+    expected = offline_greedy(offline, prompt_ids, 5, ignore_eos=True).text
+    batch = client.completions.create(model=DEMO_MODEL, prompt=[prompt_ids, prompt_ids],
+                                      max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.text for c in batch.choices] == [expected, expected]
+    assert batch.usage.prompt_tokens == 2 * len(prompt_ids)
+    strings = client.completions.create(model=DEMO_MODEL, prompt=["abc", "xyz"], max_tokens=5,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert strings.choices[0].text == expected and len(strings.choices) == 2
+
+
+def test_unknown_fields_are_ignored(client):
+    completion = client.completions.create(model=DEMO_MODEL, prompt="x", max_tokens=2,
+                                           extra_body={"ignore_eos": True, "no_such_field": 1})
+    assert completion.usage.completion_tokens == 2
+
+
+def test_bad_key_is_an_authentication_error(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sb-not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as raised:
+        bad.models.list()
+    assert raised.value.status_code == 401
+    assert raised.value.body["type"] == "authentication_error"
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert raised.value.body == {
+        "message": raised.value.body["message"], "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(max_tokens=5000), "max_tokens"),  # prompt + output beyond the 2048-token context
+    (dict(extra_body={"min_tokens": 9}), None),  # the engine's own check: min_tokens > max_tokens
+])
+def test_invalid_values_are_bad_requests_naming_the_field(client, kwargs, param):
+    kwargs = {"max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt="x", **kwargs)
+    body = raised.value.body
+    assert raised.value.status_code == 400
+    assert (body["type"], body["param"]) == ("invalid_request_error", param)
+    assert body["message"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"65": 5}}, "logit_bias"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 3}, "best_of"),
+])
+def test_known_but_unsupported_fields_are_refused(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt="x", max_tokens=1, extra_body=extra)
+    assert (raised.value.body["param"], raised.value.body["code"]) == (param, "unsupported_parameter")
+
+
+def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt="x" * 2100, max_tokens=1)
+    assert "shorten the prompt" in raised.value.body["message"]
+
+
+def test_chat_errors_name_the_field(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, top_logprobs=2)
+    assert raised.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=[])
+    assert raised.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert raised.value.body["param"] == "messages[0].content"
+
+
+def test_malformed_json_is_a_bad_request(server, key):
+    response = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                          headers={"Authorization": f"Bearer {key}"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,125 @@
+"""The gateway over a scripted EngineClient: chat fallback, engine refusals and failures.
+
+No torch here: the scripted engine is what a remote worker would be, the protocol and nothing more.
+"""
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.engine_client import (EngineFailure, EngineStats, GenerationChunk, RequestRejected,
+                                   SamplingOptions)
+from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+
+MODEL = "scripted"
+
+
+class ScriptedEngine:
+    """Emits "A", "B", ... one token per chunk; fails or refuses when told to."""
+
+    max_model_len = 64
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+        self.fail_after: int | None = None
+        self.refuse: str | None = None
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + list(text.encode())
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
+        return None  # no chat template: the gateway's plain transcript is used
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None = None) -> AsyncIterator[GenerationChunk]:
+        self.prompts.append(prompt_token_ids)
+        if self.refuse is not None:
+            raise RequestRejected(self.refuse)
+        for i in range(options.max_tokens):
+            if i == self.fail_after:
+                raise EngineFailure("the device fell over")
+            last = i == options.max_tokens - 1
+            yield GenerationChunk(token_ids=[65 + i], text=chr(65 + i), logprobs=[],
+                                  finished=last, finish_reason="length" if last else None,
+                                  num_prompt_tokens=len(prompt_token_ids),
+                                  num_output_tokens=i + 1, num_cached_tokens=0)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
+                           prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
+                           num_generation_tokens=0, num_preemptions=0)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engine() -> ScriptedEngine:
+    return ScriptedEngine()
+
+
+@pytest.fixture(scope="module")
+def scripted(engine, tmp_path_factory):
+    app = create_app({MODEL: engine}, data_dir=tmp_path_factory.mktemp("scripted"),
+                     admin_key=ADMIN_KEY)
+    with run_server(app) as url:
+        server = GatewayServer(url, ADMIN_KEY, app)
+        yield server, server.new_tenant("scripted")
+
+
+@pytest.fixture(autouse=True)
+def reset(engine):
+    engine.fail_after, engine.refuse = None, None
+
+
+def post(scripted, path: str, **body) -> httpx.Response:
+    server, key = scripted
+    return httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 4, **body},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_chat_without_a_template_uses_a_plain_transcript(scripted, engine):
+    response = post(scripted, "/v1/chat/completions", messages=[
+        {"role": "system", "content": "S"}, {"role": "user", "content": [
+            {"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}])
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "ABCD"
+    assert engine.prompts[-1] == [1] + list(b"system: S\nuser: hi there\nassistant:")
+
+
+def test_a_refused_request_is_a_400_with_the_engine_reason(scripted, engine):
+    engine.refuse = "the adapter is not loaded"
+    for stream in (False, True):
+        response = post(scripted, "/v1/completions", prompt="x", stream=stream)
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "the adapter is not loaded"
+
+
+def test_an_engine_failure_is_a_500_or_an_error_event(scripted, engine):
+    engine.fail_after = 0
+    before_first_token = post(scripted, "/v1/completions", prompt="x", stream=True)
+    assert before_first_token.status_code == 500
+    assert before_first_token.json()["error"]["code"] == "engine_failure"
+    engine.fail_after = 2
+    whole = post(scripted, "/v1/completions", prompt="x")
+    assert whole.status_code == 500
+    assert whole.json()["error"]["type"] == "server_error"
+    streamed = post(scripted, "/v1/chat/completions", stream=True,
+                    messages=[{"role": "user", "content": "x"}])
+    assert streamed.status_code == 200
+    events = [e.removeprefix("data: ") for e in streamed.text.split("\n\n") if e]
+    assert '"code":"engine_failure"' in events[-2] and events[-1] == "[DONE]"
+    assert '"content":"A"' in streamed.text and '"content":"B"' in streamed.text
+
+
+def test_usage_counts_each_prompt_once_and_every_choice(scripted):
+    response = post(scripted, "/v1/completions", prompt=["ab", "cde"], n=2, max_tokens=3)
+    body = response.json()
+    assert [c["text"] for c in body["choices"]] == ["ABC"] * 4
+    assert body["usage"] == {"prompt_tokens": 3 + 4, "completion_tokens": 12,
+                             "total_tokens": 19, "prompt_tokens_details": {"cached_tokens": 0}}

@@ -1,0 +1,84 @@
+"""Prometheus text rendering, and the gateway's /metrics after real traffic."""
+
+import re
+
+import httpx
+import pytest
+
+from gateway.prometheus import Counter, Gauge, Histogram, render
+from tests.conftest import DEMO_MODEL
+
+
+def test_counter_gauge_and_histogram_render_the_text_format():
+    requests = Counter("x_requests_total", "Requests.", ("tenant",))
+    requests.inc(tenant='a"b')
+    requests.inc(2, tenant='a"b')
+    gauge = Gauge("x_waiting", "Waiting.")
+    gauge.set(4)
+    latency = Histogram("x_seconds", "Latency.", (0.1, 1.0), ("model",))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        latency.observe(value, model="m")
+    assert render([requests, gauge, latency]).splitlines() == [
+        "# HELP x_requests_total Requests.",
+        "# TYPE x_requests_total counter",
+        'x_requests_total{tenant="a\\"b"} 3',
+        "# HELP x_waiting Waiting.",
+        "# TYPE x_waiting gauge",
+        "x_waiting 4",
+        "# HELP x_seconds Latency.",
+        "# TYPE x_seconds histogram",
+        'x_seconds_bucket{model="m",le="0.1"} 2',
+        'x_seconds_bucket{model="m",le="1"} 3',
+        'x_seconds_bucket{model="m",le="+Inf"} 4',
+        'x_seconds_sum{model="m"} 3.65',
+        'x_seconds_count{model="m"} 4',
+    ]
+
+
+def test_labels_must_match_the_declared_names():
+    with pytest.raises(ValueError, match="takes labels"):
+        Counter("c_total", "C.", ("tenant",)).inc(model="m")
+
+
+def sample(text: str, name: str, **labels) -> float:
+    """The value of one series in a /metrics body (labels given must all match)."""
+    for line in text.splitlines():
+        match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(k) == str(v) for k, v in labels.items()):
+            return float(match.group(3))
+    raise AssertionError(f"no sample {name} {labels} in /metrics")
+
+
+def test_metrics_after_traffic(server):
+    key = server.new_tenant("metered")
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
+    for stream in (False, True):
+        response = httpx.post(server.url + "/v1/completions", json={**body, "stream": stream},
+                              headers=headers, timeout=30)
+        assert response.status_code == 200
+    assert httpx.post(server.url + "/v1/completions", json={**body, "model": "nope"},
+                      headers=headers).status_code == 404
+    text = httpx.get(server.url + "/metrics").text
+    assert sample(text, "switchboard_requests_total", tenant="metered", model=DEMO_MODEL,
+                  status=200) == 2
+    assert sample(text, "switchboard_requests_total", tenant="metered", model="-",
+                  status=404) == 1
+    assert sample(text, "switchboard_prompt_tokens_total", tenant="metered", model=DEMO_MODEL) == 6
+    assert sample(text, "switchboard_generation_tokens_total", tenant="metered",
+                  model=DEMO_MODEL) == 10
+    assert sample(text, "switchboard_time_to_first_token_seconds_count", model=DEMO_MODEL) >= 2
+    assert sample(text, "switchboard_time_per_output_token_seconds_count", model=DEMO_MODEL) >= 8
+    assert sample(text, "switchboard_e2e_request_latency_seconds_count", model=DEMO_MODEL) >= 2
+    assert sample(text, "switchboard_e2e_request_latency_seconds_bucket", model=DEMO_MODEL,
+                  le="+Inf") >= 2
+    engine = server.engine_metrics()
+    assert sample(text, "switchboard_num_requests_waiting", model=DEMO_MODEL) == 0
+    assert sample(text, "switchboard_num_requests_running", model=DEMO_MODEL) == 0
+    assert sample(text, "switchboard_kv_cache_usage_ratio", model=DEMO_MODEL) == 0
+    assert sample(text, "switchboard_kv_cache_blocks_total", model=DEMO_MODEL) == \
+        engine.kv_blocks_total
+    assert "# TYPE switchboard_time_to_first_token_seconds histogram" in text

@@ -1,0 +1,46 @@
+"""/health, /openapi.json, errors outside the API routes, and the gateway's torch-free import."""
+
+import subprocess
+import sys
+
+import httpx
+
+from gateway.app import ROUTES
+from tests.conftest import DEMO_MODEL
+
+
+def test_health_needs_no_key(server):
+    response = httpx.get(server.url + "/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "models": [DEMO_MODEL]}
+
+
+def test_openapi_lists_every_route_and_method(server):
+    document = httpx.get(server.url + "/openapi.json").json()
+    assert document["openapi"].startswith("3.")
+    listed = {(method.upper(), path) for path, ops in document["paths"].items() for method in ops}
+    routed = {(method, route.path) for route in ROUTES for method in route.methods - {"HEAD"}}
+    assert listed == routed
+    assert len(routed) == 12
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"model", "messages", "max_completion_tokens", "top_logprobs"} <= set(schema["properties"])
+    assert document["paths"]["/admin/keys/{key_id}"]["delete"]["parameters"][0]["name"] == "key_id"
+    assert "security" not in document["paths"]["/health"]["get"]
+
+
+def test_unknown_routes_and_methods_get_openai_shaped_errors(server):
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+    wrong_method = httpx.get(server.url + "/v1/completions")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["message"]
+
+
+def test_request_handling_never_imports_torch():
+    code = ("import sys, gateway.app, gateway.cli; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

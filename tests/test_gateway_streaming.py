@@ -1,0 +1,90 @@
+"""A client that goes away aborts its engine requests, frees their KV blocks, and is billed."""
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import DEMO_MODEL
+
+LONG = {"model": DEMO_MODEL, "prompt": "tell me everything", "max_tokens": 2000,
+        "ignore_eos": True, "logprobs": 0}  # logprobs: every token makes an event
+
+
+@pytest.fixture(scope="module")
+def tenant(server):
+    return "streamer", server.new_tenant("streamer")
+
+
+def wait_until_idle(server, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = server.engine_metrics()
+        idle = metrics.num_running == 0 and metrics.num_waiting == 0 and metrics.kv_blocks_used == 0
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.02)
+
+
+def usage(server, name):
+    return server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_aborts_the_requests(server, tenant, n):
+    name, key = tenant
+    assert wait_until_idle(server).kv_blocks_used == 0
+    generated_before = server.engine_metrics().num_generation_tokens
+    tokens_out_before = usage(server, name)["tokens_out"]
+    received = 0
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions", json={**LONG, "n": n,
+                           "stream": True}, headers={"Authorization": f"Bearer {key}"}) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()  # NOTE: closing this iterator would close the connection
+            for line in lines:
+                if line.startswith("data: {"):
+                    received += len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"])
+                if received >= 5:
+                    break
+            assert server.engine_metrics().num_running == n  # still decoding for us
+    metrics = wait_until_idle(server)
+    assert (metrics.num_running, metrics.num_waiting, metrics.kv_blocks_used) == (0, 0, 0)
+    generated = metrics.num_generation_tokens - generated_before
+    assert received <= generated < 2000 * n // 4
+    billed = usage(server, name)["tokens_out"] - tokens_out_before
+    assert received <= billed <= generated
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server, tenant):
+    name, key = tenant
+    assert wait_until_idle(server).kv_blocks_used == 0
+    generated_before = server.engine_metrics().num_generation_tokens
+    tokens_out_before = usage(server, name)["tokens_out"]
+    body = json.dumps({**LONG, "stream": False}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                     + body)
+        deadline = time.monotonic() + 10
+        while server.engine_metrics().num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.engine_metrics().num_running == 1
+    metrics = wait_until_idle(server)
+    assert (metrics.num_running, metrics.num_waiting, metrics.kv_blocks_used) == (0, 0, 0)
+    generated = metrics.num_generation_tokens - generated_before
+    assert 0 < generated < 500
+    assert 0 < usage(server, name)["tokens_out"] - tokens_out_before <= generated
+
+
+def test_finished_streams_leave_nothing_behind(server, tenant):
+    _, key = tenant
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "stream": True, "n": 2}, headers={"Authorization": f"Bearer {key}"})
+    assert response.text.endswith("data: [DONE]\n\n")
+    metrics = wait_until_idle(server)
+    assert (metrics.num_running, metrics.kv_blocks_used) == (0, 0)
