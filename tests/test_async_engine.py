@@ -1,6 +1,7 @@
 """AsyncEngine on the demo model: concurrent streams, rejection, and abort on cancellation."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -84,3 +85,25 @@ def test_cancelling_the_consumer_aborts_the_request(async_engine):
     assert metrics.num_running == 0 and metrics.num_waiting == 0
     assert metrics.kv_blocks_used == 0
     assert metrics.num_generation_tokens < 1000
+
+
+def test_a_consumer_whose_event_loop_closed_does_not_kill_the_engine(async_engine):
+    async def start():
+        stream = async_engine.generate("orphan", SamplingParams(max_tokens=500, ignore_eos=True))
+        await stream.__anext__()
+        return stream
+
+    loop = asyncio.new_event_loop()
+    orphan = loop.run_until_complete(start())
+    loop.close()  # the consumer vanishes without closing its stream
+    tokens, _, last = asyncio.run(collect(async_engine, "ok", SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert len(tokens) == 3 and last.finished
+    # The metrics snapshot is published just after outputs are delivered: give it a moment.
+    for _ in range(100):
+        metrics = async_engine.metrics()
+        if metrics.num_running == 0:
+            break
+        time.sleep(0.02)
+    assert metrics.num_running == 0 and metrics.kv_blocks_used == 0  # the orphan was aborted
+    assert metrics.num_generation_tokens < 500
+    del orphan

@@ -96,3 +96,18 @@ def test_demo_model_generates_text_with_stop_strings(tmp_path):
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == free.text[: free.text.index(stop)]
     assert len(cut.output_token_ids) < 12
+
+
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(tmp_path):
+    from engine.demo import ensure_demo_model
+    llm = LLM(str(ensure_demo_model(tmp_path / "demo")), show_progress=False)
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    stop = next(c for c in free.text if c != "\ufffd")
+    first = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, stop=[stop],
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    exact = llm.generate(["Hello"], SamplingParams(max_tokens=len(first.output_token_ids),
+                                                   temperature=0, stop=[stop], ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert exact.output_token_ids == first.output_token_ids
+    assert exact.finish_reason == "stop" and exact.stop_reason == stop
