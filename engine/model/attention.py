@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -91,8 +92,8 @@ def _pad_decodes(tables: list[torch.Tensor], lens: list[int], window: int | None
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_slots, num_kv_heads, head_dim]."""
-    k_cache[slot_mapping] = k
-    v_cache[slot_mapping] = v
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -101,41 +102,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     already written to the caches. Returns [num_tokens, num_heads, head_dim]."""
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
-        keys = k_cache[meta.decode_slots]  # [B, C, Hkv, D]
-        values = v_cache[meta.decode_slots]
-        mask = meta.decode_mask[:, None, :]  # [B, 1, C]
-        out[meta.decode_rows] = _attend(q[meta.decode_rows, None], keys, values, mask, scale)[:, 0]
+        batch, context = meta.decode_slots.shape
+        slots = meta.decode_slots.flatten()
+        # NOTE: index_select copies rows about 3x faster than advanced indexing on CPU.
+        keys = k_cache.index_select(0, slots).view(batch, context, *k_cache.shape[1:])
+        values = v_cache.index_select(0, slots).view(batch, context, *v_cache.shape[1:])
+        attended = _attend(q.index_select(0, meta.decode_rows)[:, None], keys, values,
+                           meta.decode_mask[:, None, :], scale)
+        out.index_copy_(0, meta.decode_rows, attended[:, 0])
     for chunk in meta.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         if chunk.mask is None:  # the chunk is the whole context: its fresh K/V are the context
             keys, values = k[rows], v[rows]
-            mask = _causal(chunk.num_tokens, q.device)
         else:
-            keys, values = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-            mask = chunk.mask
-        out[rows] = _attend(q[None, rows], keys[None], values[None], mask[None], scale)[0]
+            keys = k_cache.index_select(0, chunk.context_slots)
+            values = v_cache.index_select(0, chunk.context_slots)
+        mask = None if chunk.mask is None else chunk.mask[None]
+        out[rows] = _attend(q[None, rows], keys[None], values[None], mask, scale)[0]
     return out
 
 
-def _causal(n: int, device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor:
-    """q: [B, Q, H, D]; k, v: [B, C, Hkv, D]; mask: [B, Q, C]. Returns [B, Q, H, D].
+    """q: [B, Q, H, D]; k, v: [B, C, Hkv, D]; mask: [B, Q, C] (True = attend) or None for causal
+    attention over a context that is exactly the queries. Returns [B, Q, H, D].
 
-    Grouped-query heads are folded into the query axis so K and V are never repeated."""
-    batch, num_q, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    qg = q.view(batch, num_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(batch, num_kv_heads, group * num_q, head_dim)  # [B, Hkv, G*Q, D]
-    kt = k.permute(0, 2, 3, 1)  # [B, Hkv, D, C]
-    scores = torch.matmul(qg, kt).float() * scale  # [B, Hkv, G*Q, C]
-    scores = scores.view(batch, num_kv_heads, group, num_q, -1)
-    scores.masked_fill_(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(batch, num_kv_heads, group * num_q, -1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, G*Q, D]
-    out = out.view(batch, num_kv_heads, group, num_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch, num_q, num_heads, head_dim)
+    Grouped-query heads are handled inside the fused kernel, so K and V are never repeated."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=None if mask is None else mask[:, None], is_causal=mask is None, scale=scale,
+        enable_gqa=True)
+    return out.transpose(1, 2)

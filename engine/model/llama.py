@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from engine.lora import LoraBatch
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model.linear import Linear
 from engine.model.rope import RotaryEmbedding
 from engine.model.spec import ModelSpec
 
@@ -18,15 +19,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-@dataclass
-class Linear:
-    weight: torch.Tensor  # [out_features, in_features]
-    bias: torch.Tensor | None = None  # [out_features]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -52,12 +44,12 @@ class LlamaModel:
     """Weights plus the forward pass. `forward` returns float32 logits for `logits_rows` only."""
 
     def __init__(self, spec: ModelSpec, embed_tokens: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor, max_positions: int):
+                 norm: torch.Tensor, lm_head: Linear, max_positions: int):
         self.spec = spec
         self.embed_tokens = embed_tokens  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
-        self.lm_head = lm_head  # [vocab, hidden]; may alias embed_tokens
+        self.lm_head = lm_head  # hidden -> vocab; may share embed_tokens' weights
         self.rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta,
                                       spec.rope_scaling, embed_tokens.dtype, embed_tokens.device)
         self.scale = spec.head_dim ** -0.5
@@ -81,7 +73,7 @@ class LlamaModel:
             mlp_in = rms_norm(hidden, layer.post_attention_norm, eps)
             hidden = hidden + self._mlp(layer, mlp_in, lora)
         last = rms_norm(hidden[batch.logits_rows], self.norm, eps)
-        return F.linear(last, self.lm_head).float()  # [num_sampled, vocab]
+        return self.lm_head(last).float()  # [num_sampled, vocab]
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, lora: "_LayerLora") -> torch.Tensor:

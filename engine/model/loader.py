@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.model.llama import DecoderLayer, LlamaModel, Linear
+from engine.model.linear import Linear
+from engine.model.llama import DecoderLayer, LlamaModel
 from engine.model.spec import ModelSpec, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         norm = weights.get("model.norm.weight")
     logger.info("loaded %s (%s, %d layers) as %s on %s", folder, spec.architecture,
                 spec.num_layers, dtype, device)
-    return LlamaModel(spec, embed, layers, norm, lm_head,
+    return LlamaModel(spec, embed, layers, norm, Linear(lm_head),
                       max_positions or spec.max_position_embeddings)
 
 
