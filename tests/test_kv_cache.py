@@ -7,6 +7,13 @@ from engine.request import RequestStatus
 from tests.helpers import create_request, create_scheduler, run_step
 
 
+def compute_prompt(kv: KVCacheManager, request) -> None:
+    """Admit `request` and mark its whole prompt computed, as a prefill step would."""
+    kv.allocate(request, request.num_tokens, kv.get_computed_blocks(request))
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+
+
 def test_allocate_and_free_round_trip():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     request = create_request(num_prompt_tokens=9)
@@ -21,9 +28,7 @@ def test_full_blocks_are_shared_by_requests_with_the_same_prefix():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     prefix = list(range(100, 112))  # three full blocks
     first = create_request(prompt=prefix + [1, 2])
-    kv.allocate(first, first.num_tokens, kv.get_computed_blocks(first))
-    first.num_computed_tokens = first.num_tokens
-    kv.cache_full_blocks(first)
+    compute_prompt(kv, first)
 
     second = create_request(prompt=prefix + [3])
     hits = kv.get_computed_blocks(second)
@@ -37,9 +42,7 @@ def test_full_blocks_are_shared_by_requests_with_the_same_prefix():
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     first = create_request(prompt=list(range(8)))
-    kv.allocate(first, 8, kv.get_computed_blocks(first))
-    first.num_computed_tokens = 8
-    kv.cache_full_blocks(first)
+    compute_prompt(kv, first)
     same = create_request(prompt=list(range(8)))
     assert kv.get_computed_blocks(same) == first.block_ids[:1]
 
@@ -49,9 +52,7 @@ def test_adapter_identity_is_part_of_the_block_hash():
     assert hash_block(b"", "a", [1, 2]) != hash_block(b"", "b", [1, 2])
     kv = KVCacheManager(num_blocks=8, block_size=4)
     base = create_request(prompt=list(range(9)))
-    kv.allocate(base, 9, kv.get_computed_blocks(base))
-    base.num_computed_tokens = 9
-    kv.cache_full_blocks(base)
+    compute_prompt(kv, base)
     tuned = create_request(prompt=list(range(9)))
     tuned.adapter_id = "sha256:abc"
     assert kv.get_computed_blocks(tuned) == []
@@ -60,9 +61,7 @@ def test_adapter_identity_is_part_of_the_block_hash():
 def test_freed_cached_blocks_are_reused_until_evicted():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     first = create_request(prompt=list(range(9)))
-    kv.allocate(first, 9, kv.get_computed_blocks(first))
-    first.num_computed_tokens = 9
-    kv.cache_full_blocks(first)
+    compute_prompt(kv, first)
     first_blocks = list(first.block_ids)
     kv.free(first)
     assert kv.num_free_blocks == 4
