@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +136,16 @@ class AdapterCache:
         for event in self._pending_copies:
             stream.wait_event(event)
         self._pending_copies.clear()
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until some load from storage finishes (or `timeout` seconds pass).
+
+        NOTE: an engine with nothing to run but requests waiting on loads calls this instead of
+        spinning: a spinning step loop holds the GIL and starves the loader thread (seconds per load).
+        """
+        pending = list(self._loading.values())
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def slot_of(self, adapter_id: str) -> int | None:
         return self._resident.get(adapter_id)

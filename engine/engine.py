@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 _CUDA_FREE_MEMORY_FRACTION = 0.85
+# How long an idle step waits for an adapter load before returning to its caller.
+_IDLE_LOAD_WAIT_S = 0.05
 
 
 @dataclass
@@ -139,6 +141,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.adapter_cache is not None:
+            self.adapter_cache.wait_for_loads(timeout=_IDLE_LOAD_WAIT_S)
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
         failed = [self._error_output(request) for request in self.scheduler.take_failed()]
