@@ -141,10 +141,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_id_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
