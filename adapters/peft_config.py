@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import re._parser  # NOTE: to inspect uploaded regexes before they are ever matched
 from dataclasses import dataclass
 from pathlib import Path
+from re import _constants as _parser_constants
 
 from adapters.errors import AdapterValidationError
 
@@ -20,6 +22,7 @@ ALL_LINEAR = "all-linear"
 DEFAULT_TARGET_MODULES = frozenset({"q_proj", "v_proj"})
 
 # Fields that change the forward pass in ways this server does not implement: each must be unset.
+_MAX_REGEX_CHARS = 1000
 _UNSUPPORTED_FIELDS = {
     "use_dora": "DoRA adapters (use_dora) are not supported; serve a plain LoRA adapter",
     "modules_to_save": "modules_to_save (fully trained copies of base modules) is not supported: "
@@ -171,11 +174,45 @@ def _str_tuple(value, field: str) -> tuple[str, ...]:
 
 
 def _regex(value: str, field: str) -> str:
+    if len(value) > _MAX_REGEX_CHARS:
+        raise AdapterValidationError(
+            f"{field} is a {len(value)}-character regular expression; at most {_MAX_REGEX_CHARS} "
+            "are accepted: list the module names instead")
     try:
-        re.compile(value)
+        parsed = re._parser.parse(value)
     except re.error as e:
         raise AdapterValidationError(f"{field} {value!r} is not a valid regular expression ({e})") from e
+    if _has_nested_repetition(parsed, inside_repeat=False):
+        # NOTE: uploaded configs are untrusted and Python's re cannot be interrupted, so patterns
+        # that can backtrack exponentially ((a+)+, (x|xy)*) would stall validation for everyone.
+        raise AdapterValidationError(
+            f"{field} {value!r} repeats a group that itself repeats or branches, which can take "
+            "exponential time to match; simplify it or list the module names instead")
     return value
+
+
+def _has_nested_repetition(pattern, inside_repeat: bool) -> bool:
+    """Whether a parsed regex has a repeat or a branch inside a repeat of more than one."""
+    for op, arg in pattern:
+        if op in (_parser_constants.MAX_REPEAT, _parser_constants.MIN_REPEAT):
+            _, max_count, sub = arg
+            repeats = max_count > 1
+            if repeats and inside_repeat:
+                return True
+            if _has_nested_repetition(sub, inside_repeat or repeats):
+                return True
+        elif op == _parser_constants.BRANCH:
+            if inside_repeat:
+                return True
+            if any(_has_nested_repetition(sub, inside_repeat) for sub in arg[1]):
+                return True
+        elif op == _parser_constants.SUBPATTERN:
+            if _has_nested_repetition(arg[-1], inside_repeat):
+                return True
+        elif op in (_parser_constants.ASSERT, _parser_constants.ASSERT_NOT):
+            if _has_nested_repetition(arg[1], inside_repeat):
+                return True
+    return False
 
 
 def _positive_int(value, field: str) -> int:

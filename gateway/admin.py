@@ -16,6 +16,7 @@ from gateway.serving import decode_body
 from gateway.state import gateway_state
 from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
                    Usage)
+from store.blobs import collect_garbage
 
 
 class TenantCreate(msgspec.Struct, kw_only=True):
@@ -107,13 +108,14 @@ async def get_tenant(request: Request) -> Response:
 
 
 async def delete_tenant(request: Request) -> Response:
-    """Delete a tenant and its keys (its usage records are kept for billing)."""
+    """Delete a tenant with its keys and adapters (its usage records are kept for billing)."""
     store = await _admin_store(request)
     name = request.path_params["tenant"]
     try:
-        await store.delete_tenant(name)
+        removed = await store.delete_tenant(name)
     except NotFound as error:
         raise not_found(str(error), code="tenant_not_found") from None
+    await collect_garbage(gateway_state(request).blobs, store, sorted({r.digest for r in removed}))
     return Response(msgspec.json.encode({"name": name, "deleted": True}),
                     media_type="application/json")
 

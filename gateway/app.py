@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from gateway import admin, version
+from gateway import adapter_api, admin, version
 from gateway.auth import ensure_admin_key
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
@@ -25,8 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessLog
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics
-from gateway.state import GatewayState
+from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from store import open_store
+from store.blobs import BlobStore
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    *adapter_api.ROUTES,
     *admin.ROUTES,
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
@@ -46,15 +48,19 @@ def _log_admin_key(key: str) -> None:
 
 
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
-               admin_key: str | None = None,
+               admin_key: str | None = None, adapter_dir: Path | None = None,
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
 
     On startup it opens the store (`store_url`, see store.open_store; SQLite in `data_dir` when
     None) and sets the admin key to `admin_key`; with none given and none stored, it creates one
-    and hands its plaintext to `announce_admin_key`, once.
+    and hands its plaintext to `announce_admin_key`, once. Uploaded adapter files live in
+    `adapter_dir` (default `data_dir`/adapters), which gateways sharing a store must share too.
     """
-    gateway = GatewayState(engines=engines, metrics=GatewayMetrics())
+    blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
+    gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
+                           max_upload_bytes=max_upload_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

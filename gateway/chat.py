@@ -14,7 +14,7 @@ from gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, Cha
                               ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, ChatMessage,
                               ChatTokenLogprob, Delta, TopLogprob)
 from gateway.serving import (Call, check_context_length, decode_body, refuse_unsupported,
-                             resolve_engine, respond, sampling_options, start_call, token_namer)
+                             resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
 
@@ -24,7 +24,8 @@ async def create_chat_completion(request: Request) -> Response:
     state = gateway_state(request)
     tenant = await authenticate_tenant(request, state.require_store())
     body = await decode_body(request, ChatCompletionRequest)
-    engine = resolve_engine(state, tenant, body.model)
+    target = await resolve_target(state, tenant, body.model)
+    engine = target.engine
     request.state.model = body.model
     refuse_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
@@ -36,7 +37,7 @@ async def create_chat_completion(request: Request) -> Response:
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     check_context_length(len(prompt), max_tokens, engine.max_model_len, param)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    call = await start_call(request, "chatcmpl", tenant, body.model, engine, [prompt],
+    call = await start_call(request, "chatcmpl", tenant, body.model, target, [prompt],
                             sampling_options(body, max_tokens, num_top), body.n or 1)
     name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs else None
     stream = None

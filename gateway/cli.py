@@ -59,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV-cache budget per model, e.g. 4GiB (default: 1GiB on CPU, 85%% of "
                             "free memory on CUDA)")
     serve.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
+    serve.add_argument("--max-loras", type=int,
+                       help="LoRA adapters resident on the device at once, so the most distinct "
+                            "adapters in one batch (default 8; 0 serves no adapters)")
+    serve.add_argument("--max-cpu-loras", type=int,
+                       help="adapters kept loaded in host memory (default 64)")
+    serve.add_argument("--max-lora-rank", type=int, help="largest LoRA rank accepted (default 64)")
+    serve.add_argument("--adapter-dir", type=Path,
+                       help="folder of uploaded adapter files (default DATA_DIR/adapters; "
+                            "gateways sharing a store must share it)")
+    serve.add_argument("--max-upload-size", type=parse_size, metavar="SIZE",
+                       help="largest adapter upload accepted, e.g. 512MiB (default 1GiB)")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
     return parser
@@ -93,7 +104,8 @@ def serve(config: ServeConfig) -> int:
     engines = load_engines(models, **config.engine_options())
     try:
         app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
-                         admin_key=config.admin_key,
+                         admin_key=config.admin_key, adapter_dir=config.adapter_dir,
+                         max_upload_bytes=config.max_upload_size,
                          announce_admin_key=functools.partial(
                              _print_admin_key, f"http://{config.host}:{config.port}"))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,

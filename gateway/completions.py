@@ -12,7 +12,7 @@ from gateway.engine_client import EngineClient, EngineFailure, RequestRejected, 
 from gateway.errors import engine_failed, invalid_request
 from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from gateway.serving import (Call, check_context_length, decode_body, refuse_unsupported,
-                             resolve_engine, respond, sampling_options, start_call, token_namer)
+                             resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
 
@@ -22,7 +22,8 @@ async def create_completion(request: Request) -> Response:
     state = gateway_state(request)
     tenant = await authenticate_tenant(request, state.require_store())
     body = await decode_body(request, CompletionRequest)
-    engine = resolve_engine(state, tenant, body.model)
+    target = await resolve_target(state, tenant, body.model)
+    engine = target.engine
     request.state.model = body.model
     refuse_unsupported(body)
     prompts = _prompt_token_ids(engine, body.prompt)
@@ -30,7 +31,7 @@ async def create_completion(request: Request) -> Response:
     for prompt in prompts:
         check_context_length(len(prompt), max_tokens, engine.max_model_len)
     options = sampling_options(body, max_tokens, body.logprobs)
-    call = await start_call(request, "cmpl", tenant, body.model, engine, prompts, options,
+    call = await start_call(request, "cmpl", tenant, body.model, target, prompts, options,
                             body.n or 1)
     name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs is not None \
         else None

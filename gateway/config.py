@@ -41,16 +41,31 @@ class ServeConfig:
     kv_cache_memory: int | None = None
     """KV-cache budget per model, in bytes (the CLI takes sizes like "4GiB")."""
     max_model_len: int | None = None
+    max_loras: int = 8
+    """Adapters resident on the device at once (distinct adapters in one batch); 0 serves no adapters."""
+    max_cpu_loras: int = 64
+    """Adapters kept loaded in host memory, ready to page in."""
+    max_lora_rank: int = 64
+    """Largest LoRA rank accepted (device slots are sized for it)."""
+    adapter_dir: Path | None = None
+    """Uploaded adapter files; None: data_dir/adapters. Gateways sharing a store share it too."""
+    max_upload_size: int = 1 << 30
+    """Largest adapter upload accepted, in bytes (the CLI takes sizes like "512MiB")."""
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
+        if self.adapter_dir is not None:
+            self.adapter_dir = Path(self.adapter_dir)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len",
+                     "max_cpu_loras", "max_lora_rank", "max_upload_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0 (0 serves no adapters), got {self.max_loras}")
         self.models()  # NOTE: validates every "NAME=PATH" now, before any model is loaded
 
     def models(self) -> dict[str, Path]:
@@ -74,7 +89,12 @@ class ServeConfig:
                    "max_num_batched_tokens": self.max_num_batched_tokens,
                    "kv_cache_memory_bytes": self.kv_cache_memory,
                    "max_model_len": self.max_model_len}
-        return {k: v for k, v in options.items() if v is not None}
+        options = {k: v for k, v in options.items() if v is not None}
+        if self.max_loras > 0:  # NOTE: the AdapterConfig fields, built where torch may be imported
+            options["lora"] = {"max_gpu_adapters": self.max_loras,
+                               "max_cpu_adapters": max(self.max_cpu_loras, self.max_loras),
+                               "max_lora_rank": self.max_lora_rank}
+        return options
 
 
 def parse_size(text: str | int) -> int:
@@ -94,8 +114,9 @@ def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
     merged = _read_toml(config_file) if config_file is not None else {}
     merged.update({key: environ[var] for key, var in _ENV.items() if environ.get(var)})
     merged.update(cli)
-    if "kv_cache_memory" in merged:
-        merged["kv_cache_memory"] = parse_size(merged["kv_cache_memory"])
+    for size in ("kv_cache_memory", "max_upload_size"):
+        if size in merged:
+            merged[size] = parse_size(merged[size])
     if isinstance(merged.get("model"), str):
         merged["model"] = [merged["model"]]
     return ServeConfig(**merged)

@@ -50,6 +50,20 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int
 
 
+class AdapterRef(msgspec.Struct, frozen=True):
+    """The LoRA adapter a request runs with: its identity (store.blobs digest) and its folder."""
+
+    digest: str
+    path: str
+
+
+class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine found in an adapter folder it accepted."""
+
+    rank: int  # the largest rank over its modules
+    target_modules: list[str]  # PEFT projection names, sorted
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """The engine's gauges and cumulative counters, as published after its latest step."""
 
@@ -61,6 +75,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    adapter_hits: int = 0  # requests whose adapter was in a device slot
+    adapter_misses: int = 0  # requests whose adapter had to be paged in
+    adapter_evictions: int = 0  # device slots taken from an idle adapter
+    adapters_resident: int = 0  # adapters in device slots now
 
 
 class EngineClient(Protocol):
@@ -79,10 +97,22 @@ class EngineClient(Protocol):
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (for logprobs)."""
 
+    @property
+    def supports_adapters(self) -> bool:
+        """Whether this engine serves LoRA adapters (started with adapter slots)."""
+
+    async def check_adapter(self, folder: str) -> AdapterInfo:
+        """Validate a PEFT adapter folder against this base model, reading all of it.
+
+        Raises AdapterRejected saying what is wrong and what to do.
+        """
+
     def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
-                 request_id: str, tenant: str | None = None) -> AsyncIterator[GenerationChunk]:
-        """Stream one request's chunks. The first iteration raises RequestRejected if the engine
-        refuses the request, later ones EngineFailure; leaving the loop early aborts it."""
+                 request_id: str, tenant: str | None = None,
+                 adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
+        """Stream one request's chunks, on the base model or with `adapter`. The first iteration
+        raises RequestRejected if the engine refuses the request, later ones EngineFailure;
+        leaving the loop early aborts it."""
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters."""
@@ -93,6 +123,10 @@ class EngineClient(Protocol):
 
 class RequestRejected(ValueError):
     """The engine cannot serve this request as asked; the message says why and what to change."""
+
+
+class AdapterRejected(RequestRejected):
+    """An adapter the engine cannot serve: the message says what is wrong with it."""
 
 
 class EngineFailure(RuntimeError):

@@ -6,17 +6,21 @@ the request-handling modules stay free of torch.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 
+from adapters import AdapterConfig, AdapterValidationError, load_adapter
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
+from engine.lora import LoraRequest
 from engine.request import SamplingParams
-from gateway.engine_client import (EngineFailure, EngineStats, GenerationChunk, RequestRejected,
-                                   SamplingOptions, TokenLogprob)
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
+                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
+                                   TokenLogprob)
 
 
 class LocalEngineClient:
@@ -54,14 +58,34 @@ class LocalEngineClient:
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id])
 
+    @property
+    def supports_adapters(self) -> bool:
+        return self._engine.engine.config.lora is not None
+
+    async def check_adapter(self, folder: str) -> AdapterInfo:
+        engine = self._engine.engine
+        if engine.config.lora is None:
+            raise AdapterRejected("this model is served without LoRA support, so it takes no "
+                                  "adapters; start the server with adapter slots enabled")
+        try:
+            adapter = await asyncio.to_thread(load_adapter, folder, engine.spec,
+                                              engine.config.lora.max_lora_rank)
+        except AdapterValidationError as error:
+            # The folder is the server's temporary copy: its path means nothing to the client.
+            raise AdapterRejected(str(error).replace(str(folder), "the adapter")) from None
+        return AdapterInfo(rank=max(m.rank for m in adapter.modules.values()),
+                           target_modules=sorted({proj for _, proj in adapter.modules}))
+
     async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
-                       request_id: str, tenant: str | None = None) -> AsyncIterator[GenerationChunk]:
+                       request_id: str, tenant: str | None = None,
+                       adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         try:
             params = SamplingParams(**msgspec.structs.asdict(options))
         except ValueError as error:
             raise RequestRejected(str(error)) from None
+        lora = None if adapter is None else LoraRequest(adapter.digest, adapter.path)
         outputs = self._engine.generate(prompt_token_ids, params, request_id=request_id,
-                                        tenant=tenant)
+                                        tenant=tenant, lora=lora)
         try:
             async for output in outputs:
                 yield _chunk(output)
@@ -78,15 +102,20 @@ class LocalEngineClient:
             num_running=m.num_running, num_waiting=m.num_waiting,
             kv_blocks_total=m.kv_blocks_total, kv_blocks_used=m.kv_blocks_used,
             prefix_cache_hit_rate=m.prefix_cache_hit_rate, num_prompt_tokens=m.num_prompt_tokens,
-            num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions)
+            num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions,
+            adapter_hits=m.adapter_hits, adapter_misses=m.adapter_misses,
+            adapter_evictions=m.adapter_evictions, adapters_resident=m.adapters_resident)
 
     def close(self) -> None:
         self._engine.shutdown()
 
 
-def load_engines(models: dict[str, Path], **config) -> dict[str, LocalEngineClient]:
-    """One LocalEngineClient per served name; `config` holds the EngineConfig fields they share."""
-    return {name: LocalEngineClient.load(EngineConfig(model=str(path), **config))
+def load_engines(models: dict[str, Path], *, lora: dict | None = None,
+                 **config) -> dict[str, LocalEngineClient]:
+    """One LocalEngineClient per served name; `config` holds the EngineConfig fields they share,
+    `lora` the AdapterConfig fields (None: no adapters)."""
+    adapters = None if lora is None else AdapterConfig(**lora)
+    return {name: LocalEngineClient.load(EngineConfig(model=str(path), lora=adapters, **config))
             for name, path in models.items()}
 
 

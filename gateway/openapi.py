@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.adapter_api import UPLOAD_FORM_SCHEMA, UPLOAD_PATHS
 from gateway.admin import TenantCreate
 from gateway.errors import ErrorResponse
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -43,6 +44,11 @@ def openapi_document(routes: list[BaseRoute], version: str) -> dict[str, Any]:
                 operation["requestBody"] = {
                     "required": True,
                     "content": {"application/json": {"schema": body_refs[body]}},
+                }
+            elif method == "POST" and route.path in UPLOAD_PATHS:
+                operation["requestBody"] = {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": UPLOAD_FORM_SCHEMA}},
                 }
             paths.setdefault(route.path, {})[method.lower()] = operation
     return {

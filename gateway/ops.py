@@ -9,8 +9,8 @@ from starlette.responses import Response
 from gateway.auth import authenticate_tenant
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
-from gateway.serving import visible_models
 from gateway.state import gateway_state
+from routing.models import allowed_base_models, visible_adapters
 
 
 class Health(msgspec.Struct, kw_only=True):
@@ -19,12 +19,17 @@ class Health(msgspec.Struct, kw_only=True):
 
 
 async def list_models(request: Request) -> Response:
-    """The models the caller's tenant may use."""
+    """The models the caller's tenant may use: base models, then the tenant's own adapters."""
     state = gateway_state(request)
-    tenant = await authenticate_tenant(request, state.require_store())
+    store = state.require_store()
+    tenant = await authenticate_tenant(request, store)
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=state.engines[name].max_model_len)
-             for name in visible_models(state, tenant)]
+             for name in allowed_base_models(tenant, state.engines)]
+    cards += [ModelCard(id=a.name, created=int(a.created_at), owned_by=tenant.name,
+                        max_model_len=state.engines[a.base_model].max_model_len,
+                        parent=a.base_model)
+              for a in await visible_adapters(store, tenant, state.engines)]
     return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
 
 

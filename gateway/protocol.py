@@ -203,11 +203,14 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
+    """A base model (parent None), or a LoRA adapter with its base as parent (as vLLM lists them)."""
+
     id: str
     object: str = "model"
     created: int
     owned_by: str = "switchboard"
     max_model_len: int
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

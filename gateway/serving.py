@@ -18,12 +18,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Admission, admit
-from gateway.engine_client import EngineClient, EngineFailure, RequestRejected, SamplingOptions
-from gateway.errors import engine_failed, from_validation_error, invalid_request, model_not_found
+from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, RequestRejected,
+                                   SamplingOptions)
+from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
+                           model_not_found)
 from gateway.generation import Generation
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
+from routing.models import ModelNotFound, resolve_model
 from store import Tenant
 
 T = TypeVar("T")
@@ -45,17 +48,29 @@ def refuse_unsupported(body: SamplingFields) -> None:
                               param=unsupported, code="unsupported_parameter")
 
 
-def resolve_engine(state: GatewayState, tenant: Tenant, model: str) -> EngineClient:
-    """The engine serving `model` for this tenant; 404 if it is not served or not allowed."""
-    engine = state.engines.get(model)
-    if engine is None or (tenant.allowed_models is not None and model not in tenant.allowed_models):
-        raise model_not_found(model)
-    return engine
+@dataclass(frozen=True)
+class Target:
+    """Where a call runs: the base model's engine, and the adapter it runs with if any."""
+
+    engine: EngineClient
+    adapter: AdapterRef | None = None
 
 
-def visible_models(state: GatewayState, tenant: Tenant) -> list[str]:
-    return [m for m in state.engines
-            if tenant.allowed_models is None or m in tenant.allowed_models]
+async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Target:
+    """The engine and adapter `model` names for this tenant; 404 if it names nothing they may use."""
+    try:
+        target = await resolve_model(state.require_store(), tenant, state.engines, model)
+    except ModelNotFound:
+        raise model_not_found(model) from None
+    engine = state.engines[target.base_model]
+    if target.adapter is None:
+        return Target(engine)
+    folder = state.blobs.path(target.adapter.digest)
+    if folder is None:
+        raise ApiError(503, f"the files of adapter {target.adapter.name!r} are missing from this "
+                       "server's adapter folder; upload the adapter again", type="server_error",
+                       code="adapter_files_missing")
+    return Target(engine, AdapterRef(target.adapter.digest, str(folder)))
 
 
 def sampling_options(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingOptions:
@@ -95,7 +110,7 @@ class Call:
     created: int
     model: str
     tenant: Tenant
-    engine: EngineClient
+    target: Target
     generation: Generation
     admission: Admission
     state: GatewayState
@@ -131,7 +146,7 @@ class Call:
 
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,
-                     engine: EngineClient, prompts: list[list[int]], options: SamplingOptions,
+                     target: Target, prompts: list[list[int]], options: SamplingOptions,
                      n: int) -> Call:
     """Admit the call and start `n` engine requests per prompt; returns once each produced its
     first token, so a request the engine refuses still gets a 400, not a broken stream."""
@@ -144,13 +159,13 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         for j in range(n):
             # Seeded choices differ from each other but stay reproducible (vLLM does the same).
             seed = None if options.seed is None else options.seed + j
-            streams.append(engine.generate(prompt, msgspec.structs.replace(options, seed=seed),
-                                           request_id=f"{call_id}-{len(streams)}",
-                                           tenant=tenant.name))
+            streams.append(target.engine.generate(
+                prompt, msgspec.structs.replace(options, seed=seed),
+                request_id=f"{call_id}-{len(streams)}", tenant=tenant.name, adapter=target.adapter))
             prompt_indices.append(p)
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at)
-    call = Call(request, call_id, int(time.time()), model, tenant, engine, generation, admission,
+    call = Call(request, call_id, int(time.time()), model, tenant, target, generation, admission,
                 state)
     try:
         await generation.start()

@@ -10,14 +10,19 @@ from starlette.requests import Request
 from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
 from store import Store
+from store.blobs import BlobStore
+
+DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 
 
 @dataclass
 class GatewayState:
-    """The served models (by the name clients use), the store, and the metrics."""
+    """The served models (by the name clients use), the store, adapter files, and the metrics."""
 
     engines: dict[str, EngineClient]
     metrics: GatewayMetrics
+    blobs: BlobStore
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # largest adapter upload body accepted
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

@@ -23,6 +23,11 @@ def validate_name(kind: str, name: str) -> str:
     return name
 
 
+def is_valid_name(name: str) -> bool:
+    """Whether `name` follows the naming rule (a lookup by any other string finds nothing)."""
+    return isinstance(name, str) and _NAME_RE.fullmatch(name) is not None
+
+
 def validate_digest(digest: str) -> str:
     """Return `digest` if it is a lowercase hex sha256, else raise InvalidName."""
     if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):

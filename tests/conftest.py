@@ -25,6 +25,7 @@ if not torch.cuda.is_available():
 
 DEMO_MODEL = "switchboard-demo"
 ADMIN_KEY = "sb-admin-test-key"
+DEMO_MAX_LORA_RANK = 16
 _START_TIMEOUT_S = 30.0
 
 
@@ -37,9 +38,11 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_engine(demo_model_dir: Path) -> Iterator:
-    """One LocalEngineClient over the demo model, shared by every gateway test."""
+    """One LocalEngineClient over the demo model, shared by every gateway test; it serves LoRA
+    adapters up to rank DEMO_MAX_LORA_RANK, with 2 device slots so tests exercise paging."""
     import torch
 
+    from adapters import AdapterConfig
     from engine.config import EngineConfig
     from gateway.local_engine import LocalEngineClient
 
@@ -47,8 +50,9 @@ def demo_engine(demo_model_dir: Path) -> Iterator:
     # 2-core machine OpenMP threads spinning against each other make each step 100x slower.
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512),
-                                    show_progress=False)
+    lora = AdapterConfig(max_lora_rank=DEMO_MAX_LORA_RANK, max_gpu_adapters=2, max_cpu_adapters=4)
+    engine = LocalEngineClient.load(
+        EngineConfig(model=str(demo_model_dir), num_kv_blocks=512, lora=lora), show_progress=False)
     yield engine
     engine.close()
     torch.set_num_threads(num_threads)
@@ -106,12 +110,13 @@ def run_server(app) -> Iterator[str]:
 
 @contextmanager
 def gateway_server(engine, data_dir: Path, store_url: str | None = None,
-                   admin_key: str = ADMIN_KEY) -> Iterator[GatewayServer]:
-    """A gateway serving the demo engine as `switchboard-demo`, with its store in `data_dir`."""
+                   admin_key: str = ADMIN_KEY, **app_options) -> Iterator[GatewayServer]:
+    """A gateway serving the demo engine as `switchboard-demo`, with its store in `data_dir`;
+    `app_options` go to create_app."""
     from gateway.app import create_app
 
     app = create_app({DEMO_MODEL: engine}, data_dir=data_dir, store_url=store_url,
-                     admin_key=admin_key)
+                     admin_key=admin_key, **app_options)
     with run_server(app) as url:
         yield GatewayServer(url, admin_key, app)
 

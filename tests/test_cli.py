@@ -29,7 +29,8 @@ def test_help_exits_zero(argv):
         assert all(option in result.stdout for option in (
             "--model NAME=PATH", "--host", "--port", "--data-dir", "--store", "--admin-key",
             "--device", "--dtype", "--config", "--max-num-seqs", "--max-num-batched-tokens",
-            "--kv-cache-memory", "--max-model-len", "SWITCHBOARD_HOME"))
+            "--kv-cache-memory", "--max-model-len", "--max-loras", "--max-cpu-loras",
+            "--max-lora-rank", "--adapter-dir", "--max-upload-size", "SWITCHBOARD_HOME"))
 
 
 def test_a_command_is_required():
@@ -41,14 +42,18 @@ def test_a_command_is_required():
 def test_command_line_beats_environment_beats_config_file(tmp_path):
     config = tmp_path / "switchboard.toml"
     config.write_text('port = 9000\nhost = "0.0.0.0"\nmax-num-seqs = 8\nadmin_key = "from-file"\n'
-                      'model = ["a=/models/a", "/models/b"]\nkv_cache_memory = "2GiB"\n')
+                      'model = ["a=/models/a", "/models/b"]\nkv_cache_memory = "2GiB"\n'
+                      'max_loras = 4\nmax_upload_size = "64MiB"\n')
     environ = {"SWITCHBOARD_ADMIN_KEY": "from-env", "SWITCHBOARD_HOME": "/srv/sb"}
     loaded = load_serve_config({"port": 9100}, config, environ)
     assert (loaded.port, loaded.host, loaded.max_num_seqs) == (9100, "0.0.0.0", 8)
     assert (loaded.admin_key, loaded.data_dir) == ("from-env", Path("/srv/sb"))
     assert loaded.models() == {"a": Path("/models/a"), "b": Path("/models/b")}
-    assert loaded.engine_options() == {"device": "cpu", "dtype": "float32", "max_num_seqs": 8,
-                                       "kv_cache_memory_bytes": 2 << 30}
+    assert loaded.engine_options() == {
+        "device": "cpu", "dtype": "float32", "max_num_seqs": 8, "kv_cache_memory_bytes": 2 << 30,
+        "lora": {"max_gpu_adapters": 4, "max_cpu_adapters": 64, "max_lora_rank": 64}}
+    assert loaded.max_upload_size == 64 << 20
+    assert "lora" not in load_serve_config({"max_loras": 0}, None, {}).engine_options()
     defaults = load_serve_config({}, None, {})
     assert (defaults.host, defaults.port, defaults.data_dir) == ("127.0.0.1", 8000, Path("data"))
     assert defaults.models() == {} and defaults.store is None and defaults.admin_key is None

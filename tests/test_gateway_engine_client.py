@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.engine_client import (EngineFailure, EngineStats, GenerationChunk, RequestRejected,
-                                   SamplingOptions)
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
+                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions)
 from tests.conftest import ADMIN_KEY, GatewayServer, run_server
 
 MODEL = "scripted"
@@ -35,8 +35,14 @@ class ScriptedEngine:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
+    supports_adapters = False
+
+    async def check_adapter(self, folder: str) -> AdapterInfo:
+        raise AdapterRejected("the scripted engine serves no adapters")
+
     async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
-                       request_id: str, tenant: str | None = None) -> AsyncIterator[GenerationChunk]:
+                       request_id: str, tenant: str | None = None,
+                       adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         self.prompts.append(prompt_token_ids)
         if self.refuse is not None:
             raise RequestRejected(self.refuse)

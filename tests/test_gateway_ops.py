@@ -21,7 +21,11 @@ def test_openapi_lists_every_route_and_method(server):
     listed = {(method.upper(), path) for path, ops in document["paths"].items() for method in ops}
     routed = {(method, route.path) for route in ROUTES for method in route.methods - {"HEAD"}}
     assert listed == routed
-    assert len(routed) == 12
+    assert len(routed) == 20
+    operation_ids = [op["operationId"] for ops in document["paths"].values() for op in ops.values()]
+    assert len(operation_ids) == len(set(operation_ids))
+    upload = document["paths"]["/v1/adapters"]["post"]["requestBody"]["content"]
+    assert {"name", "base_model", "file"} <= set(upload["multipart/form-data"]["schema"]["properties"])
     chat = document["paths"]["/v1/chat/completions"]["post"]
     ref = chat["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]

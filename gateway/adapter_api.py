@@ -1,0 +1,209 @@
+"""The adapter API: tenants upload, list, read and delete their LoRA adapters; the admin, anyone's.
+
+`/v1/adapters...` act on the caller's own tenant (a tenant key), `/admin/tenants/{tenant}/adapters...`
+on any tenant (the admin key). An upload is validated in full (form, size, name, base model, and
+the engine's PEFT checks against that base model) before anything is stored; then its files go to
+the content-addressed blob folder and its record to the store, as the next version of its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.auth import authenticate_tenant, require_admin
+from gateway.engine_client import AdapterRejected
+from gateway.errors import ApiError, invalid_request, not_found
+from gateway.state import GatewayState, gateway_state
+from gateway.uploads import AdapterUpload, read_adapter_upload
+from routing.models import allowed_base_models
+from store import AdapterRecord, InvalidName, NotFound, Tenant
+from store.blobs import collect_garbage
+from store.models import is_valid_name, validate_name
+
+
+class AdapterObject(msgspec.Struct, kw_only=True):
+    """An adapter as the API shows it: its name is the `model` clients send to use it."""
+
+    id: str
+    object: str = "adapter"
+    tenant: str
+    base_model: str
+    version: int
+    digest: str
+    rank: int
+    target_modules: list[str]
+    size_bytes: int
+    created_at: int
+
+    @classmethod
+    def of(cls, record: AdapterRecord) -> "AdapterObject":
+        return cls(id=record.name, tenant=record.tenant, base_model=record.base_model,
+                   version=record.version, digest=record.digest, rank=record.rank,
+                   target_modules=list(record.target_modules), size_bytes=record.size_bytes,
+                   created_at=int(record.created_at))
+
+
+class AdapterList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[AdapterObject]
+
+
+class AdapterDeleted(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "adapter"
+    deleted: bool = True
+    versions: int
+
+
+def _json(payload: msgspec.Struct, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status, media_type="application/json")
+
+
+async def _caller_tenant(request: Request) -> Tenant:
+    return await authenticate_tenant(request, gateway_state(request).require_store())
+
+
+async def _named_tenant(request: Request) -> Tenant:
+    """The tenant of the path, for the admin key only."""
+    store = gateway_state(request).require_store()
+    await require_admin(request, store)
+    name = request.path_params["tenant"]
+    tenant = await store.get_tenant(name)
+    if tenant is None:
+        raise not_found(f"tenant {name!r} does not exist", code="tenant_not_found")
+    return tenant
+
+
+async def upload(request: Request, tenant: Tenant) -> Response:
+    """Validate an uploaded adapter, then store it as the next version of its name (201)."""
+    state = gateway_state(request)
+    staging = state.blobs.root
+    async with read_adapter_upload(request, state.max_upload_bytes, staging) as uploaded:
+        record = await _store_adapter(state, tenant, uploaded)
+    return _json(AdapterObject.of(record), 201)
+
+
+async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterUpload) -> AdapterRecord:
+    try:
+        validate_name("adapter", uploaded.name)
+    except InvalidName as error:
+        raise invalid_request(str(error), param="name", code="invalid_name") from None
+    if uploaded.name in state.engines:
+        raise invalid_request(f"{uploaded.name!r} is the name of a served base model; give the "
+                              "adapter another name", param="name", code="invalid_name")
+    engine = state.engines.get(uploaded.base_model)
+    if engine is None or uploaded.base_model not in allowed_base_models(tenant, state.engines):
+        raise invalid_request(f"unknown base model {uploaded.base_model!r}; GET /v1/models lists "
+                              "the base models you can use", param="base_model",
+                              code="model_not_found")
+    try:
+        info = await engine.check_adapter(str(uploaded.folder))
+    except AdapterRejected as error:
+        raise invalid_request(f"the adapter is not valid for {uploaded.base_model!r}: {error}",
+                              code="invalid_adapter") from None
+    digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder)
+    record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
+                           digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
+                           size_bytes=size)
+    store = state.require_store()
+    try:
+        stored = await store.put_adapter_record(record)
+    except NotFound:  # the tenant was deleted meanwhile: its blob must not linger
+        await collect_garbage(state.blobs, store, [digest])
+        raise not_found(f"tenant {tenant.name!r} does not exist", code="tenant_not_found") from None
+    if state.blobs.path(digest) is None:
+        # A delete of another record with the same files collected the blob between our put and
+        # our record (see collect_garbage); the record now references it, so put it back.
+        await asyncio.to_thread(state.blobs.put, uploaded.folder)
+    return stored
+
+
+async def list_adapters(request: Request, tenant: Tenant) -> Response:
+    """The latest version of each of the tenant's adapters."""
+    records = await gateway_state(request).require_store().list_adapters(tenant.name)
+    return _json(AdapterList(data=[AdapterObject.of(r) for r in records]))
+
+
+async def get_adapter(request: Request, tenant: Tenant) -> Response:
+    """One adapter: its latest version, or `?version=N`."""
+    name = request.path_params["name"]
+    version = _version_param(request)
+    store = gateway_state(request).require_store()
+    record = await store.get_adapter(tenant.name, name, version) if is_valid_name(name) else None
+    if record is None:
+        which = f"version {version} of " if version is not None else ""
+        raise not_found(f"{which}adapter {name!r} does not exist", code="adapter_not_found")
+    return _json(AdapterObject.of(record))
+
+
+async def delete_adapter(request: Request, tenant: Tenant) -> Response:
+    """Delete every version of an adapter, and the files no other record shares."""
+    state = gateway_state(request)
+    store = state.require_store()
+    name = request.path_params["name"]
+    try:
+        if not is_valid_name(name):
+            raise NotFound(name)
+        removed = await store.delete_adapter(tenant.name, name)
+    except NotFound:
+        raise not_found(f"adapter {name!r} does not exist", code="adapter_not_found") from None
+    await collect_garbage(state.blobs, store, sorted({r.digest for r in removed}))
+    return _json(AdapterDeleted(id=name, versions=len(removed)))
+
+
+def _version_param(request: Request) -> int | None:
+    text = request.query_params.get("version")
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise invalid_request(f"version must be a positive integer, got {text!r}", param="version")
+    return int(text)
+
+
+def _as(resolve_tenant, handler):
+    """An endpoint running `handler` for the tenant `resolve_tenant` finds for the request."""
+    async def endpoint(request: Request) -> Response:
+        return await handler(request, await resolve_tenant(request))
+
+    endpoint.__name__ = handler.__name__
+    endpoint.__doc__ = handler.__doc__
+    return endpoint
+
+
+# The multipart body of the upload routes, for the OpenAPI document.
+UPLOAD_FORM_SCHEMA = {
+    "type": "object",
+    "required": ["name", "base_model"],
+    "properties": {
+        "name": {"type": "string", "description": "the adapter's name: what clients send as model"},
+        "base_model": {"type": "string", "description": "the served base model it was trained on"},
+        "adapter_config.json": {"type": "string", "format": "binary"},
+        "adapter_model.safetensors": {"type": "string", "format": "binary"},
+        "file": {"type": "string", "format": "binary",
+                 "description": "instead of the two files: a .tar.gz of the adapter folder"},
+    },
+}
+UPLOAD_PATHS = ("/v1/adapters", "/admin/tenants/{tenant}/adapters")
+
+ROUTES = [
+    Route("/v1/adapters", _as(_caller_tenant, upload), methods=["POST"], name="upload_adapter"),
+    Route("/v1/adapters", _as(_caller_tenant, list_adapters), methods=["GET"],
+          name="list_adapters"),
+    Route("/v1/adapters/{name}", _as(_caller_tenant, get_adapter), methods=["GET"],
+          name="get_adapter"),
+    Route("/v1/adapters/{name}", _as(_caller_tenant, delete_adapter), methods=["DELETE"],
+          name="delete_adapter"),
+    Route("/admin/tenants/{tenant}/adapters", _as(_named_tenant, upload), methods=["POST"],
+          name="admin_upload_adapter"),
+    Route("/admin/tenants/{tenant}/adapters", _as(_named_tenant, list_adapters), methods=["GET"],
+          name="admin_list_adapters"),
+    Route("/admin/tenants/{tenant}/adapters/{name}", _as(_named_tenant, get_adapter),
+          methods=["GET"], name="admin_get_adapter"),
+    Route("/admin/tenants/{tenant}/adapters/{name}", _as(_named_tenant, delete_adapter),
+          methods=["DELETE"], name="admin_delete_adapter"),
+]

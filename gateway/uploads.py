@@ -1,0 +1,185 @@
+"""Reading an adapter upload into a private folder, with every limit enforced while it streams in.
+
+The body is multipart/form-data with the text fields `name` and `base_model`, and either the
+file parts `adapter_config.json` and `adapter_model.safetensors` or one part `file` holding a
+tar (optionally gzipped) of the adapter folder. Files are written under fixed names into a fresh
+temporary folder: nothing the client names (part file names, archive paths) ever becomes a path.
+Validation of the adapter itself is the engine's (EngineClient.check_adapter); this module only
+makes sure the two files arrive, complete and within the size limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.types import Message
+
+from gateway.errors import ApiError, invalid_request
+from store.blobs import ADAPTER_FILES
+
+ARCHIVE_PART = "file"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_MAX_ARCHIVE_MEMBERS = 1000
+_COPY_CHUNK = 1 << 20
+_USAGE = ("send multipart/form-data with the fields 'name' and 'base_model' and either the files "
+          "'adapter_config.json' and 'adapter_model.safetensors' or one 'file' with a .tar.gz of "
+          "the adapter folder")
+
+
+@dataclass(frozen=True)
+class AdapterUpload:
+    """An upload's fields, and the folder holding its two adapter files."""
+
+    name: str
+    base_model: str
+    folder: Path
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+@contextlib.asynccontextmanager
+async def read_adapter_upload(request: Request, max_bytes: int,
+                              staging: Path) -> AsyncIterator[AdapterUpload]:
+    """The upload of `request`, its files in a new folder under `staging` removed on exit.
+
+    Raises ApiError: 413 past `max_bytes` (of body, or of files unpacked from an archive), 400 for
+    anything that is not the documented form.
+    """
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise invalid_request(f"adapter uploads are multipart: {_USAGE}", code="invalid_upload")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    capped = Request(request.scope, _capped_receive(request, max_bytes))
+    try:
+        form = await capped.form(max_files=2, max_fields=4, max_part_size=64 * 1024)
+    except _BodyTooLarge:
+        raise _too_large(max_bytes) from None
+    folder = Path(tempfile.mkdtemp(prefix=".tmp-upload-", dir=staging))
+    try:
+        fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
+        files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
+        await asyncio.to_thread(_write_files, files, folder, max_bytes)
+        yield AdapterUpload(_field(fields, "name"), _field(fields, "base_model"), folder)
+    finally:
+        await form.close()
+        await asyncio.to_thread(shutil.rmtree, folder, True)
+
+
+def _capped_receive(request: Request, max_bytes: int):
+    """`receive` of `request`, raising _BodyTooLarge once the body passes `max_bytes`
+    (a chunked body has no Content-Length to refuse up front)."""
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > max_bytes:
+                raise _BodyTooLarge
+        return message
+
+    return receive
+
+
+def _field(fields: dict[str, str], name: str) -> str:
+    value = fields.get(name, "").strip()
+    if not value:
+        raise invalid_request(f"the form field '{name}' is missing: {_USAGE}", param=name,
+                              code="invalid_upload")
+    return value
+
+
+def _write_files(files: dict[str, UploadFile], folder: Path, max_bytes: int) -> None:
+    """Put the two adapter files of the form's file parts into `folder`, under fixed names."""
+    for part in files:
+        if part.endswith(_PICKLE_SUFFIXES):
+            raise _pickle_refused(part)
+        if part not in (*ADAPTER_FILES, ARCHIVE_PART):
+            raise invalid_request(f"unexpected file part {part!r}: {_USAGE}", code="invalid_upload")
+    if ARCHIVE_PART in files:
+        if len(files) > 1:
+            raise invalid_request(f"send either the archive or the two files, not both: {_USAGE}",
+                                  code="invalid_upload")
+        _extract_archive(files[ARCHIVE_PART].file, folder, max_bytes)
+        return
+    _require_both(set(files), "the upload")
+    for name in ADAPTER_FILES:
+        with open(folder / name, "wb") as out:
+            shutil.copyfileobj(files[name].file, out, _COPY_CHUNK)
+
+
+def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
+    """Copy the adapter files out of a tar(.gz) stream; other members are skipped, never written.
+
+    Counts every member's size against `max_bytes`, so a small archive that inflates to a huge
+    one is refused before it is unpacked.
+    """
+    found: set[str] = set()
+    total = 0
+    try:
+        with tarfile.open(fileobj=archive, mode="r|*") as tar:
+            for count, member in enumerate(tar, 1):
+                path = PurePosixPath(member.name)
+                if path.is_absolute() or ".." in path.parts:
+                    raise invalid_request(f"the archive holds the unsafe path {member.name!r}; "
+                                          "pack the adapter folder with relative paths",
+                                          code="invalid_upload")
+                total += max(member.size, 0)
+                if count > _MAX_ARCHIVE_MEMBERS or total > max_bytes:
+                    raise _too_large(max_bytes)
+                name = path.name
+                if name.endswith(_PICKLE_SUFFIXES):
+                    raise _pickle_refused(member.name)
+                if name not in ADAPTER_FILES or member.isdir():
+                    continue  # README.md and the like: not needed, never written
+                if not member.isfile():
+                    raise invalid_request(f"{member.name!r} in the archive is a link or a special "
+                                          "file; pack the files themselves", code="invalid_upload")
+                if name in found:
+                    raise invalid_request(f"the archive holds {name} twice; pack one adapter "
+                                          "folder", code="invalid_upload")
+                found.add(name)
+                source = tar.extractfile(member)
+                with source, open(folder / name, "wb") as out:
+                    shutil.copyfileobj(source, out, _COPY_CHUNK)
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as error:
+        raise invalid_request(f"the 'file' part is not a readable .tar.gz ({error}); create it "
+                              "with `tar czf adapter.tar.gz -C <adapter folder> .`",
+                              code="invalid_upload") from None
+    _require_both(found, "the archive")
+
+
+def _require_both(found: set[str], where: str) -> None:
+    missing = [name for name in ADAPTER_FILES if name not in found]
+    if missing:
+        raise invalid_request(f"{where} lacks {' and '.join(missing)}: a PEFT adapter folder "
+                              "(save_pretrained) has adapter_config.json and "
+                              "adapter_model.safetensors", code="invalid_upload")
+
+
+def _pickle_refused(name: str) -> ApiError:
+    return invalid_request(f"{name!r} is a pickle checkpoint, which this server never loads "
+                           "(unpickling runs code); save the adapter with "
+                           "save_pretrained(..., safe_serialization=True) and upload "
+                           "adapter_model.safetensors", code="pickle_not_allowed")
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the upload is larger than this server accepts ({max_bytes} bytes); "
+                    "upload a smaller adapter or raise --max-upload-size", code="upload_too_large")

@@ -1,0 +1,397 @@
+"""Adapter upload, use, versions and deletion through the real server, against PEFT's own outputs;
+tenant isolation cell by cell; and bad uploads that must leave the store and blob folder unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import tarfile
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.conftest import DEMO_MAX_LORA_RANK, DEMO_MODEL, gateway_server
+from tests.helpers import hf_greedy, make_peft_model
+from tests.redis_server import redis_server  # noqa: F401
+
+MAX_UPLOAD_BYTES = 2 << 20
+PROMPT = "Adapters change this"
+NUM_TOKENS = 8
+_names = itertools.count()
+
+
+# Adapters: real PEFT folders over the demo model (and one over a different model).
+
+def _demo_peft_model(demo_model_dir: Path, seed: int, **lora_kwargs):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(demo_model_dir).eval()
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(**lora_kwargs)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:  # PEFT initialises B to zero, which would make a no-op adapter
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def adapters(demo_model_dir, demo_engine, tmp_path_factory) -> dict[str, Path]:
+    """name -> adapter folder; `expected` holds each good adapter's greedy tokens for PROMPT."""
+    root = tmp_path_factory.mktemp("adapters")
+    prompt = demo_engine.tokenize(PROMPT)
+    folders, expected = {}, {}
+    good = {
+        "all-r8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+        "attn-r4": dict(r=4, lora_alpha=4, use_rslora=True,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    }
+    for seed, (name, lora) in enumerate(good.items(), start=1):
+        model = _demo_peft_model(demo_model_dir, seed, **lora)
+        model.save_pretrained(root / name)
+        expected[name] = hf_greedy(model, prompt, NUM_TOKENS)[0]
+        folders[name] = root / name
+    with model.disable_adapter():
+        expected["base"] = hf_greedy(model, prompt, NUM_TOKENS)[0]
+    over_rank = _demo_peft_model(demo_model_dir, 9, r=2 * DEMO_MAX_LORA_RANK, lora_alpha=8,
+                                 target_modules=["q_proj"])
+    over_rank.save_pretrained(root / "over-rank")
+    over_rank.save_pretrained(root / "pickled", safe_serialization=False)
+    make_peft_model(seed=3, model_overrides={"num_hidden_layers": 4}).save_pretrained(
+        root / "other-base")  # the same layers and module names, another model's shapes
+    folders.update({n: root / n for n in ("over-rank", "pickled", "other-base")})
+    folders["expected"] = expected
+    return folders
+
+
+# Servers and clients.
+
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
+def server(request, demo_engine, tmp_path_factory):
+    store_url = request.getfixturevalue("redis_server") if request.param == "redis" else None
+    with gateway_server(demo_engine, tmp_path_factory.mktemp("adapters-gw"), store_url,
+                        max_upload_bytes=MAX_UPLOAD_BYTES) as running:
+        yield running
+
+
+@pytest.fixture
+def tenant(server) -> tuple[str, str]:
+    name = f"t{next(_names)}"
+    return name, server.new_tenant(name)
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def files_of(folder: Path) -> dict[str, tuple[str, bytes]]:
+    return {name: (name, (folder / name).read_bytes())
+            for name in ("adapter_config.json", "adapter_model.safetensors")}
+
+
+def unique_files(folder: Path) -> dict:
+    """The adapter's files with a config no other upload has (a new digest, the same weights)."""
+    return _with_config(folder, lora_dropout=next(_names) / 1e6)
+
+
+def upload(server, key: str, name: str, files: dict, base: str = DEMO_MODEL,
+           path: str = "/v1/adapters") -> httpx.Response:
+    return httpx.post(server.url + path, data={"name": name, "base_model": base}, files=files,
+                      headers=auth(key), timeout=60)
+
+
+def tar_gz(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def greedy_ids(server, key: str, model: str) -> list[int]:
+    """The gateway's greedy tokens for PROMPT, as ids, through the official client."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0, logprobs=0,
+        extra_body={"min_tokens": NUM_TOKENS, "return_tokens_as_token_ids": True})
+    assert completion.model == model
+    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+
+
+def models_of(server, key: str) -> dict[str, dict]:
+    listed = httpx.get(server.url + "/v1/models", headers=auth(key))
+    assert listed.status_code == 200, listed.text
+    return {card["id"]: card for card in listed.json()["data"]}
+
+
+# Upload and use.
+
+def test_uploaded_adapters_answer_as_peft_does(server, tenant, adapters):
+    name, key = tenant
+    expected = adapters["expected"]
+    created = upload(server, key, "support-bot", files_of(adapters["all-r8"]))
+    assert created.status_code == 201, created.text
+    record = created.json()
+    assert (record["id"], record["tenant"], record["base_model"], record["version"]) == \
+        ("support-bot", name, DEMO_MODEL, 1)
+    assert record["rank"] == 8 and len(record["target_modules"]) == 7
+    archive = tar_gz({f"attn/{f}": data for f, (_, data) in files_of(adapters["attn-r4"]).items()})
+    created = upload(server, key, "attn", {"file": ("attn.tar.gz", archive)})
+    assert created.status_code == 201, created.text
+    assert created.json()["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+    cards = models_of(server, key)
+    assert cards[DEMO_MODEL]["parent"] is None
+    assert cards["support-bot"]["parent"] == DEMO_MODEL and cards["support-bot"]["owned_by"] == name
+    assert greedy_ids(server, key, "support-bot") == expected["all-r8"]
+    assert greedy_ids(server, key, f"{DEMO_MODEL}:support-bot") == expected["all-r8"]
+    assert greedy_ids(server, key, "attn") == expected["attn-r4"]
+    assert greedy_ids(server, key, DEMO_MODEL) == expected["base"]
+    assert expected["all-r8"] != expected["base"] != expected["attn-r4"]
+
+
+def test_streamed_chat_with_an_adapter(server, tenant, adapters):
+    _, key = tenant
+    assert upload(server, key, "chatty", files_of(adapters["attn-r4"])).status_code == 201
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    stream = client.chat.completions.create(
+        model="chatty", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens >= 1
+    assert all(c.model == "chatty" for c in chunks)
+
+
+def test_reupload_makes_a_new_version_that_requests_use(server, tenant, adapters):
+    name, key = tenant
+    expected = adapters["expected"]
+    first = upload(server, key, "bot", files_of(adapters["all-r8"])).json()
+    assert greedy_ids(server, key, "bot") == expected["all-r8"]
+    second = upload(server, key, "bot", files_of(adapters["attn-r4"]))
+    assert second.status_code == 201 and second.json()["version"] == 2
+    assert second.json()["digest"] != first["digest"]
+    assert greedy_ids(server, key, "bot") == expected["attn-r4"]  # the new files, not old slots
+    latest = httpx.get(server.url + "/v1/adapters/bot", headers=auth(key)).json()
+    assert latest["version"] == 2
+    old = httpx.get(server.url + "/v1/adapters/bot?version=1", headers=auth(key)).json()
+    assert old["digest"] == first["digest"]
+    listed = httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]
+    assert [(a["id"], a["version"]) for a in listed] == [("bot", 2)]
+
+
+def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
+    blobs = server.app.state.gateway.blobs
+    (_, key_a), (_, key_b) = _two_tenants(server)
+    files = unique_files(adapters["all-r8"])
+    digest = upload(server, key_a, "mine", files).json()["digest"]
+    assert upload(server, key_b, "same-files", files).json()["digest"] == digest
+    deleted = httpx.delete(server.url + "/v1/adapters/mine", headers=auth(key_a))
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert blobs.path(digest) is not None  # tenant B's record still references the files
+    assert httpx.get(server.url + "/v1/adapters/mine", headers=auth(key_a)).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        greedy_ids(server, key_a, "mine")
+    assert httpx.delete(server.url + "/v1/adapters/same-files", headers=auth(key_b)).status_code == 200
+    assert blobs.path(digest) is None
+    assert httpx.delete(server.url + "/v1/adapters/mine", headers=auth(key_a)).status_code == 404
+
+
+def test_deleting_a_tenant_collects_its_adapter_files(server, tenant, adapters):
+    name, key = tenant
+    digest = upload(server, key, "x", unique_files(adapters["attn-r4"])).json()["digest"]
+    other = upload(server, server.new_tenant(f"t{next(_names)}"), "y", unique_files(adapters["all-r8"]))
+    assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+    blobs = server.app.state.gateway.blobs
+    assert blobs.path(other.json()["digest"]) is not None
+    assert blobs.path(digest) is None
+
+
+def _two_tenants(server) -> tuple[tuple[str, str], tuple[str, str]]:
+    names = f"t{next(_names)}", f"t{next(_names)}"
+    return tuple((n, server.new_tenant(n)) for n in names)
+
+
+# Tenant isolation: every cell.
+
+def test_tenant_b_can_never_reach_tenant_a_adapters(server, adapters):
+    (a, key_a), (b, key_b) = _two_tenants(server)
+    expected = adapters["expected"]
+    record_a = upload(server, key_a, "private", files_of(adapters["all-r8"])).json()
+
+    # List: neither /v1/adapters nor /v1/models shows it to B.
+    assert httpx.get(server.url + "/v1/adapters", headers=auth(key_b)).json()["data"] == []
+    assert "private" not in models_of(server, key_b)
+    # Get: unknown to B.
+    assert httpx.get(server.url + "/v1/adapters/private", headers=auth(key_b)).status_code == 404
+    # Use, by name and by base:adapter.
+    for model in ("private", f"{DEMO_MODEL}:private"):
+        with pytest.raises(openai.NotFoundError) as raised:
+            greedy_ids(server, key_b, model)
+        assert raised.value.body["code"] == "model_not_found"
+    # Delete: 404, and A's adapter is untouched.
+    assert httpx.delete(server.url + "/v1/adapters/private", headers=auth(key_b)).status_code == 404
+    # Overwrite: B's upload under the same name is B's own adapter; A's is unchanged.
+    mine = upload(server, key_b, "private", files_of(adapters["attn-r4"]))
+    assert mine.status_code == 201 and mine.json()["tenant"] == b and mine.json()["version"] == 1
+    assert greedy_ids(server, key_b, "private") == expected["attn-r4"]
+    assert httpx.get(server.url + "/v1/adapters/private", headers=auth(key_a)).json() == record_a
+    assert greedy_ids(server, key_a, "private") == expected["all-r8"]
+    # The admin endpoints: the admin key reaches any tenant; a tenant key reaches none.
+    admin_view = server.admin("GET", f"/admin/tenants/{a}/adapters/private")
+    assert admin_view.status_code == 200 and admin_view.json() == record_a
+    for method, path in (("GET", f"/admin/tenants/{a}/adapters"),
+                         ("GET", f"/admin/tenants/{a}/adapters/private"),
+                         ("DELETE", f"/admin/tenants/{a}/adapters/private")):
+        refused = httpx.request(method, server.url + path, headers=auth(key_b))
+        assert refused.status_code == 403, (method, path)
+    refused = upload(server, key_b, "planted", files_of(adapters["all-r8"]),
+                     path=f"/admin/tenants/{a}/adapters")
+    assert refused.status_code == 403
+    # The admin can upload into and delete from a tenant.
+    planted = upload(server, server.admin_key, "by-admin", files_of(adapters["attn-r4"]),
+                     path=f"/admin/tenants/{a}/adapters")
+    assert planted.status_code == 201 and planted.json()["tenant"] == a
+    assert greedy_ids(server, key_a, "by-admin") == expected["attn-r4"]
+    assert server.admin("DELETE", f"/admin/tenants/{a}/adapters/by-admin").status_code == 200
+    assert server.admin("GET", f"/admin/tenants/{b}/adapters").json()["data"][0]["tenant"] == b
+    assert server.admin("GET", "/admin/tenants/nobody/adapters").status_code == 404
+
+
+# Bad uploads: their own 4xx, and nothing kept.
+
+def _truncated(folder: Path) -> dict:
+    files = files_of(folder)
+    name, data = files["adapter_model.safetensors"]
+    files["adapter_model.safetensors"] = (name, data[: len(data) // 2])
+    return files
+
+
+def _with_config(folder: Path, **changes) -> dict:
+    files = files_of(folder)
+    config = json.loads(files["adapter_config.json"][1]) | changes
+    files["adapter_config.json"] = ("adapter_config.json", json.dumps(config).encode())
+    return files
+
+
+BAD_UPLOADS = {
+    # case: (build(adapters) -> (name, base, files), status, code, words in the message)
+    "pickle weights": (lambda a: ("p", DEMO_MODEL, {
+        "adapter_config.json": files_of(a["all-r8"])["adapter_config.json"],
+        "adapter_model.bin": ("adapter_model.bin", (a["pickled"] / "adapter_model.bin").read_bytes())}),
+        400, "pickle_not_allowed", "pickle"),
+    "pickle in an archive": (lambda a: ("p", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
+        "adapter_config.json": (a["pickled"] / "adapter_config.json").read_bytes(),
+        "adapter_model.bin": (a["pickled"] / "adapter_model.bin").read_bytes()}))}),
+        400, "pickle_not_allowed", "pickle"),
+    "truncated safetensors": (lambda a: ("t", DEMO_MODEL, _truncated(a["all-r8"])),
+                              400, "invalid_adapter", "truncated"),
+    "wrong shapes": (lambda a: ("w", DEMO_MODEL, files_of(a["other-base"])),
+                     400, "invalid_adapter", "shape"),
+    "rank over the limit": (lambda a: ("r", DEMO_MODEL, files_of(a["over-rank"])),
+                            400, "invalid_adapter", "rank"),
+    "unknown base model": (lambda a: ("u", "no-such-model", files_of(a["all-r8"])),
+                           400, "model_not_found", "no-such-model"),
+    "missing config": (lambda a: ("m", DEMO_MODEL, {
+        "adapter_model.safetensors": files_of(a["all-r8"])["adapter_model.safetensors"]}),
+        400, "invalid_upload", "adapter_config.json"),
+    "path traversal name": (lambda a: ("../../etc/passwd", DEMO_MODEL, files_of(a["all-r8"])),
+                            400, "invalid_name", "invalid adapter name"),
+    "path traversal in an archive": (lambda a: ("p", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
+        f"../{n}": d for n, (_, d) in files_of(a["all-r8"]).items()}))}),
+        400, "invalid_upload", "unsafe path"),
+    "a base model's name": (lambda a: (DEMO_MODEL, DEMO_MODEL, files_of(a["all-r8"])),
+                            400, "invalid_name", "base model"),
+    "over-size body": (lambda a: ("big", DEMO_MODEL, {
+        **files_of(a["all-r8"]),
+        "adapter_model.safetensors": ("adapter_model.safetensors", b"\0" * (MAX_UPLOAD_BYTES + 1))}),
+        413, "upload_too_large", "larger"),
+    "archive that inflates past the limit": (lambda a: ("z", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
+        **{n: d for n, (_, d) in files_of(a["all-r8"]).items()},
+        "README.md": b"\0" * (2 * MAX_UPLOAD_BYTES)}))}),
+        413, "upload_too_large", "larger"),
+    "corrupt archive": (lambda a: ("c", DEMO_MODEL, {"file": ("a.tar.gz", b"not a tar at all")}),
+                        400, "invalid_upload", "tar.gz"),
+    "exponential regex": (lambda a: ("x", DEMO_MODEL, _with_config(
+        a["all-r8"], target_modules="(.*)*_proj")), 400, "invalid_adapter", "exponential"),
+    "DoRA": (lambda a: ("d", DEMO_MODEL, _with_config(a["all-r8"], use_dora=True)),
+             400, "invalid_adapter", "DoRA"),
+}
+
+
+def _snapshot(server, tenant: str):
+    root = server.app.state.gateway.blobs.root
+    records = server.admin("GET", f"/admin/tenants/{tenant}/adapters").json()["data"]
+    return sorted(p.name for p in root.iterdir()), records
+
+
+@pytest.mark.parametrize("case", list(BAD_UPLOADS))
+def test_bad_uploads_are_refused_and_keep_nothing(server, tenant, adapters, case):
+    name, key = tenant
+    build, status, code, words = BAD_UPLOADS[case]
+    upload(server, key, "kept", files_of(adapters["attn-r4"]))  # state that must survive
+    before = _snapshot(server, name)
+    adapter_name, base, files = build(adapters)
+    refused = upload(server, key, adapter_name, files, base=base)
+    assert refused.status_code == status, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == code and words.lower() in error["message"].lower(), error
+    assert "/tmp" not in error["message"]  # server paths never leak
+    assert _snapshot(server, name) == before
+    assert greedy_ids(server, key, "kept") == adapters["expected"]["attn-r4"]  # still serving
+
+
+def test_a_chunked_body_past_the_limit_is_cut_off(server, tenant, adapters):
+    name, key = tenant
+    before = _snapshot(server, name)
+
+    def body():  # no Content-Length: the server must count as it reads
+        yield b"--b\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nbig\r\n"
+        yield (b"--b\r\nContent-Disposition: form-data; name=\"adapter_model.safetensors\"; "
+               b"filename=\"w\"\r\nContent-Type: application/octet-stream\r\n\r\n")
+        for _ in range(2 * MAX_UPLOAD_BYTES // (64 << 10)):
+            yield b"\0" * (64 << 10)
+        yield b"\r\n--b--\r\n"
+
+    refused = httpx.post(server.url + "/v1/adapters", content=body(), timeout=60,
+                         headers={**auth(key), "Content-Type": "multipart/form-data; boundary=b"})
+    assert refused.status_code == 413, refused.text
+    assert _snapshot(server, name) == before
+
+
+def test_uploads_need_multipart_and_both_fields(server, tenant, adapters):
+    _, key = tenant
+    as_json = httpx.post(server.url + "/v1/adapters", json={"name": "j"}, headers=auth(key))
+    assert as_json.status_code == 400 and as_json.json()["error"]["code"] == "invalid_upload"
+    no_base = httpx.post(server.url + "/v1/adapters", data={"name": "n"},
+                         files=files_of(adapters["all-r8"]), headers=auth(key))
+    assert no_base.status_code == 400 and no_base.json()["error"]["param"] == "base_model"
+    anonymous = httpx.post(server.url + "/v1/adapters", data={"name": "n", "base_model": DEMO_MODEL},
+                           files=files_of(adapters["all-r8"]))
+    assert anonymous.status_code == 401
+
+
+def test_an_engine_without_lora_refuses_uploads(demo_model_dir, tmp_path):
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=16),
+                                    show_progress=False)
+    try:
+        with gateway_server(engine, tmp_path) as plain:
+            key = plain.new_tenant("plain")
+            refused = upload(plain, key, "a", {
+                "adapter_config.json": ("adapter_config.json", b"{}"),
+                "adapter_model.safetensors": ("adapter_model.safetensors", b"")})
+            assert refused.status_code == 400
+            assert "without LoRA support" in refused.json()["error"]["message"]
+    finally:
+        engine.close()
