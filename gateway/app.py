@@ -26,6 +26,7 @@ from gateway.middleware import AccessLog
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
+from routing.pricing import Price
 from store import open_store
 from store.blobs import BlobStore
 
@@ -50,6 +51,7 @@ def _log_admin_key(key: str) -> None:
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
                admin_key: str | None = None, adapter_dir: Path | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+               prices: dict[str, Price] | None = None,
                announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
 
@@ -57,10 +59,11 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     None) and sets the admin key to `admin_key`; with none given and none stored, it creates one
     and hands its plaintext to `announce_admin_key`, once. Uploaded adapter files live in
     `adapter_dir` (default `data_dir`/adapters), which gateways sharing a store must share too.
+    Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
     """
     blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
-                           max_upload_bytes=max_upload_bytes)
+                           max_upload_bytes=max_upload_bytes, prices=prices or {})
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gateway import version
 from gateway.config import DEFAULT_DATA_DIR, ServeConfig, load_serve_config, parse_size
+from routing.pricing import Price
 
 logger = logging.getLogger("gateway")
 
@@ -20,6 +21,13 @@ _SERVE_EPILOG = """\
 Sources, strongest first: these options, then the environment (SWITCHBOARD_HOME is the data
 folder, SWITCHBOARD_ADMIN_KEY the admin key), then --config FILE.toml (same keys as the long
 options, e.g. port = 8080, max_num_seqs = 32, model = ["small=/models/a"]), then the defaults.
+A config file can also declare models with their prices (USD per million tokens), which tenants'
+spend budgets are charged by:
+
+  [models.small]
+  path = "/models/small"
+  price_input = 0.10
+  price_output = 0.40
 
 With no --model, the embedded demo model (random weights, byte tokenizer) is written to
 DATA_DIR/switchboard-demo and served as "switchboard-demo". The first start without an
@@ -99,13 +107,14 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    models = config.models() or _demo_model(config.data_dir)
+    models = config.model_paths() or _demo_model(config.data_dir)
+    prices = {e.name: Price(e.price_input, e.price_output) for e in config.model_entries()}
     logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
     engines = load_engines(models, **config.engine_options())
     try:
         app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
                          admin_key=config.admin_key, adapter_dir=config.adapter_dir,
-                         max_upload_bytes=config.max_upload_size,
+                         max_upload_bytes=config.max_upload_size, prices=prices,
                          announce_admin_key=functools.partial(
                              _print_admin_key, f"http://{config.host}:{config.port}"))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,

@@ -20,12 +20,26 @@ _SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY"}
 
 
+@dataclass(frozen=True)
+class ModelEntry:
+    """One served model: its name (what clients send as `model`), folder and price."""
+
+    name: str
+    path: Path
+    price_input: float = 0.0
+    """USD per million prompt tokens, for spend accounting."""
+    price_output: float = 0.0
+    """USD per million completion tokens."""
+
+
 @dataclass
 class ServeConfig:
     """Settings of one gateway process and of the engines it loads."""
 
     model: list[str] = field(default_factory=list)
     """Served models as "NAME=PATH" (NAME is what clients send as `model`); empty: the demo model."""
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Served models as TOML tables: [models.NAME] path = "...", price_input = 0.1, price_output = 0.4."""
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = DEFAULT_DATA_DIR
@@ -66,21 +80,30 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0 (0 serves no adapters), got {self.max_loras}")
-        self.models()  # NOTE: validates every "NAME=PATH" now, before any model is loaded
+        self.model_entries()  # NOTE: validates every model now, before any is loaded
 
-    def models(self) -> dict[str, Path]:
-        """{served name: model folder}; a bare PATH is served under its folder's name."""
-        served: dict[str, Path] = {}
+    def model_entries(self) -> list[ModelEntry]:
+        """Every served model: the "NAME=PATH" ones (a bare PATH is served under its folder's
+        name), then the [models.NAME] tables."""
+        entries: list[ModelEntry] = []
         for entry in self.model:
             name, sep, path = entry.partition("=")
             if not sep:
                 name, path = Path(entry).name, entry
             if not name or not path:
                 raise ValueError(f"--model takes NAME=PATH, got {entry!r}")
-            if name in served:
+            entries.append(ModelEntry(name, Path(path).expanduser()))
+        for name, table in self.models.items():
+            entries.append(_model_table(name, table))
+        names = [e.name for e in entries]
+        for name in names:
+            if names.count(name) > 1:
                 raise ValueError(f"the model name {name!r} is given twice")
-            served[name] = Path(path).expanduser()
-        return served
+        return entries
+
+    def model_paths(self) -> dict[str, Path]:
+        """{served name: model folder}."""
+        return {entry.name: entry.path for entry in self.model_entries()}
 
     def engine_options(self) -> dict[str, Any]:
         """The EngineConfig fields this config sets (the rest keep the engine's defaults)."""
@@ -95,6 +118,23 @@ class ServeConfig:
                                "max_cpu_adapters": max(self.max_cpu_loras, self.max_loras),
                                "max_lora_rank": self.max_lora_rank}
         return options
+
+
+def _model_table(name: str, table: Any) -> ModelEntry:
+    known = {"path", "price_input", "price_output"}
+    if not isinstance(table, dict) or "path" not in table:
+        raise ValueError(f"[models.{name}] needs at least path = \"/a/model/folder\"")
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"unknown keys in [models.{name}]: {', '.join(unknown)}; known keys: "
+                         f"{', '.join(sorted(known))}")
+    prices = {k: table.get(k, 0.0) for k in ("price_input", "price_output")}
+    for key, value in prices.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"[models.{name}] {key} must be a number >= 0 (USD per million "
+                             f"tokens), got {value!r}")
+    return ModelEntry(name, Path(table["path"]).expanduser(), float(prices["price_input"]),
+                      float(prices["price_output"]))
 
 
 def parse_size(text: str | int) -> int:

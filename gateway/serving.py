@@ -50,8 +50,9 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a call runs: the base model's engine, and the adapter it runs with if any."""
+    """Where a call runs: the base model and its engine, and the adapter it runs with if any."""
 
+    base_model: str
     engine: EngineClient
     adapter: AdapterRef | None = None
 
@@ -64,13 +65,13 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
         raise model_not_found(model) from None
     engine = state.engines[target.base_model]
     if target.adapter is None:
-        return Target(engine)
+        return Target(target.base_model, engine)
     folder = state.blobs.path(target.adapter.digest)
     if folder is None:
         raise ApiError(503, f"the files of adapter {target.adapter.name!r} are missing from this "
                        "server's adapter folder; upload the adapter again", type="server_error",
                        code="adapter_files_missing")
-    return Target(engine, AdapterRef(target.adapter.digest, str(folder)))
+    return Target(target.base_model, engine, AdapterRef(target.adapter.digest, str(folder)))
 
 
 def sampling_options(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingOptions:

@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
+from routing.pricing import FREE, Price
 from store import Store
 from store.blobs import BlobStore
 
@@ -23,8 +24,12 @@ class GatewayState:
     metrics: GatewayMetrics
     blobs: BlobStore
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # largest adapter upload body accepted
+    prices: dict[str, Price] = field(default_factory=dict)  # by base model name; unlisted: free
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
+
+    def price_of(self, base_model: str) -> Price:
+        return self.prices.get(base_model, FREE)
 
     def require_store(self) -> Store:
         assert self.store is not None, "the store is opened by the app's lifespan"

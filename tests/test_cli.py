@@ -48,7 +48,7 @@ def test_command_line_beats_environment_beats_config_file(tmp_path):
     loaded = load_serve_config({"port": 9100}, config, environ)
     assert (loaded.port, loaded.host, loaded.max_num_seqs) == (9100, "0.0.0.0", 8)
     assert (loaded.admin_key, loaded.data_dir) == ("from-env", Path("/srv/sb"))
-    assert loaded.models() == {"a": Path("/models/a"), "b": Path("/models/b")}
+    assert loaded.model_paths() == {"a": Path("/models/a"), "b": Path("/models/b")}
     assert loaded.engine_options() == {
         "device": "cpu", "dtype": "float32", "max_num_seqs": 8, "kv_cache_memory_bytes": 2 << 30,
         "lora": {"max_gpu_adapters": 4, "max_cpu_adapters": 64, "max_lora_rank": 64}}
@@ -56,7 +56,7 @@ def test_command_line_beats_environment_beats_config_file(tmp_path):
     assert "lora" not in load_serve_config({"max_loras": 0}, None, {}).engine_options()
     defaults = load_serve_config({}, None, {})
     assert (defaults.host, defaults.port, defaults.data_dir) == ("127.0.0.1", 8000, Path("data"))
-    assert defaults.models() == {} and defaults.store is None and defaults.admin_key is None
+    assert defaults.model_paths() == {} and defaults.store is None and defaults.admin_key is None
 
 
 @pytest.mark.parametrize("text, size", [("1024", 1024), ("512MiB", 512 << 20), ("4G", 4 << 30),
@@ -133,3 +133,20 @@ def _wait_for_health(url: str, process: subprocess.Popen) -> None:
         except httpx.ConnectError:
             time.sleep(0.1)
     raise AssertionError("the server did not become healthy")
+
+
+def test_model_tables_declare_paths_and_prices(tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text('model = ["a=/models/a"]\n'
+                      '[models.big]\npath = "/models/big"\nprice_input = 1.5\nprice_output = 6\n')
+    loaded = load_serve_config({}, config, {})
+    assert loaded.model_paths() == {"a": Path("/models/a"), "big": Path("/models/big")}
+    big = loaded.model_entries()[1]
+    assert (big.name, big.price_input, big.price_output) == ("big", 1.5, 6.0)
+    for bad, words in (('[models.x]\nprice_input = 1\n', "needs at least path"),
+                       ('[models.x]\npath = "/m"\nprice_output = -1\n', "must be a number >= 0"),
+                       ('[models.x]\npath = "/m"\ncolour = "red"\n', "unknown keys"),
+                       ('model = ["x=/m"]\n[models.x]\npath = "/n"\n', "given twice")):
+        config.write_text(bad)
+        with pytest.raises(ValueError, match=words):
+            load_serve_config({}, config, {})

@@ -1,0 +1,28 @@
+"""What a model costs per token, and so what a call costs, in US dollars."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_PER = 1_000_000
+
+
+@dataclass(frozen=True)
+class Price:
+    """A model's price per million prompt (input) and completion (output) tokens."""
+
+    input_usd_per_mtok: float = 0.0
+    output_usd_per_mtok: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("input_usd_per_mtok", "output_usd_per_mtok"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0 USD per million tokens, got {value!r}")
+
+    def cost(self, tokens_in: int, tokens_out: int) -> float:
+        """The price of a call that read `tokens_in` and wrote `tokens_out` tokens."""
+        return (tokens_in * self.input_usd_per_mtok + tokens_out * self.output_usd_per_mtok) / _PER
+
+
+FREE = Price()
