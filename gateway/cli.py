@@ -80,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest adapter upload accepted, e.g. 512MiB (default 1GiB)")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
+    router = commands.add_parser(
+        "router", help="train the learned router of routes with kind = \"learned\"",
+        description="Learned routing: a classifier that predicts from the prompt whether the "
+                    "small model answers it well.")
+    router_commands = router.add_subparsers(dest="router_command", required=True, metavar="STEP")
+    train = router_commands.add_parser(
+        "train", help="fit a router from a JSONL of prompts and outcomes",
+        description="Fit a router from JSONL lines {\"prompt\": ..., \"small_correct\": true|false}, "
+                    "calibrating its threshold on a held-out part so that the target share of "
+                    "prompts goes to the strong model.")
+    train.add_argument("data", type=Path, help="the JSONL file of prompts and outcomes")
+    train.add_argument("--out", type=Path, required=True, help="folder to write router.json into")
+    train.add_argument("--target-strong-share", type=float, default=0.4,
+                       help="share of requests the strong model should answer (default 0.4)")
+    train.add_argument("--holdout", type=float, default=0.2,
+                       help="fraction of the data kept for calibration and the report (default 0.2)")
+    train.add_argument("--epochs", type=int, default=60, help="training epochs (default 60)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the split and the fit")
     return parser
 
 
@@ -94,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"switchboard serve: {error}", file=sys.stderr)
             return 2
         return serve(config)
+    if command == "router":
+        return train_router_command(args)
     raise AssertionError(f"unhandled command {command!r}")
 
 
@@ -128,6 +148,27 @@ def serve(config: ServeConfig) -> int:
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def train_router_command(args: dict) -> int:
+    """`switchboard router train`: fit, calibrate, save, and report."""
+    from routing.learned import read_examples, train_router
+
+    try:
+        with open(args["data"], encoding="utf-8") as lines:
+            examples = read_examples(lines, str(args["data"]))
+        router, report = train_router(examples, args["target_strong_share"],
+                                      holdout_fraction=args["holdout"], seed=args["seed"],
+                                      epochs=args["epochs"])
+    except (OSError, ValueError) as error:
+        print(f"switchboard router train: {error}", file=sys.stderr)
+        return 2
+    router.save(args["out"])
+    print(f"trained on {report.num_train} prompts; calibrated on {report.num_holdout} held out: "
+          f"threshold {report.threshold:.4f} sends {report.strong_share:.1%} to the strong model "
+          f"(target {args['target_strong_share']:.1%}); held-out ROC AUC {report.auc:.3f}\n"
+          f"saved to {args['out']}")
+    return 0
 
 
 def _demo_model(data_dir: Path) -> dict[str, Path]:

@@ -1,0 +1,70 @@
+"""The learned router: training, threshold calibration, saving, and `switchboard router train`."""
+
+import json
+import random
+
+import pytest
+
+from gateway.cli import main
+from routing.learned import (Example, LearnedRouter, read_examples, roc_auc, threshold_for_share,
+                             train_router)
+
+
+def arithmetic_examples(count: int, seed: int = 0) -> list[Example]:
+    """Sums whose operands have 1-5 digits; the 'small model' gets only 1-2 digit ones right."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        digits = rng.randint(1, 5)
+        a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+        examples.append(Example(f"{a}+{b}=", digits <= 2))
+    return examples
+
+
+def test_the_router_learns_which_prompts_are_hard_and_hits_its_target_share():
+    router, report = train_router(arithmetic_examples(500), target_strong_share=0.6)
+    assert report.auc > 0.95
+    assert report.strong_share == pytest.approx(0.6, abs=0.02)
+    unseen = arithmetic_examples(200, seed=1)
+    strong = [router.wants_strong(e.prompt)[0] for e in unseen]
+    hard_sent = sum(s for s, e in zip(strong, unseen) if not e.small_correct)
+    assert hard_sent / sum(not e.small_correct for e in unseen) > 0.9
+    assert router.score("3+4=") < router.score("48213+99321=")
+
+
+def test_save_and_load_give_the_same_scores(tmp_path):
+    router, _ = train_router(arithmetic_examples(200), target_strong_share=0.5, epochs=20)
+    router.save(tmp_path)
+    loaded = LearnedRouter.load(tmp_path)
+    prompts = [e.prompt for e in arithmetic_examples(20, seed=2)]
+    assert loaded.scores(prompts) == router.scores(prompts)
+    assert loaded.settings == router.settings
+    (tmp_path / "router.json").write_text("{}")
+    with pytest.raises(ValueError, match="no router made by"):
+        LearnedRouter.load(tmp_path)
+
+
+def test_threshold_for_share_and_auc():
+    scores = [0.1, 0.9, 0.4, 0.7, 0.3]
+    assert threshold_for_share(scores, 0.4) == 0.7  # 0.9 and 0.7 are the top 40%
+    assert threshold_for_share(scores, 0.0) > 0.9 and threshold_for_share(scores, 1.0) == 0.1
+    assert roc_auc([0.1, 0.2, 0.8, 0.9], [False, False, True, True]) == 1.0
+    assert roc_auc([0.5, 0.5], [False, True]) == 0.5
+
+
+def test_training_data_errors_name_the_line():
+    with pytest.raises(ValueError, match="line 2"):
+        read_examples(['{"prompt": "a", "small_correct": true}', '{"prompt": "b"}'])
+    with pytest.raises(ValueError, match="got right and prompts it got wrong"):
+        train_router([Example("a", True), Example("b", True)], 0.5)
+
+
+def test_router_train_command(tmp_path, capsys):
+    data = tmp_path / "outcomes.jsonl"
+    data.write_text("".join(json.dumps({"prompt": e.prompt, "small_correct": e.small_correct})
+                            + "\n" for e in arithmetic_examples(300)))
+    assert main(["router", "train", str(data), "--out", str(tmp_path / "r"),
+                 "--target-strong-share", "0.5", "--epochs", "30"]) == 0
+    assert "sends 50.0% to the strong model" in capsys.readouterr().out
+    assert LearnedRouter.load(tmp_path / "r").settings.target_strong_share == 0.5
+    assert main(["router", "train", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
