@@ -28,6 +28,7 @@ class TenantCreate(msgspec.Struct, kw_only=True):
     monthly_token_budget: int | None = None
     monthly_spend_budget_usd: float | None = None
     allowed_models: list[str] | None = None
+    default_route: str | None = None
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
@@ -75,11 +76,16 @@ async def create_tenant(request: Request) -> Response:
     store = await _admin_store(request)
     body = await decode_body(request, TenantCreate)
     allowed = None if body.allowed_models is None else tuple(body.allowed_models)
+    routes = gateway_state(request).routes
+    if body.default_route is not None and body.default_route not in routes:
+        raise invalid_request(f"default_route {body.default_route!r} is not a route of this "
+                              f"server (routes: {', '.join(routes) or 'none'})",
+                              param="default_route")
     try:
         tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
                         monthly_token_budget=body.monthly_token_budget,
                         monthly_spend_budget_usd=body.monthly_spend_budget_usd,
-                        allowed_models=allowed)
+                        allowed_models=allowed, default_route=body.default_route)
         created = await store.create_tenant(tenant)
     except AlreadyExists as error:
         raise ApiError(409, str(error), code="tenant_exists") from None

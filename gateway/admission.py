@@ -24,27 +24,32 @@ class Admission:
         self._store = store
         self._reservation = reservation
 
-    async def settle(self, tokens_in: int, tokens_out: int) -> None:
+    async def settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
         """Bill the real counts and release the hold. Runs as its own task, so a cancelled caller
         (a client that disconnected) still bills what was generated."""
-        task = asyncio.create_task(self._settle(tokens_in, tokens_out))
+        task = asyncio.create_task(self._settle(tokens_in, tokens_out, spend_usd))
         _pending.add(task)
         task.add_done_callback(_pending.discard)
         await asyncio.shield(task)
 
-    async def _settle(self, tokens_in: int, tokens_out: int) -> None:
+    async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
         try:
             await self._store.settle(self._reservation, tokens_in=tokens_in,
-                                     tokens_out=tokens_out, spend_usd=0.0)
+                                     tokens_out=tokens_out, spend_usd=spend_usd)
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle usage of tenant %s", self._reservation.tenant)
+
+
+def _or_unlimited(value: float | None, unit: str = "") -> str:
+    return "unlimited" if value is None else f"{value}{unit}"
 
 
 _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish
 
 
-async def admit(store: Store, tenant: Tenant, estimated_tokens: int) -> Admission:
-    """Charge the rate limits and hold the budget for one call, or raise the ApiError to send."""
+async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
+                estimated_spend_usd: float = 0.0) -> Admission:
+    """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send."""
     if tenant.tpm is not None and estimated_tokens > tenant.tpm:
         raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
                        f"max_tokens for every choice) but your limit is {tenant.tpm} tokens per "
@@ -59,11 +64,14 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int) -> Admissio
                        f"({decision.limited_by}); retry in {wait} s",
                        type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(wait)})
-    reservation = await store.reserve_tokens(tenant, estimated_tokens)
+    reservation = await store.reserve_tokens(tenant, estimated_tokens,
+                                             spend_usd=estimated_spend_usd)
     if reservation is None:
-        raise ApiError(429, f"tenant {tenant.name!r} has used its monthly token budget of "
-                       f"{tenant.monthly_token_budget} (this request may need {estimated_tokens} "
-                       "more); ask your administrator to raise it",
+        raise ApiError(429, f"tenant {tenant.name!r} has used its monthly budget (tokens: "
+                       f"{_or_unlimited(tenant.monthly_token_budget)}, spend: "
+                       f"{_or_unlimited(tenant.monthly_spend_budget_usd, ' USD')}); this request "
+                       f"may need {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD more; "
+                       "ask your administrator to raise it",
                        type="insufficient_quota", code="insufficient_quota",
                        headers={"x-should-retry": "false"})
     return Admission(store, reservation)

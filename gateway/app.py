@@ -27,6 +27,7 @@ from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
+from routing.routes import CascadeRoute
 from store import open_store
 from store.blobs import BlobStore
 
@@ -48,10 +49,33 @@ def _log_admin_key(key: str) -> None:
     logger.warning("created the admin key (stored only as a hash; it is not shown again): %s", key)
 
 
+_TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
+
+
+def check_routes(engines: dict[str, EngineClient], routes: dict[str, CascadeRoute],
+                 default_route: str | None) -> None:
+    """ValueError unless every route's tiers are served and read prompts with the same tokens
+    (a route tokenizes a prompt once, with its first tier's tokenizer)."""
+    if default_route is not None and default_route not in routes:
+        raise ValueError(f"the default route {default_route!r} is not declared; routes: "
+                         f"{', '.join(routes) or 'none'}")
+    for route in routes.values():
+        missing = [m for m in route.tiers if m not in engines]
+        if missing:
+            raise ValueError(f"route {route.name!r} names models that are not served: "
+                             f"{', '.join(missing)}")
+        first = engines[route.tiers[0]]
+        for model in route.tiers[1:]:
+            if engines[model].tokenize(_TOKENIZER_PROBE) != first.tokenize(_TOKENIZER_PROBE):
+                raise ValueError(f"route {route.name!r}: {model!r} and {route.tiers[0]!r} use "
+                                 "different tokenizers; a route's tiers must share one")
+
+
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
                admin_key: str | None = None, adapter_dir: Path | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                prices: dict[str, Price] | None = None,
+               routes: dict[str, CascadeRoute] | None = None, default_route: str | None = None,
                announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
 
@@ -60,10 +84,14 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     and hands its plaintext to `announce_admin_key`, once. Uploaded adapter files live in
     `adapter_dir` (default `data_dir`/adapters), which gateways sharing a store must share too.
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
+    `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
     """
+    routes = routes or {}
+    check_routes(engines, routes, default_route)
     blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
-                           max_upload_bytes=max_upload_bytes, prices=prices or {})
+                           max_upload_bytes=max_upload_bytes, prices=prices or {},
+                           routes=routes, default_route=default_route)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -38,7 +38,8 @@ async def create_chat_completion(request: Request) -> Response:
     check_context_length(len(prompt), max_tokens, engine.max_model_len, param)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     call = await start_call(request, "chatcmpl", tenant, body.model, target, [prompt],
-                            sampling_options(body, max_tokens, num_top), body.n or 1)
+                            sampling_options(body, max_tokens, num_top), body.n or 1,
+                            streamed=bool(body.stream))
     name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs else None
     stream = None
     if body.stream:

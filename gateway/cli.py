@@ -14,6 +14,7 @@ from pathlib import Path
 from gateway import version
 from gateway.config import DEFAULT_DATA_DIR, ServeConfig, load_serve_config, parse_size
 from routing.pricing import Price
+from routing.routes import parse_routes
 
 logger = logging.getLogger("gateway")
 
@@ -28,6 +29,15 @@ spend budgets are charged by:
   path = "/models/small"
   price_input = 0.10
   price_output = 0.40
+
+and routes, names clients send as `model` that pick a model per request (a cascade: the cheap
+model answers unless its confidence is below the threshold), with the one "auto" means:
+
+  default_route = "auto"
+  [routes.auto]
+  tiers = ["small", "large"]
+  measure = "quantile"       # mean_logprob | min_prob | quantile
+  threshold = 0.5
 
 With no --model, the embedded demo model (random weights, byte tokenizer) is written to
 DATA_DIR/switchboard-demo and served as "switchboard-demo". The first start without an
@@ -129,14 +139,24 @@ def serve(config: ServeConfig) -> int:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     models = config.model_paths() or _demo_model(config.data_dir)
     prices = {e.name: Price(e.price_input, e.price_output) for e in config.model_entries()}
+    try:
+        routes = parse_routes(config.routes, models)
+    except ValueError as error:
+        print(f"switchboard serve: {error}", file=sys.stderr)
+        return 2
     logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
     engines = load_engines(models, **config.engine_options())
     try:
-        app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
-                         admin_key=config.admin_key, adapter_dir=config.adapter_dir,
-                         max_upload_bytes=config.max_upload_size, prices=prices,
-                         announce_admin_key=functools.partial(
-                             _print_admin_key, f"http://{config.host}:{config.port}"))
+        try:
+            app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
+                             admin_key=config.admin_key, adapter_dir=config.adapter_dir,
+                             max_upload_bytes=config.max_upload_size, prices=prices,
+                             routes=routes, default_route=config.default_route,
+                             announce_admin_key=functools.partial(
+                                 _print_admin_key, f"http://{config.host}:{config.port}"))
+        except ValueError as error:  # e.g. a route over models with different tokenizers
+            print(f"switchboard serve: {error}", file=sys.stderr)
+            return 2
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                                log_config=None, access_log=False,
                                                log_level=config.log_level, lifespan="on"))

@@ -40,6 +40,11 @@ class ServeConfig:
     """Served models as "NAME=PATH" (NAME is what clients send as `model`); empty: the demo model."""
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Served models as TOML tables: [models.NAME] path = "...", price_input = 0.1, price_output = 0.4."""
+    routes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Routes as TOML tables: [routes.NAME] tiers = ["small", "large"], threshold = 0.5, ... (see
+    routing/routes.py)."""
+    default_route: str | None = None
+    """The route `model: "auto"` means for tenants without a default route of their own."""
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = DEFAULT_DATA_DIR

@@ -85,6 +85,11 @@ class Generation:
             task.cancel()
 
     @property
+    def is_done(self) -> bool:
+        """Whether every engine request has finished."""
+        return self._num_finished == len(self.choices)
+
+    @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens of the call, each prompt counted once however many choices it has."""
         per_prompt = {c.prompt_index: c.num_prompt_tokens for c in self.choices}

@@ -10,7 +10,8 @@ from gateway.auth import authenticate_tenant
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
-from routing.models import allowed_base_models, visible_adapters
+from routing.models import allowed_base_models, allowed_routes, default_route, visible_adapters
+from routing.routes import AUTO
 
 
 class Health(msgspec.Struct, kw_only=True):
@@ -19,13 +20,17 @@ class Health(msgspec.Struct, kw_only=True):
 
 
 async def list_models(request: Request) -> Response:
-    """The models the caller's tenant may use: base models, then the tenant's own adapters."""
+    """The models the caller's tenant may use: base models, routes, then its own adapters."""
     state = gateway_state(request)
     store = state.require_store()
     tenant = await authenticate_tenant(request, store)
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=state.engines[name].max_model_len)
              for name in allowed_base_models(tenant, state.engines)]
+    for name in allowed_routes(tenant, state.catalog):
+        route = state.routes[default_route(tenant, state.catalog) if name == AUTO else name]
+        cards.append(ModelCard(id=name, created=state.started_at, max_model_len=min(
+            state.engines[m].max_model_len for m in route.tiers)))
     cards += [ModelCard(id=a.name, created=int(a.created_at), owned_by=tenant.name,
                         max_model_len=state.engines[a.base_model].max_model_len,
                         parent=a.base_model)

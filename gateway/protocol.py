@@ -115,6 +115,7 @@ class Usage(msgspec.Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    cost_usd: float = 0.0  # the whole call's price, tiers a route escalated past included
 
 
 class CompletionLogprobs(msgspec.Struct):

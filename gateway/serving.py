@@ -7,10 +7,11 @@ formats what they produce and calls `Call.finish` exactly once, however the call
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Admission, admit
+from gateway.cascade import Attempt, Tier, run_cascade
 from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, RequestRejected,
                                    SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
@@ -26,7 +28,8 @@ from gateway.generation import Generation
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
-from routing.models import ModelNotFound, resolve_model
+from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
+from routing.routes import CascadeRoute
 from store import Tenant
 
 T = TypeVar("T")
@@ -50,28 +53,43 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a call runs: the base model and its engine, and the adapter it runs with if any."""
+    """Where a call runs: a base model (maybe with an adapter), or a route over several tiers.
 
-    base_model: str
-    engine: EngineClient
-    adapter: AdapterRef | None = None
+    For a route, `tiers[0]` is also the model whose tokenizer reads the prompt: a route's tiers
+    share one tokenizer (checked when the server starts).
+    """
+
+    tiers: tuple[Tier, ...]
+    route: CascadeRoute | None = None
+
+    @property
+    def engine(self) -> EngineClient:
+        return self.tiers[0].engine
 
 
 async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Target:
-    """The engine and adapter `model` names for this tenant; 404 if it names nothing they may use."""
+    """What `model` names for this tenant: 404 for nothing it knows, 403 for what its policy
+    excludes."""
     try:
-        target = await resolve_model(state.require_store(), tenant, state.engines, model)
+        target = await resolve_model(state.require_store(), tenant, state.catalog, model)
     except ModelNotFound:
         raise model_not_found(model) from None
-    engine = state.engines[target.base_model]
-    if target.adapter is None:
-        return Target(target.base_model, engine)
-    folder = state.blobs.path(target.adapter.digest)
-    if folder is None:
-        raise ApiError(503, f"the files of adapter {target.adapter.name!r} are missing from this "
-                       "server's adapter folder; upload the adapter again", type="server_error",
-                       code="adapter_files_missing")
-    return Target(target.base_model, engine, AdapterRef(target.adapter.digest, str(folder)))
+    except ModelNotAllowed:
+        raise ApiError(403, f"your tenant's policy does not allow the model {model!r}; GET "
+                       "/v1/models lists the models and routes you can use", param="model",
+                       type="permission_error", code="model_not_allowed") from None
+    adapter = None
+    if target.adapter is not None:
+        folder = state.blobs.path(target.adapter.digest)
+        if folder is None:
+            raise ApiError(503, f"the files of adapter {target.adapter.name!r} are missing from "
+                           "this server's adapter folder; upload the adapter again",
+                           type="server_error", code="adapter_files_missing")
+        adapter = (target.adapter.base_model, AdapterRef(target.adapter.digest, str(folder)))
+    models = target.route.tiers if target.route is not None else (target.base_model,)
+    tiers = tuple(Tier(m, state.engines[m], adapter[1] if adapter and adapter[0] == m else None)
+                  for m in models)
+    return Target(tiers, target.route)
 
 
 def sampling_options(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingOptions:
@@ -109,19 +127,45 @@ class Call:
     request: Request
     id: str
     created: int
-    model: str
+    model: str  # what responses name: the requested model, or for a route the tier that answered
+    answered_by: str  # the base model that answers, whose price applies
     tenant: Tenant
     target: Target
     generation: Generation
     admission: Admission
     state: GatewayState
+    attempts: list[Attempt] = field(default_factory=list)  # a route's tiers, in the order run
     is_finished: bool = False
 
     def usage(self) -> Usage:
         g = self.generation
         return Usage(g.num_prompt_tokens, g.num_output_tokens,
                      g.num_prompt_tokens + g.num_output_tokens,
-                     PromptTokensDetails(g.num_cached_tokens))
+                     PromptTokensDetails(g.num_cached_tokens), self.cost_usd())
+
+    def cost_usd(self) -> float:
+        """The answer's price plus that of every tier escalated past."""
+        g = self.generation
+        answered = self.state.price_of(self.answered_by).cost(g.num_prompt_tokens,
+                                                              g.num_output_tokens)
+        return answered + sum(self.state.price_of(a.model).cost(a.tokens_in, a.tokens_out)
+                              for a in self.attempts)
+
+    def headers(self) -> dict[str, str]:
+        """What the gateway did, for the response headers (the cost only once it is known)."""
+        headers = {"x-switchboard-model": self.answered_by}
+        route = self.target.route
+        if route is not None:
+            judged = [a for a in self.attempts if a.threshold is not None]
+            headers.update({
+                "x-switchboard-route": route.name,
+                "x-switchboard-score": ",".join(_number(a.score) for a in judged),
+                "x-switchboard-threshold": ",".join(_number(a.threshold) for a in judged),
+                "x-switchboard-escalated": "true" if len(self.attempts) > 1 else "false",
+            })
+        if self.generation.is_done:
+            headers["x-switchboard-cost-usd"] = f"{self.cost_usd():.8f}"
+        return headers
 
     async def run_to_end(self) -> bool:
         """Wait until every engine request finished; a 500 if the engine failed."""
@@ -139,35 +183,57 @@ class Call:
         self.is_finished = True
         self.generation.close()
         usage = self.usage()
-        self.state.metrics.count_tokens(self.tenant.name, self.model, usage.prompt_tokens,
-                                        usage.completion_tokens)
-        self.request.state.prompt_tokens = usage.prompt_tokens
-        self.request.state.completion_tokens = usage.completion_tokens
-        await self.admission.settle(usage.prompt_tokens, usage.completion_tokens)
+        tokens_in = usage.prompt_tokens + sum(a.tokens_in for a in self.attempts)
+        tokens_out = usage.completion_tokens + sum(a.tokens_out for a in self.attempts)
+        self.state.metrics.count_tokens(self.tenant.name, self.model, tokens_in, tokens_out)
+        self.request.state.prompt_tokens = tokens_in
+        self.request.state.completion_tokens = tokens_out
+        await self.admission.settle(tokens_in, tokens_out, usage.cost_usd)
+
+
+def _number(value: float | None) -> str:
+    return "none" if value is None else f"{value:.6g}"
 
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,
-                     target: Target, prompts: list[list[int]], options: SamplingOptions,
-                     n: int) -> Call:
-    """Admit the call and start `n` engine requests per prompt; returns once each produced its
-    first token, so a request the engine refuses still gets a 400, not a broken stream."""
+                     target: Target, prompts: list[list[int]], options: SamplingOptions, n: int, *,
+                     streamed: bool = False) -> Call:
+    """Admit the call and start `n` engine requests per prompt (a route runs its cascade); returns
+    once each produced its first token, so a request the engine refuses still gets a 400, not a
+    broken stream."""
     state = gateway_state(request)
-    estimate = sum(len(p) for p in prompts) + options.max_tokens * n * len(prompts)
-    admission = await admit(state.require_store(), tenant, estimate)
+    if target.route is not None and (n != 1 or len(prompts) != 1):
+        raise invalid_request(f"routes answer one prompt with one choice; send n = 1 and a single "
+                              f"prompt, or name a model instead of {target.route.name!r}",
+                              param="n")
+    tokens_in = sum(len(p) for p in prompts)
+    tokens_out = options.max_tokens * n * len(prompts)
+    # NOTE: the spend held is the dearest tier's: a cascade may end there.
+    spend = max(state.price_of(t.model).cost(tokens_in, tokens_out) for t in target.tiers)
+    admission = await admit(state.require_store(), tenant, tokens_in + tokens_out, spend)
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    streams, prompt_indices = [], []
-    for p, prompt in enumerate(prompts):
-        for j in range(n):
-            # Seeded choices differ from each other but stay reproducible (vLLM does the same).
-            seed = None if options.seed is None else options.seed + j
-            streams.append(target.engine.generate(
-                prompt, msgspec.structs.replace(options, seed=seed),
-                request_id=f"{call_id}-{len(streams)}", tenant=tenant.name, adapter=target.adapter))
-            prompt_indices.append(p)
+    attempts: list[Attempt] = []
+    try:
+        if target.route is None:
+            answered_by = target.tiers[0].model
+            streams, prompt_indices = _engine_streams(target.tiers[0], prompts, options, n,
+                                                      call_id, tenant.name)
+        else:
+            outcome = await run_cascade(
+                target.route, list(target.tiers), prompts[0], options, streamed=streamed,
+                request_id=call_id, tenant=tenant.name,
+                guard=functools.partial(_unless_disconnected, request))
+            answered_by = model = outcome.tier.model
+            attempts = outcome.attempts
+            streams, prompt_indices = [outcome.stream], [0]
+    except BaseException:
+        await admission.settle(sum(a.tokens_in for a in attempts),
+                               sum(a.tokens_out for a in attempts), 0.0)
+        raise
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at)
-    call = Call(request, call_id, int(time.time()), model, tenant, target, generation, admission,
-                state)
+    call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
+                admission, state, attempts)
     try:
         await generation.start()
     except RequestRejected as error:
@@ -182,18 +248,46 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     return call
 
 
+def _engine_streams(tier: Tier, prompts: list[list[int]], options: SamplingOptions, n: int,
+                    call_id: str, tenant: str):
+    """`n` engine requests per prompt on one tier, and the prompt each choice answers."""
+    streams, prompt_indices = [], []
+    for p, prompt in enumerate(prompts):
+        for j in range(n):
+            # Seeded choices differ from each other but stay reproducible (vLLM does the same).
+            seed = None if options.seed is None else options.seed + j
+            streams.append(tier.engine.generate(
+                prompt, msgspec.structs.replace(options, seed=seed),
+                request_id=f"{call_id}-{len(streams)}", tenant=tenant, adapter=tier.adapter))
+            prompt_indices.append(p)
+    return streams, prompt_indices
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`, or 499 if the client leaves first (a cascade judging a tier must not outlive it)."""
+    result = await until_disconnected(request, _wrapped(work))
+    if result is None:
+        raise ApiError(499, "the client closed the connection", code="client_closed_request")
+    return result[0]
+
+
+async def _wrapped(work: Awaitable[T]) -> tuple[T]:
+    return (await work,)
+
+
 async def respond(request: Request, call: Call, stream: AsyncIterator[bytes] | None,
                   whole: Callable[[], msgspec.Struct]) -> Response:
     """Send `stream` as server-sent events, or run the call to its end and send `whole()`."""
     if stream is not None:
-        return EventStreamResponse(stream, on_close=call.finish)
+        return EventStreamResponse(stream, on_close=call.finish, headers=call.headers())
     try:
         completed = await until_disconnected(request, call.run_to_end())
     finally:
         await call.finish()
     if completed is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    return Response(msgspec.json.encode(whole()), media_type="application/json")
+    return Response(msgspec.json.encode(whole()), media_type="application/json",
+                    headers=call.headers())
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -9,7 +9,9 @@ from starlette.requests import Request
 
 from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
+from routing.models import Catalog
 from routing.pricing import FREE, Price
+from routing.routes import CascadeRoute
 from store import Store
 from store.blobs import BlobStore
 
@@ -25,8 +27,14 @@ class GatewayState:
     blobs: BlobStore
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # largest adapter upload body accepted
     prices: dict[str, Price] = field(default_factory=dict)  # by base model name; unlisted: free
+    routes: dict[str, CascadeRoute] = field(default_factory=dict)
+    default_route: str | None = None  # what `auto` means for tenants without a default of their own
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def catalog(self) -> Catalog:
+        return Catalog(tuple(self.engines), self.routes, self.default_route)
 
     def price_of(self, base_model: str) -> Price:
         return self.prices.get(base_model, FREE)

@@ -1,6 +1,8 @@
-"""What a request's `model` names: a served base model, or one of the caller's tenant's adapters.
+"""What a request's `model` names: a served base model, a route, or one of the tenant's adapters.
 
-A client writes `model` as a base model's served name, an adapter's name, or `base:adapter`.
+A client writes `model` as a base model's served name, an adapter's name, `base:adapter`, a
+route's name, `auto` (the tenant's default route), or `route:adapter` (the route, whose tier on
+the adapter's base model runs with the adapter).
 Adapter names resolve in the caller's tenant only, so another tenant's adapter is as unknown as
 one that never existed. Names cannot contain ":" (store.models.validate_name), so the split of
 `base:adapter` is unambiguous.
@@ -9,45 +11,99 @@ one that never existed. Names cannot contain ":" (store.models.validate_name), s
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from routing.routes import AUTO, CascadeRoute
 from store import AdapterRecord, Store, Tenant
 from store.models import is_valid_name
 
 
 class ModelNotFound(LookupError):
-    """The model does not exist for this tenant (or the tenant may not use it)."""
+    """The model does not exist for this tenant (another tenant's adapter does not either)."""
+
+
+class ModelNotAllowed(PermissionError):
+    """The model or route exists, but the tenant's policy does not allow it."""
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What the server offers: base models (in serving order), routes, and the default route."""
+
+    models: tuple[str, ...]
+    routes: dict[str, CascadeRoute] = field(default_factory=dict)
+    default_route: str | None = None
 
 
 @dataclass(frozen=True)
 class ModelTarget:
-    """The base model a request runs on and the adapter it runs with, if any."""
+    """What a request runs on: a base model with maybe an adapter, or a route (whose tier on the
+    adapter's base model runs with the adapter)."""
 
     base_model: str
     adapter: AdapterRecord | None = None
+    route: CascadeRoute | None = None
+
+
+def may_use(tenant: Tenant, name: str) -> bool:
+    """Whether the tenant's policy allows the model or route `name`."""
+    return tenant.allowed_models is None or name in tenant.allowed_models
 
 
 def allowed_base_models(tenant: Tenant, served: Collection[str]) -> list[str]:
     """The served base models this tenant may use, in serving order."""
-    return [m for m in served if tenant.allowed_models is None or m in tenant.allowed_models]
+    return [m for m in served if may_use(tenant, m)]
 
 
-async def resolve_model(store: Store, tenant: Tenant, served: Collection[str],
+def default_route(tenant: Tenant, catalog: Catalog) -> str | None:
+    """The route `auto` means for this tenant: its own default, else the server's."""
+    return tenant.default_route or catalog.default_route
+
+
+def allowed_routes(tenant: Tenant, catalog: Catalog) -> list[str]:
+    """The routes this tenant may name, `auto` first when it has a default route it may use."""
+    names = [r for r in catalog.routes if may_use(tenant, r)]
+    auto = default_route(tenant, catalog)
+    return ([AUTO] if auto in names else []) + names
+
+
+async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
                         model: str) -> ModelTarget:
-    """The target `model` names for `tenant`; ModelNotFound if it names nothing they may use."""
-    allowed = allowed_base_models(tenant, served)
-    if model in allowed:
+    """The target `model` names for `tenant`.
+
+    Raises ModelNotFound for names that mean nothing to this tenant, ModelNotAllowed for served
+    models and routes its policy excludes.
+    """
+    head, sep, name = model.partition(":")
+    route_name = default_route(tenant, catalog) if head == AUTO else head
+    if head == AUTO and route_name is None:
+        raise ModelNotFound(model)
+    if route_name in catalog.routes:
+        if not may_use(tenant, route_name):
+            raise ModelNotAllowed(model)
+        route = catalog.routes[route_name]
+        adapter = await _tenant_adapter(store, tenant, name) if sep else None
+        if sep and (adapter is None or adapter.base_model not in route.tiers):
+            raise ModelNotFound(model)
+        return ModelTarget(route.tiers[0], adapter, route)
+    if model in catalog.models:
+        if not may_use(tenant, model):
+            raise ModelNotAllowed(model)
         return ModelTarget(model)
-    base, sep, name = model.partition(":")
-    if not sep:
-        base, name = None, model
-    if not name or (base is not None and base not in allowed):
+    base, name = (head, name) if sep else (None, model)
+    if base is not None and base not in catalog.models:
         raise ModelNotFound(model)
-    # NOTE: a string that cannot be a name is a typo (404), never something to build store keys of.
-    adapter = await store.get_adapter(tenant.name, name) if is_valid_name(name) else None
-    if adapter is None or adapter.base_model not in allowed or base not in (None, adapter.base_model):
+    adapter = await _tenant_adapter(store, tenant, name)
+    if adapter is None or base not in (None, adapter.base_model):
         raise ModelNotFound(model)
+    if not may_use(tenant, adapter.base_model):
+        raise ModelNotAllowed(model)
     return ModelTarget(adapter.base_model, adapter)
+
+
+async def _tenant_adapter(store: Store, tenant: Tenant, name: str) -> AdapterRecord | None:
+    # NOTE: a string that cannot be a name is a typo (404), never something to build store keys of.
+    return await store.get_adapter(tenant.name, name) if is_valid_name(name) else None
 
 
 async def visible_adapters(store: Store, tenant: Tenant,

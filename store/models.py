@@ -48,7 +48,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     tpm: int | None = None  # tokens (prompt + completion) per minute
     monthly_token_budget: int | None = None
     monthly_spend_budget_usd: float | None = None
-    allowed_models: tuple[str, ...] | None = None
+    allowed_models: tuple[str, ...] | None = None  # base models and routes it may name
+    default_route: str | None = None  # the route `model: "auto"` means; None: the server's
     created_at: float = msgspec.field(default_factory=time.time)
 
     def __post_init__(self) -> None:

@@ -159,8 +159,12 @@ def test_monthly_budget_is_settled_with_real_counts(server):
 def test_allowed_models_limit_what_a_tenant_sees(server):
     key = server.new_tenant(f"t{next(_names)}", allowed_models=["other-model"])
     assert get(server, "/v1/models", key).json()["data"] == []
-    response = complete(server, key)
-    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    response = complete(server, key)  # served, but not for this tenant
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "model_not_allowed"
+    assert response.json()["error"]["type"] == "permission_error"
+    unknown = complete(server, key, model="no-such-model")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def test_first_start_creates_an_admin_key_once(demo_engine, tmp_path):

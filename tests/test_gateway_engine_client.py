@@ -128,4 +128,5 @@ def test_usage_counts_each_prompt_once_and_every_choice(scripted):
     body = response.json()
     assert [c["text"] for c in body["choices"]] == ["ABC"] * 4
     assert body["usage"] == {"prompt_tokens": 3 + 4, "completion_tokens": 12,
-                             "total_tokens": 19, "prompt_tokens_details": {"cached_tokens": 0}}
+                             "total_tokens": 19, "prompt_tokens_details": {"cached_tokens": 0},
+                             "cost_usd": 0.0}

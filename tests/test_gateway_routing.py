@@ -1,0 +1,256 @@
+"""Cascade routes through the real gateway over scripted engines whose confidence is known.
+
+Each engine answers with its letter ("s", "m", "l") and gives every token the probability its
+script assigns to the prompt's first word, so every routing decision below is exact. The trained
+models of tests/fixtures/arithmetic check the same routes on real answers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
+                                   EngineStats, GenerationChunk, SamplingOptions, TokenLogprob)
+from routing.pricing import Price
+from routing.routes import parse_routes
+from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+
+PRICES = {"small": Price(1.0, 2.0), "medium": Price(3.0, 6.0), "large": Price(10.0, 20.0)}
+# The probability each model gives every token of its answer, by the prompt's first word.
+SCRIPTS = {
+    "small": {"easy": 0.9, "hard": 0.2, "harder": 0.1},
+    "medium": {"easy": 0.95, "hard": 0.7, "harder": 0.3},
+    "large": {"easy": 0.99, "hard": 0.9, "harder": 0.8},
+}
+_names = itertools.count()
+
+
+class ScriptedTier:
+    """An engine that answers with its own letter, as sure as its script says."""
+
+    max_model_len = 256
+    supports_adapters = False
+
+    def __init__(self, name: str):
+        self.name = name
+        self.letter = name[0]
+        self.fail = False
+        self.started: list[str] = []  # request ids, in order
+        self.closed_early: list[str] = []  # requests aborted before their last token
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
+        return None
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    async def check_adapter(self, folder: str) -> AdapterInfo:
+        raise AdapterRejected("no adapters here")
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None = None,
+                       adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
+        self.started.append(request_id)
+        if self.fail:
+            raise EngineFailure(f"{self.name} is down")
+        word = bytes(prompt_token_ids).decode().split()[0]
+        logprob = math.log(SCRIPTS[self.name][word])
+        finished = False
+        try:
+            for i in range(options.max_tokens):
+                finished = i == options.max_tokens - 1
+                logprobs = [] if options.logprobs is None else [
+                    TokenLogprob(ord(self.letter), logprob, [(ord(self.letter), logprob)])]
+                yield GenerationChunk(token_ids=[ord(self.letter)], text=self.letter,
+                                      logprobs=logprobs, finished=finished,
+                                      finish_reason="length" if finished else None,
+                                      num_prompt_tokens=len(prompt_token_ids),
+                                      num_output_tokens=i + 1, num_cached_tokens=0)
+        finally:
+            if not finished:
+                self.closed_early.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
+                           prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
+                           num_generation_tokens=0, num_preemptions=0)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, ScriptedTier]:
+    return {name: ScriptedTier(name) for name in SCRIPTS}
+
+
+@pytest.fixture(scope="module")
+def routed(engines, tmp_path_factory):
+    routes = parse_routes({
+        "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5,
+                 "prefix_tokens": 2},
+        "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
+                  "thresholds": [math.log(0.5), math.log(0.5)]},
+    }, engines)
+    app = create_app(engines, data_dir=tmp_path_factory.mktemp("routed"), admin_key=ADMIN_KEY,
+                     prices=PRICES, routes=routes, default_route="auto")
+    with run_server(app) as url:
+        yield GatewayServer(url, ADMIN_KEY, app)
+
+
+@pytest.fixture(autouse=True)
+def healthy(engines):
+    for engine in engines.values():
+        engine.fail = False
+
+
+def new_tenant(server: GatewayServer, **policy) -> tuple[str, str]:
+    name = f"r{next(_names)}"
+    return name, server.new_tenant(name, **policy)
+
+
+def complete(server, key, prompt: str, model: str = "auto", **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": prompt, "max_tokens": 4, **body})
+
+
+def spend(server, tenant: str) -> dict:
+    return server.admin("GET", f"/admin/tenants/{tenant}").json()["usage"]
+
+
+def cost(model: str, tokens_in: int, tokens_out: int) -> float:
+    return PRICES[model].cost(tokens_in, tokens_out)
+
+
+def test_a_confident_small_model_answers(routed):
+    name, key = new_tenant(routed)
+    response = complete(routed, key, "easy one")  # 8 prompt tokens
+    assert response.status_code == 200, response.text
+    body, headers = response.json(), response.headers
+    assert body["choices"][0]["text"] == "ssss" and body["model"] == "small"
+    assert headers["x-switchboard-model"] == "small"
+    assert headers["x-switchboard-route"] == "auto"
+    assert (float(headers["x-switchboard-score"]), float(headers["x-switchboard-threshold"])) == \
+        pytest.approx((0.9, 0.5))
+    assert headers["x-switchboard-escalated"] == "false"
+    expected = cost("small", 8, 4)
+    assert float(headers["x-switchboard-cost-usd"]) == pytest.approx(expected)
+    assert body["usage"]["cost_usd"] == pytest.approx(expected)
+    assert "logprobs" not in body["choices"][0] or body["choices"][0]["logprobs"] is None
+    usage = spend(routed, name)
+    assert (usage["tokens_in"], usage["tokens_out"]) == (8, 4)
+    assert usage["spend_usd"] == pytest.approx(expected)
+
+
+def test_an_unsure_small_model_escalates_and_both_calls_are_billed(routed, engines):
+    name, key = new_tenant(routed)
+    response = complete(routed, key, "hard one")
+    body, headers = response.json(), response.headers
+    assert body["choices"][0]["text"] == "llll" and body["model"] == "large"
+    assert headers["x-switchboard-escalated"] == "true"
+    assert float(headers["x-switchboard-score"]) == pytest.approx(0.2)
+    expected = cost("small", 8, 4) + cost("large", 8, 4)  # the small answer ran in full first
+    assert float(headers["x-switchboard-cost-usd"]) == pytest.approx(expected)
+    usage = spend(routed, name)
+    assert (usage["tokens_in"], usage["tokens_out"]) == (16, 8)
+    assert usage["spend_usd"] == pytest.approx(expected)
+
+
+def test_a_stream_is_judged_on_its_prefix_before_any_byte_is_sent(routed, engines):
+    name, key = new_tenant(routed)
+    with httpx.stream("POST", routed.url + "/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "auto", "prompt": "hard one", "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}) as response:
+        headers = response.headers
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert headers["x-switchboard-model"] == "large" and headers["x-switchboard-escalated"] == "true"
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "llllll"
+    assert engines["small"].closed_early[-1] == engines["small"].started[-1]  # cut after 2 tokens
+    expected = cost("small", 8, 2) + cost("large", 8, 6)
+    assert events[-1]["usage"]["cost_usd"] == pytest.approx(expected)
+    assert spend(routed, name)["spend_usd"] == pytest.approx(expected)
+
+    kept = complete(routed, key, "easy one", stream=True, max_tokens=6)
+    assert kept.headers["x-switchboard-model"] == "small"
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in kept.text.splitlines()
+             if line.startswith("data: {")]
+    assert "".join(texts) == "ssssss"  # the judged prefix is replayed, then the rest follows
+
+
+def test_three_tiers_escalate_step_by_step(routed):
+    _, key = new_tenant(routed)
+    cases = {"easy x": ("small", "false", 1), "hard x": ("medium", "true", 2),
+             "harder x": ("large", "true", 2)}
+    for prompt, (model, escalated, judged) in cases.items():
+        headers = complete(routed, key, prompt, model="three").headers
+        assert (headers["x-switchboard-model"], headers["x-switchboard-escalated"]) == \
+            (model, escalated), prompt
+        assert len(headers["x-switchboard-score"].split(",")) == judged
+
+
+def test_a_failing_tier_falls_back_to_the_next_and_the_last_fails_cleanly(routed, engines):
+    _, key = new_tenant(routed)
+    engines["small"].fail = True
+    response = complete(routed, key, "easy one")
+    assert response.status_code == 200 and response.json()["model"] == "large"
+    assert response.headers["x-switchboard-score"] == "none"
+    engines["large"].fail = True
+    failed = complete(routed, key, "easy one")
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failure"
+
+
+def test_policies_limit_routes_and_pick_the_default(routed):
+    _, only_small = new_tenant(routed, allowed_models=["small"])
+    for model in ("auto", "three", "large"):
+        refused = complete(routed, only_small, "easy one", model=model)
+        assert refused.status_code == 403, model
+        assert refused.json()["error"]["code"] == "model_not_allowed"
+    assert complete(routed, only_small, "easy one", model="small").status_code == 200
+    listed = httpx.get(routed.url + "/v1/models",
+                       headers={"Authorization": f"Bearer {only_small}"}).json()["data"]
+    assert [m["id"] for m in listed] == ["small"]
+
+    _, three = new_tenant(routed, allowed_models=["three"], default_route="three")
+    headers = complete(routed, three, "hard one").headers  # auto is this tenant's "three"
+    assert (headers["x-switchboard-route"], headers["x-switchboard-model"]) == ("three", "medium")
+    listed = httpx.get(routed.url + "/v1/models",
+                       headers={"Authorization": f"Bearer {three}"}).json()["data"]
+    assert [m["id"] for m in listed] == ["auto", "three"]
+    bad = routed.admin("POST", "/admin/tenants", json={"name": "x1", "default_route": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "default_route"
+    many = complete(routed, three, "easy one", n=2)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+
+
+def test_the_spend_budget_stops_a_tenant(routed):
+    name, key = new_tenant(routed, monthly_spend_budget_usd=cost("large", 8, 4) * 1.5)
+    assert complete(routed, key, "easy one", model="large").status_code == 200
+    refused = complete(routed, key, "easy one", model="large")
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+    assert spend(routed, name)["spend_usd"] == pytest.approx(cost("large", 8, 4))
+
+
+def test_a_route_over_different_tokenizers_is_refused_at_startup(tmp_path):
+    class OtherTokenizer(ScriptedTier):
+        def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1] + super().tokenize(text)
+
+    engines = {"small": ScriptedTier("small"), "large": OtherTokenizer("large")}
+    routes = parse_routes({"auto": {"tiers": ["small", "large"], "threshold": 0.5}}, engines)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        create_app(engines, data_dir=tmp_path, routes=routes)
+    with pytest.raises(ValueError, match="default route 'nope' is not declared"):
+        create_app(engines, data_dir=tmp_path, default_route="nope")
