@@ -29,6 +29,7 @@ class TenantCreate(msgspec.Struct, kw_only=True):
     monthly_spend_budget_usd: float | None = None
     allowed_models: list[str] | None = None
     default_route: str | None = None
+    strong_share: float | None = None
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
@@ -85,7 +86,8 @@ async def create_tenant(request: Request) -> Response:
         tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
                         monthly_token_budget=body.monthly_token_budget,
                         monthly_spend_budget_usd=body.monthly_spend_budget_usd,
-                        allowed_models=allowed, default_route=body.default_route)
+                        allowed_models=allowed, default_route=body.default_route,
+                        strong_share=body.strong_share)
         created = await store.create_tenant(tenant)
     except AlreadyExists as error:
         raise ApiError(409, str(error), code="tenant_exists") from None

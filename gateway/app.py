@@ -27,7 +27,7 @@ from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
-from routing.routes import CascadeRoute
+from routing.routes import Route as ModelRoute
 from store import open_store
 from store.blobs import BlobStore
 
@@ -52,7 +52,7 @@ def _log_admin_key(key: str) -> None:
 _TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
 
 
-def check_routes(engines: dict[str, EngineClient], routes: dict[str, CascadeRoute],
+def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute],
                  default_route: str | None) -> None:
     """ValueError unless every route's tiers are served and read prompts with the same tokens
     (a route tokenizes a prompt once, with its first tier's tokenizer)."""
@@ -75,7 +75,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                admin_key: str | None = None, adapter_dir: Path | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                prices: dict[str, Price] | None = None,
-               routes: dict[str, CascadeRoute] | None = None, default_route: str | None = None,
+               routes: dict[str, ModelRoute] | None = None, default_route: str | None = None,
                announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
 

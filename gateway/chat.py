@@ -39,7 +39,7 @@ async def create_chat_completion(request: Request) -> Response:
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     call = await start_call(request, "chatcmpl", tenant, body.model, target, [prompt],
                             sampling_options(body, max_tokens, num_top), body.n or 1,
-                            streamed=bool(body.stream))
+                            streamed=bool(body.stream), prompt_text=_last_user_text(body.messages))
     name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs else None
     stream = None
     if body.stream:
@@ -71,6 +71,15 @@ def chat_prompt_token_ids(engine: EngineClient, messages: list[ChatMessage]) -> 
         return engine.tokenize(transcript)
     except RequestRejected as error:
         raise invalid_request(str(error), param="messages") from None
+
+
+def _last_user_text(messages: list[ChatMessage]) -> str | None:
+    """What a learned route reads of a chat: the latest user turn (routers are trained on prompts,
+    not on chat templates)."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role == "user":
+            return _text(messages[i], i)
+    return None
 
 
 def _text(message: ChatMessage, index: int) -> str:

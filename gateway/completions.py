@@ -32,7 +32,8 @@ async def create_completion(request: Request) -> Response:
         check_context_length(len(prompt), max_tokens, engine.max_model_len)
     options = sampling_options(body, max_tokens, body.logprobs)
     call = await start_call(request, "cmpl", tenant, body.model, target, prompts, options,
-                            body.n or 1, streamed=bool(body.stream))
+                            body.n or 1, streamed=bool(body.stream),
+                            prompt_text=body.prompt if isinstance(body.prompt, str) else None)
     name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs is not None \
         else None
     stream = None

@@ -29,7 +29,7 @@ from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
 from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
-from routing.routes import CascadeRoute
+from routing.routes import LearnedRoute, Route
 from store import Tenant
 
 T = TypeVar("T")
@@ -60,7 +60,7 @@ class Target:
     """
 
     tiers: tuple[Tier, ...]
-    route: CascadeRoute | None = None
+    route: Route | None = None
 
     @property
     def engine(self) -> EngineClient:
@@ -135,6 +135,7 @@ class Call:
     admission: Admission
     state: GatewayState
     attempts: list[Attempt] = field(default_factory=list)  # a route's tiers, in the order run
+    escalated: bool = False  # a route answered with a dearer tier than its first
     is_finished: bool = False
 
     def usage(self) -> Usage:
@@ -161,7 +162,7 @@ class Call:
                 "x-switchboard-route": route.name,
                 "x-switchboard-score": ",".join(_number(a.score) for a in judged),
                 "x-switchboard-threshold": ",".join(_number(a.threshold) for a in judged),
-                "x-switchboard-escalated": "true" if len(self.attempts) > 1 else "false",
+                "x-switchboard-escalated": "true" if self.escalated else "false",
             })
         if self.generation.is_done:
             headers["x-switchboard-cost-usd"] = f"{self.cost_usd():.8f}"
@@ -197,10 +198,11 @@ def _number(value: float | None) -> str:
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,
                      target: Target, prompts: list[list[int]], options: SamplingOptions, n: int, *,
-                     streamed: bool = False) -> Call:
-    """Admit the call and start `n` engine requests per prompt (a route runs its cascade); returns
-    once each produced its first token, so a request the engine refuses still gets a 400, not a
-    broken stream."""
+                     streamed: bool = False, prompt_text: str | None = None) -> Call:
+    """Admit the call and start `n` engine requests per prompt (a route picks its tier first);
+    returns once each produced its first token, so a request the engine refuses still gets a 400,
+    not a broken stream. `prompt_text` is what a learned route reads (default: the prompt's
+    tokens as text)."""
     state = gateway_state(request)
     if target.route is not None and (n != 1 or len(prompts) != 1):
         raise invalid_request(f"routes answer one prompt with one choice; send n = 1 and a single "
@@ -214,10 +216,18 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:
-        if target.route is None:
-            answered_by = target.tiers[0].model
-            streams, prompt_indices = _engine_streams(target.tiers[0], prompts, options, n,
-                                                      call_id, tenant.name)
+        if target.route is None or isinstance(target.route, LearnedRoute):
+            tier = target.tiers[0]
+            if isinstance(target.route, LearnedRoute):
+                text = prompt_text if prompt_text is not None else "".join(
+                    tier.engine.token_text(t) for t in prompts[0])
+                decision = state.learned.decide(target.route, tenant, text)
+                tier = target.tiers[decision.tier]
+                model = tier.model
+                attempts = [Attempt(tier.model, decision.score, decision.threshold, 0, 0)]
+            answered_by = tier.model
+            streams, prompt_indices = _engine_streams(tier, prompts, options, n, call_id,
+                                                      tenant.name)
         else:
             outcome = await run_cascade(
                 target.route, list(target.tiers), prompts[0], options, streamed=streamed,
@@ -232,8 +242,9 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         raise
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at)
+    escalated = answered_by != target.tiers[0].model
     call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
-                admission, state, attempts)
+                admission, state, attempts, escalated)
     try:
         await generation.start()
     except RequestRejected as error:

@@ -9,9 +9,10 @@ from starlette.requests import Request
 
 from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
+from routing.decide import LearnedRouting
 from routing.models import Catalog
 from routing.pricing import FREE, Price
-from routing.routes import CascadeRoute
+from routing.routes import Route
 from store import Store
 from store.blobs import BlobStore
 
@@ -27,8 +28,9 @@ class GatewayState:
     blobs: BlobStore
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES  # largest adapter upload body accepted
     prices: dict[str, Price] = field(default_factory=dict)  # by base model name; unlisted: free
-    routes: dict[str, CascadeRoute] = field(default_factory=dict)
+    routes: dict[str, Route] = field(default_factory=dict)
     default_route: str | None = None  # what `auto` means for tenants without a default of their own
+    learned: LearnedRouting = field(default_factory=LearnedRouting)
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from routing.routes import AUTO, CascadeRoute
+from routing.routes import AUTO, Route
 from store import AdapterRecord, Store, Tenant
 from store.models import is_valid_name
 
@@ -31,7 +31,7 @@ class Catalog:
     """What the server offers: base models (in serving order), routes, and the default route."""
 
     models: tuple[str, ...]
-    routes: dict[str, CascadeRoute] = field(default_factory=dict)
+    routes: dict[str, Route] = field(default_factory=dict)
     default_route: str | None = None
 
 
@@ -42,7 +42,7 @@ class ModelTarget:
 
     base_model: str
     adapter: AdapterRecord | None = None
-    route: CascadeRoute | None = None
+    route: Route | None = None
 
 
 def may_use(tenant: Tenant, name: str) -> bool:

@@ -50,6 +50,7 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     monthly_spend_budget_usd: float | None = None
     allowed_models: tuple[str, ...] | None = None  # base models and routes it may name
     default_route: str | None = None  # the route `model: "auto"` means; None: the server's
+    strong_share: float | None = None  # learned routes: target share of strong-model calls
     created_at: float = msgspec.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
@@ -58,6 +59,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
         _check_positive("tpm", self.tpm)
         _check_positive("monthly_token_budget", self.monthly_token_budget)
         _check_positive("monthly_spend_budget_usd", self.monthly_spend_budget_usd)
+        if self.strong_share is not None and not 0.0 <= self.strong_share <= 1.0:
+            raise StoreError(f"strong_share must be in [0, 1], got {self.strong_share!r}")
 
 
 class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):

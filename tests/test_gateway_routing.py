@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 from collections.abc import AsyncIterator
 
 import httpx
@@ -18,6 +19,7 @@ import pytest
 from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, GenerationChunk, SamplingOptions, TokenLogprob)
+from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, GatewayServer, run_server
@@ -63,7 +65,8 @@ class ScriptedTier:
         self.started.append(request_id)
         if self.fail:
             raise EngineFailure(f"{self.name} is down")
-        word = bytes(prompt_token_ids).decode().split()[0]
+        words = bytes(prompt_token_ids).decode().split()
+        word = next(w for w in words if w in SCRIPTS[self.name])  # chats: the user's first word
         logprob = math.log(SCRIPTS[self.name][word])
         finished = False
         try:
@@ -95,8 +98,22 @@ def engines() -> dict[str, ScriptedTier]:
 
 
 @pytest.fixture(scope="module")
-def routed(engines, tmp_path_factory):
+def router_dir(tmp_path_factory):
+    """A learned router that has seen "easy ..." prompts succeed and "hard ..." ones fail."""
+    examples = [Example(f"{word} {i}", word == "easy") for i in range(60)
+                for word in ("easy", "hard")]
+    router, _ = train_router(examples, target_strong_share=0.5, epochs=30)
+    folder = tmp_path_factory.mktemp("router")
+    router.save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def routed(engines, router_dir, tmp_path_factory):
     routes = parse_routes({
+        "learned": {"kind": "learned", "tiers": ["small", "large"], "router": str(router_dir)},
+        "tuned": {"kind": "learned", "tiers": ["small", "large"], "router": str(router_dir),
+                  "target_strong_share": 0.25, "recalibrate_window": 40},
         "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5,
                  "prefix_tokens": 2},
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
@@ -254,3 +271,41 @@ def test_a_route_over_different_tokenizers_is_refused_at_startup(tmp_path):
         create_app(engines, data_dir=tmp_path, routes=routes)
     with pytest.raises(ValueError, match="default route 'nope' is not declared"):
         create_app(engines, data_dir=tmp_path, default_route="nope")
+
+
+def test_a_learned_route_runs_only_the_model_it_picks(routed, engines):
+    name, key = new_tenant(routed)
+    small_before, large_before = len(engines["small"].started), len(engines["large"].started)
+    easy = complete(routed, key, "easy 1000", model="learned")
+    hard = complete(routed, key, "hard 1000", model="learned")
+    assert (easy.json()["model"], hard.json()["model"]) == ("small", "large")
+    assert (easy.headers["x-switchboard-escalated"], hard.headers["x-switchboard-escalated"]) == \
+        ("false", "true")
+    assert float(easy.headers["x-switchboard-score"]) < \
+        float(easy.headers["x-switchboard-threshold"]) <= float(hard.headers["x-switchboard-score"])
+    # One engine call each, no cascade: billed once at the picked model's price.
+    assert (len(engines["small"].started), len(engines["large"].started)) == \
+        (small_before + 1, large_before + 1)
+    assert spend(routed, name)["spend_usd"] == pytest.approx(cost("small", 9, 4) + cost("large", 9, 4))
+    chat = httpx.post(routed.url + "/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "learned", "max_tokens": 2,
+                            "messages": [{"role": "user", "content": "hard question"}]})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == "large"  # the user's words are routed, not the template
+
+
+def test_a_tenant_share_recalibrates_the_threshold_on_its_own_traffic(routed):
+    _, key = new_tenant(routed, strong_share=0.5)
+    # Traffic that is 3/4 hard: the router's own threshold would send 3/4 to the large model.
+    # (Shuffled, so that no trend in the numbers' scores biases the sliding window.)
+    prompts = [f"{'easy' if i % 4 == 0 else 'hard'} {i}" for i in range(80)]
+    random.Random(0).shuffle(prompts)
+    models = [complete(routed, key, p, model="tuned", max_tokens=1).json()["model"]
+              for p in prompts]
+    late = models[40:]  # once the window is full, the threshold puts half above it
+    assert late.count("large") == pytest.approx(len(late) * 0.5, abs=3)
+    _, default_key = new_tenant(routed)  # no share of its own: the route's 0.25
+    models = [complete(routed, default_key, p, model="tuned", max_tokens=1).json()["model"]
+              for p in prompts]
+    assert models[40:].count("large") == pytest.approx(40 * 0.25, abs=3)
