@@ -1,12 +1,25 @@
-"""SQLite backend: one file (WAL mode), every call run on one worker thread.
+"""SQLite backend: one file (WAL mode), calls run on the caller's event loop, never waiting.
 
-NOTE: all calls of one SqliteStore run on its single thread, and every write is a
-`BEGIN IMMEDIATE` transaction, so check-then-write sequences (rate buckets, budget holds, version
-numbers) stay exact within a process and across processes sharing the file.
+A call is a transaction of a few indexed statements (tens of microseconds), so it runs right on
+the event loop thread, on a connection that never waits for the file's write lock: handing every
+call to a thread would cost more than the call. A call that would wait (another process, or a
+bulk call of this one, is writing) goes to the store's worker thread instead, which waits for the
+lock up to 30 s; so do calls whose result grows with the data (listings, deleting a tenant), and
+the WAL checkpoints, whose fsync must not stall the loop.
+
+NOTE: every write is a `BEGIN IMMEDIATE` transaction, so check-then-write sequences (rate buckets,
+budget holds, version numbers) stay exact within a process and across processes sharing the file.
+
+Authentication is cached in the process for `auth_cache_ttl_s` (2 s by default): a key revoked or
+a tenant deleted through this store stops working at once; through another process sharing the
+file, within the TTL.
 """
 
 import asyncio
+import logging
 import sqlite3
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +33,19 @@ from store.limits import budget_allows, month_of, new_reservation, now_or, rate_
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+AUTH_CACHE_TTL_S = 2.0
+_AUTH_CACHE_MAX_KEYS = 10_000
+_LOCK_TIMEOUT_S = 30.0
+# How long a checkpoint's last step waits for another process's readers and writers before it
+# settles for copying what it can; this process's writes wait behind it meanwhile.
+_CHECKPOINT_LOCK_TIMEOUT_MS = 100
+# Inline writes between WAL checkpoints. Each adds a few 4 KiB pages to the WAL; a checkpoint
+# holds writes off for a few ms (two fsyncs), so it should come rarely enough to stay out of p99.
+_WRITES_PER_CHECKPOINT = 1000
+_READ, _WRITE = "BEGIN", "BEGIN IMMEDIATE"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (name TEXT PRIMARY KEY, record BLOB NOT NULL);
@@ -47,28 +73,40 @@ CREATE INDEX IF NOT EXISTS reservations_tenant ON reservations (tenant, month);
 class SqliteStore:
     """The Store protocol over a SQLite file; build it with `await SqliteStore.open(path)`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, auth_cache_ttl_s: float = AUTH_CACHE_TTL_S) -> None:
         self.path = path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
-        self._conn: sqlite3.Connection | None = None
+        self._conn: sqlite3.Connection | None = None  # the worker thread's
+        self._inline_conn: sqlite3.Connection | None = None  # the event loop thread's
+        self._inline_thread: int | None = None
+        self._num_inline_writes = 0
+        self._is_holding_writes = False  # set while a checkpoint needs the lock to itself
+        self._auth_cache_ttl_s = auth_cache_ttl_s
+        self._auth_cache: dict[str, tuple[Tenant, float]] = {}  # key hash -> (tenant, expiry)
+        self._auth_epoch = 0  # bumped whenever keys may have been revoked
 
     @classmethod
-    async def open(cls, path: Path) -> "SqliteStore":
-        """Open (creating if needed) the database file at `path`."""
-        store = cls(path)
-        await store._call(store._connect)
+    async def open(cls, path: Path, auth_cache_ttl_s: float = AUTH_CACHE_TTL_S) -> "SqliteStore":
+        """Open (creating if needed) the database file at `path`, for use on this thread's loop."""
+        store = cls(path, auth_cache_ttl_s)
+        await store._call(store._connect_worker)
+        store._inline_conn = _connect(path, lock_timeout_s=0.0)
+        # NOTE: checkpoints run on the worker thread (see _count_inline_write).
+        store._inline_conn.execute("PRAGMA wal_autocheckpoint=0")
+        store._inline_thread = threading.get_ident()
         return store
 
-    def _connect(self) -> None:
+    def _connect_worker(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: transactions are only the explicit BEGINs below.
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+        conn = _connect(self.path, lock_timeout_s=_LOCK_TIMEOUT_S)
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(_SCHEMA)
         self._conn = conn
 
     async def close(self) -> None:
+        if self._inline_conn is not None:
+            self._inline_conn.close()
+            self._inline_conn = None
         if self._conn is not None:
             await self._call(self._conn.close)
             self._conn = None
@@ -78,25 +116,66 @@ class SqliteStore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn` in a read transaction (one consistent snapshot) on the store's thread."""
-        return await self._call(lambda: self._transaction("BEGIN", fn))
+        """Run `fn` in a read transaction (one consistent snapshot), see `_run`."""
+        return await self._run(_READ, fn)
 
     async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn` in a write transaction, holding the database's write lock from the start."""
-        return await self._call(lambda: self._transaction("BEGIN IMMEDIATE", fn))
+        """Run `fn` in a write transaction, holding the database's write lock from the start;
+        see `_run`."""
+        return await self._run(_WRITE, fn)
 
-    def _transaction(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _on_worker(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn` on the worker thread, which waits for the lock if it must."""
+        return await self._call(lambda: _transaction(self._conn, begin, fn))
+
+    async def _run(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn` right here if the lock it needs is free, else on the worker thread."""
+        conn = self._inline_conn
+        # NOTE: writes queue up behind a checkpoint's last step, which they would otherwise starve.
+        is_held_off = begin == _WRITE and self._is_holding_writes
+        if conn is not None and threading.get_ident() == self._inline_thread and not is_held_off:
+            try:
+                result = _transaction(conn, begin, fn)
+            except sqlite3.OperationalError as error:
+                if error.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                    raise
+                # Rolled back, so it can run again: on the worker, which waits for the lock.
+            else:
+                if begin == _WRITE:
+                    self._count_inline_write()
+                return result
+        return await self._on_worker(begin, fn)
+
+    def _count_inline_write(self) -> None:
+        self._num_inline_writes += 1
+        if self._num_inline_writes % _WRITES_PER_CHECKPOINT == 0:
+            self._executor.submit(self._checkpoint)
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database file, on the worker thread, so that it starts over.
+
+        A PASSIVE checkpoint copies the bulk (and fsyncs) while writes go on. Under steady writes
+        it never catches up, though, and the WAL would only grow; so a RESTART then copies the
+        few frames written meanwhile with this process's writes held off (they wait on the
+        worker thread), which lets the next write start the WAL over.
+        """
         conn = self._conn
         assert conn is not None, "SqliteStore used after close()"
-        conn.execute(begin)
         try:
-            result = fn(conn)
-        except BaseException:
-            if conn.in_transaction:  # some errors (SQLITE_FULL, ...) have rolled back already
-                conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            self._is_holding_writes = True
+            conn.execute(f"PRAGMA busy_timeout = {_CHECKPOINT_LOCK_TIMEOUT_MS}")
+            conn.execute("PRAGMA wal_checkpoint(RESTART)")
+        except Exception:  # the WAL only grows until the next checkpoint succeeds
+            logger.exception("WAL checkpoint of %s failed", self.path)
+        finally:
+            self._is_holding_writes = False
+            conn.execute(f"PRAGMA busy_timeout = {int(_LOCK_TIMEOUT_S * 1000)}")
+
+    def _forget_keys(self) -> None:
+        """Drop cached authentications, including lookups in flight (keys may be revoked)."""
+        self._auth_epoch += 1
+        self._auth_cache.clear()
 
     # Tenants.
 
@@ -118,7 +197,7 @@ class SqliteStore:
             rows = conn.execute("SELECT record FROM tenants ORDER BY name")
             return [msgspec.json.decode(r, type=Tenant) for (r,) in rows]
 
-        return await self._read(select)
+        return await self._on_worker(_READ, select)
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         def delete(conn: sqlite3.Connection) -> list[AdapterRecord]:
@@ -132,7 +211,10 @@ class SqliteStore:
                 conn.execute(f"DELETE FROM {table} WHERE tenant = ?", (name,))
             return removed
 
-        return await self._write(delete)
+        try:
+            return await self._on_worker(_WRITE, delete)
+        finally:
+            self._forget_keys()
 
     # API keys.
 
@@ -153,6 +235,9 @@ class SqliteStore:
         if not plaintext.startswith(KEY_PREFIX):
             return None
         key_hash = hash_key(plaintext)
+        cached = self._auth_cache.get(key_hash)
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
 
         def lookup(conn: sqlite3.Connection) -> Tenant | None:
             row = conn.execute(
@@ -165,7 +250,13 @@ class SqliteStore:
                 return None
             return _get_tenant(conn, record.tenant)
 
-        return await self._read(lookup)
+        epoch = self._auth_epoch
+        tenant = await self._read(lookup)
+        if tenant is not None and epoch == self._auth_epoch and self._auth_cache_ttl_s > 0:
+            if len(self._auth_cache) >= _AUTH_CACHE_MAX_KEYS:
+                self._auth_cache.clear()
+            self._auth_cache[key_hash] = (tenant, time.monotonic() + self._auth_cache_ttl_s)
+        return tenant
 
     async def revoke_key(self, key_id: str) -> ApiKeyRecord:
         def revoke(conn: sqlite3.Connection) -> ApiKeyRecord:
@@ -178,7 +269,10 @@ class SqliteStore:
             conn.execute("UPDATE api_keys SET record = ? WHERE id = ?", (_enc(record), key_id))
             return record
 
-        return await self._write(revoke)
+        try:
+            return await self._write(revoke)
+        finally:
+            self._forget_keys()
 
     async def list_keys(self, tenant: str) -> list[ApiKeyRecord]:
         def select(conn: sqlite3.Connection) -> list[ApiKeyRecord]:
@@ -186,7 +280,7 @@ class SqliteStore:
             records = [msgspec.json.decode(r, type=ApiKeyRecord) for (r,) in rows]
             return sorted(records, key=lambda k: (k.created_at, k.id))
 
-        return await self._read(select)
+        return await self._on_worker(_READ, select)
 
     async def get_admin_key_hash(self) -> str | None:
         def select(conn: sqlite3.Connection) -> str | None:
@@ -245,7 +339,7 @@ class SqliteStore:
             )
             return [msgspec.json.decode(r, type=AdapterRecord) for (r,) in rows]
 
-        return await self._read(select)
+        return await self._on_worker(_READ, select)
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
         def delete(conn: sqlite3.Connection) -> list[AdapterRecord]:
@@ -285,8 +379,10 @@ class SqliteStore:
                 "SELECT kind, level, updated_at FROM rate_buckets WHERE tenant = ?", (tenant.name,)
             )
             decision, buckets = take(costs, {kind: (lvl, ts) for kind, lvl, ts in rows}, now)
+            # An upsert updates the row in place; REPLACE would delete it and rewrite its index.
             conn.executemany(
-                "INSERT OR REPLACE INTO rate_buckets VALUES (?, ?, ?, ?)",
+                "INSERT INTO rate_buckets VALUES (?, ?, ?, ?) ON CONFLICT (tenant, kind)"
+                " DO UPDATE SET level = excluded.level, updated_at = excluded.updated_at",
                 [(tenant.name, kind, lvl, ts) for kind, (lvl, ts) in buckets.items()],
             )
             return decision
@@ -343,6 +439,29 @@ class SqliteStore:
 
 def _enc(record: msgspec.Struct) -> bytes:
     return msgspec.json.encode(record)
+
+
+def _connect(path: Path, lock_timeout_s: float) -> sqlite3.Connection:
+    # isolation_level=None: transactions are only the explicit BEGINs; check_same_thread=False:
+    # each connection is used by one thread, but closed by whichever thread closes the store.
+    conn = sqlite3.connect(path, isolation_level=None, timeout=lock_timeout_s,
+                           check_same_thread=False)
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def _transaction(conn: sqlite3.Connection | None, begin: str,
+                 fn: Callable[[sqlite3.Connection], T]) -> T:
+    assert conn is not None, "SqliteStore used after close()"
+    conn.execute(begin)
+    try:
+        result = fn(conn)
+    except BaseException:
+        if conn.in_transaction:  # some errors (SQLITE_FULL, ...) have rolled back already
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
 
 
 def _get_tenant(conn: sqlite3.Connection, name: str) -> Tenant | None:

@@ -87,7 +87,9 @@ def run_server(app) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port until the block ends; yields its URL."""
     import uvicorn
 
-    sock = socket.socket()
+    # NOTE: with IPPROTO_TCP given, asyncio sets TCP_NODELAY; without it every keep-alive request
+    # waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,

@@ -4,9 +4,10 @@ import asyncio
 import hashlib
 import shutil
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -18,6 +19,7 @@ from store import (
     InvalidName,
     NotFound,
     RateDecision,
+    SqliteStore,
     Store,
     StoreError,
     Tenant,
@@ -357,6 +359,88 @@ async def test_open_store_urls(tmp_path: Path) -> None:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     with pytest.raises(StoreError, match="unknown store URL 'postgres://x'"):
         await open_store("postgres://x", tmp_path)
+
+
+# SQLite: calls run on the caller's event loop, and on the worker thread only to wait.
+
+
+def without_suspending(call: Coroutine[Any, Any, Any]) -> Any:
+    """The result of `call`, which must finish without once giving the event loop back."""
+    try:
+        call.send(None)
+    except StopIteration as finished:
+        return finished.value
+    call.close()
+    raise AssertionError("the call suspended: it did not run inline")
+
+
+async def test_sqlite_calls_run_inline_while_the_lock_is_free(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "store.db")
+    try:
+        acme = await make_tenant(store, rpm=2, monthly_token_budget=100)
+        assert without_suspending(store.check_and_consume_rate(acme, now=T0)).allowed
+        held = without_suspending(store.reserve_tokens(acme, 30, now=T0))
+        without_suspending(store.settle(held, tokens_in=10, tokens_out=5, spend_usd=0.0))
+        usage = without_suspending(store.get_usage("acme", now=T0))
+        assert (usage.requests, usage.tokens_in, usage.reserved_tokens) == (1, 10, 0)
+    finally:
+        await store.close()
+
+
+async def test_sqlite_call_waits_for_another_writer_off_the_loop(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "store.db")
+    other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
+    try:
+        acme = await make_tenant(store, rpm=1)
+        other.execute("BEGIN IMMEDIATE")
+        call = asyncio.ensure_future(store.check_and_consume_rate(acme, now=T0))
+        await asyncio.sleep(0.2)  # the loop keeps running while the call waits for the lock
+        assert not call.done()
+        other.execute("COMMIT")
+        assert (await call).allowed
+        assert not (await store.check_and_consume_rate(acme, now=T0)).allowed  # paid once
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_sqlite_wal_is_checkpointed_under_steady_writes(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "store.db")
+    try:
+        acme = await make_tenant(store, monthly_token_budget=10**9)
+        largest = 0
+        for _ in range(2000):
+            held = await store.reserve_tokens(acme, 10, now=T0)
+            await store.settle(held, tokens_in=5, tokens_out=5, spend_usd=0.0)
+            largest = max(largest, (tmp_path / "store.db-wal").stat().st_size)
+        assert (await store.get_usage("acme", now=T0)).requests == 2000
+    finally:
+        await store.close()
+    assert largest < 24 << 20  # never checkpointed, these 4000 commits grow it to ~55 MiB
+
+
+async def test_sqlite_auth_cache_follows_revocations(tmp_path: Path) -> None:
+    store = await SqliteStore.open(tmp_path / "store.db", auth_cache_ttl_s=1.0)
+    other = await SqliteStore.open(tmp_path / "store.db")  # another gateway process
+    try:
+        acme = await make_tenant(store)
+        first, first_key = await store.create_key("acme", now=T0)
+        second, second_key = await store.create_key("acme", now=T0)
+        assert await store.authenticate(first_key) == acme  # cached from here on
+        await store.revoke_key(first.id)
+        assert await store.authenticate(first_key) is None  # revoked here: at once
+        assert await store.authenticate(second_key) == acme
+        await other.revoke_key(second.id)
+        assert await store.authenticate(second_key) == acme  # revoked elsewhere: within the TTL
+        await asyncio.sleep(1.05)
+        assert await store.authenticate(second_key) is None
+        _, third_key = await store.create_key("acme", now=T0)
+        assert await store.authenticate(third_key) == acme
+        await store.delete_tenant("acme")
+        assert await store.authenticate(third_key) is None
+    finally:
+        await other.close()
+        await store.close()
 
 
 # Blobs.
