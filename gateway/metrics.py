@@ -65,6 +65,26 @@ class GatewayMetrics:
                                            "cache.", ("model",))
         self.num_preemptions = Gauge("switchboard_num_preemptions",
                                      "Requests preempted by the engine since it started.", ("model",))
+        # NOTE: the engine's own cumulative counters, read at scrape time, so exported as gauges
+        # of the running totals (like num_preemptions).
+        self.adapter_hits = Gauge("switchboard_adapter_cache_hits",
+                                  "Adapter requests whose adapter was already in a device slot.",
+                                  ("model",))
+        self.adapter_misses = Gauge("switchboard_adapter_cache_misses",
+                                    "Adapter requests whose adapter had to be paged in.", ("model",))
+        self.adapter_evictions = Gauge("switchboard_adapter_cache_evictions",
+                                       "Device slots taken from an idle adapter.", ("model",))
+        self.adapters_resident = Gauge("switchboard_adapters_resident",
+                                       "Adapters in device slots now.", ("model",))
+        self.routed = Counter("switchboard_routed_requests_total",
+                              "Requests sent through a route, by route, the model that answered "
+                              "and whether it escalated.", ("route", "model", "escalated"))
+        self.route_attempts = Counter("switchboard_route_tier_calls_total",
+                                      "Tier calls made by routes (kept or escalated past), by "
+                                      "route and model.", ("route", "model"))
+        self.spend = Counter("switchboard_spend_usd_total",
+                             "Spend charged to tenants, by tenant and the model that answered.",
+                             ("tenant", "model"))
 
     def latency(self, model: str) -> LatencyMetrics:
         return LatencyMetrics(self.time_to_first_token.labels(model=model),
@@ -74,6 +94,12 @@ class GatewayMetrics:
     def count_tokens(self, tenant: str, model: str, prompt: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt, tenant=tenant, model=model)
         self.generation_tokens.inc(generated, tenant=tenant, model=model)
+
+    def count_route(self, route: str, answered_by: str, escalated: bool,
+                    tiers_run: list[str]) -> None:
+        self.routed.inc(1, route=route, model=answered_by, escalated=str(escalated).lower())
+        for model in tiers_run:
+            self.route_attempts.inc(1, route=route, model=model)
 
     def render(self, engines: Mapping[str, EngineClient]) -> str:
         for model, engine in engines.items():
@@ -89,6 +115,10 @@ class GatewayMetrics:
         self.kv_blocks_total.set(stats.kv_blocks_total, model=model)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate, model=model)
         self.num_preemptions.set(stats.num_preemptions, model=model)
+        self.adapter_hits.set(stats.adapter_hits, model=model)
+        self.adapter_misses.set(stats.adapter_misses, model=model)
+        self.adapter_evictions.set(stats.adapter_evictions, model=model)
+        self.adapters_resident.set(stats.adapters_resident, model=model)
 
     def _all(self) -> list[Metric]:
         return [m for m in vars(self).values() if isinstance(m, Metric)]

@@ -186,7 +186,12 @@ class Call:
         usage = self.usage()
         tokens_in = usage.prompt_tokens + sum(a.tokens_in for a in self.attempts)
         tokens_out = usage.completion_tokens + sum(a.tokens_out for a in self.attempts)
-        self.state.metrics.count_tokens(self.tenant.name, self.model, tokens_in, tokens_out)
+        metrics = self.state.metrics
+        metrics.count_tokens(self.tenant.name, self.model, tokens_in, tokens_out)
+        metrics.spend.inc(usage.cost_usd, tenant=self.tenant.name, model=self.answered_by)
+        if self.target.route is not None:
+            metrics.count_route(self.target.route.name, self.answered_by, self.escalated,
+                                [a.model for a in self.attempts])
         self.request.state.prompt_tokens = tokens_in
         self.request.state.completion_tokens = tokens_out
         await self.admission.settle(tokens_in, tokens_out, usage.cost_usd)

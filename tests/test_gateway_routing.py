@@ -309,3 +309,18 @@ def test_a_tenant_share_recalibrates_the_threshold_on_its_own_traffic(routed):
     models = [complete(routed, default_key, p, model="tuned", max_tokens=1).json()["model"]
               for p in prompts]
     assert models[40:].count("large") == pytest.approx(40 * 0.25, abs=3)
+
+
+def test_routes_are_counted_per_route_and_tier(routed):
+    name, key = new_tenant(routed)
+    complete(routed, key, "easy one")
+    complete(routed, key, "hard one")
+    metrics = routed.app.state.gateway.metrics
+    assert metrics.routed.value(route="auto", model="small", escalated="false") >= 1
+    assert metrics.routed.value(route="auto", model="large", escalated="true") >= 1
+    assert metrics.route_attempts.value(route="auto", model="small") >= 2
+    # The escalated call is charged whole (its small attempt too) under the model that answered.
+    assert metrics.spend.value(tenant=name, model="large") == \
+        pytest.approx(cost("small", 8, 4) + cost("large", 8, 4))
+    text = httpx.get(routed.url + "/metrics").text
+    assert 'switchboard_routed_requests_total{route="auto",model="large",escalated="true"}' in text
