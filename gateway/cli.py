@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 
 from gateway import version
 from gateway.config import DEFAULT_DATA_DIR, ServeConfig, load_serve_config, parse_size
+from gateway.engine_client import EngineClient
 from routing.pricing import Price
 from routing.routes import parse_routes
 
@@ -29,6 +31,19 @@ spend budgets are charged by:
   path = "/models/small"
   price_input = 0.10
   price_output = 0.40
+  tier = 0                   # its place among cost tiers, cheapest first
+
+or served by a remote OpenAI-compatible server (its /completions API, streamed):
+
+  [models.big]
+  upstream = "https://api.example.com/v1"
+  api_key_env = "BIG_API_KEY"  # the variable holding the key (never the key itself)
+  upstream_model = "big-v2"  # the upstream's name for it (default: the table's name)
+  timeout_s = 30             # to connect, and for each read of the answer
+  max_model_len = 8192       # its context, in tokens
+  price_input = 1.00
+  price_output = 4.00
+  tier = 1
 
 and routes, names clients send as `model` that pick a model per request (a cascade: the cheap
 model answers unless its confidence is below the threshold), with the one "auto" means:
@@ -39,7 +54,8 @@ model answers unless its confidence is below the threshold), with the one "auto"
   measure = "quantile"       # mean_logprob | min_prob | quantile
   threshold = 0.5
 
-With no --model, the embedded demo model (random weights, byte tokenizer) is written to
+A route's tiers must share a tokenizer: all local models of one tokenizer, or all upstreams.
+With no model declared, the embedded demo model (random weights, byte tokenizer) is written to
 DATA_DIR/switchboard-demo and served as "switchboard-demo". The first start without an
 admin key creates one and prints it once; only its hash is stored.
 """
@@ -133,20 +149,27 @@ def serve(config: ServeConfig) -> int:
 
     from gateway.app import create_app
     from gateway.local_engine import load_engines
+    from gateway.upstream import open_upstreams
 
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    models = config.model_paths() or _demo_model(config.data_dir)
+    models, upstreams = config.model_paths(), config.upstreams()
+    if not models and not upstreams:
+        models = _demo_model(config.data_dir)
     prices = {e.name: Price(e.price_input, e.price_output) for e in config.model_entries()}
     try:
-        routes = parse_routes(config.routes, models)
-    except ValueError as error:
+        routes = parse_routes(config.routes, [*models, *upstreams])
+        engines: dict[str, EngineClient] = dict(open_upstreams(upstreams, os.environ))
+    except ValueError as error:  # a bad route, or an upstream's key missing from the environment
         print(f"switchboard serve: {error}", file=sys.stderr)
         return 2
-    logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
-    engines = load_engines(models, **config.engine_options())
+    for name, source in upstreams.items():
+        logger.info("serving %s from the upstream %s as %s", name, source.url, source.model)
+    if models:
+        logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
     try:
+        engines.update(load_engines(models, **config.engine_options()))
         try:
             app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
                              admin_key=config.admin_key, adapter_dir=config.adapter_dir,

@@ -10,26 +10,65 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_DATA_DIR = Path("data")
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY"}
+_COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
+_UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "timeout_s", "max_model_len"}
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class UpstreamSource:
+    """A remote OpenAI-compatible server that answers for a served model (gateway/upstream.py)."""
+
+    url: str
+    """Its OpenAI base URL, with the version: "https://host/v1" (requests go to url/completions)."""
+    model: str
+    """The upstream's name for the model (what the gateway sends as `model`)."""
+    api_key_env: str | None = None
+    """The environment variable holding the key sent as `Authorization: Bearer`; None: no key.
+    The key itself never appears in the config file."""
+    timeout_s: float = 30.0
+    """Longest wait to connect, to send, and for each read of the answer, in seconds."""
+    max_model_len: int = 8192
+    """The model's context, in tokens. The gateway counts an upstream prompt in UTF-8 bytes (no
+    fewer than its tokens), so its context check may refuse a prompt that would just fit."""
+
+    def api_key(self, environ: Mapping[str, str]) -> str | None:
+        """The key from `environ`; ValueError if the variable it names is not set."""
+        if self.api_key_env is None:
+            return None
+        key = environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"the environment variable {self.api_key_env} is not set; it holds "
+                             f"the API key of the upstream {self.url}")
+        return key
 
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One served model: its name (what clients send as `model`), folder and price."""
+    """One served model: its name (what clients send as `model`), source and price.
+
+    The source is a local folder (`path`) or a remote server (`upstream`), exactly one of them.
+    """
 
     name: str
-    path: Path
+    path: Path | None
     price_input: float = 0.0
     """USD per million prompt tokens, for spend accounting."""
     price_output: float = 0.0
     """USD per million completion tokens."""
+    tier: int = 0
+    """Its place among cost tiers, cheapest first (informational: routes list their own tiers)."""
+    upstream: UpstreamSource | None = None
 
 
 @dataclass
@@ -37,9 +76,12 @@ class ServeConfig:
     """Settings of one gateway process and of the engines it loads."""
 
     model: list[str] = field(default_factory=list)
-    """Served models as "NAME=PATH" (NAME is what clients send as `model`); empty: the demo model."""
+    """Served models as "NAME=PATH" (NAME is what clients send as `model`); with no models declared
+    here or in `models`: the demo model."""
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Served models as TOML tables: [models.NAME] path = "...", price_input = 0.1, price_output = 0.4."""
+    """Served models as TOML tables: [models.NAME] path = "..." (a local folder) or upstream =
+    "https://host/v1" (a remote server; see UpstreamSource), price_input = 0.1, price_output = 0.4,
+    tier = 0."""
     routes: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Routes as TOML tables: [routes.NAME] tiers = ["small", "large"], threshold = 0.5, ... (see
     routing/routes.py)."""
@@ -107,8 +149,12 @@ class ServeConfig:
         return entries
 
     def model_paths(self) -> dict[str, Path]:
-        """{served name: model folder}."""
-        return {entry.name: entry.path for entry in self.model_entries()}
+        """{served name: model folder} of the local models."""
+        return {e.name: e.path for e in self.model_entries() if e.path is not None}
+
+    def upstreams(self) -> dict[str, UpstreamSource]:
+        """{served name: remote server} of the models served by upstreams."""
+        return {e.name: e.upstream for e in self.model_entries() if e.upstream is not None}
 
     def engine_options(self) -> dict[str, Any]:
         """The EngineConfig fields this config sets (the rest keep the engine's defaults)."""
@@ -126,20 +172,68 @@ class ServeConfig:
 
 
 def _model_table(name: str, table: Any) -> ModelEntry:
-    known = {"path", "price_input", "price_output"}
-    if not isinstance(table, dict) or "path" not in table:
-        raise ValueError(f"[models.{name}] needs at least path = \"/a/model/folder\"")
+    where = f"[models.{name}]"
+    if not isinstance(table, dict) or ("path" not in table and "upstream" not in table):
+        raise ValueError(f"{where} needs at least path = \"/a/model/folder\" or upstream = "
+                         "\"https://host/v1\" (a remote OpenAI-compatible server)")
+    if "path" in table and "upstream" in table:
+        raise ValueError(f"{where} takes path (a local model) or upstream (a remote one), not both")
+    if "api_key" in table:  # NOTE: never echo its value: it is a secret
+        raise ValueError(f"{where} must not hold the API key: set api_key_env = \"VARIABLE\" and "
+                         "put the key in that environment variable")
+    known = _COMMON_KEYS | (_UPSTREAM_KEYS if "upstream" in table else {"path"})
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ValueError(f"unknown keys in [models.{name}]: {', '.join(unknown)}; known keys: "
+        raise ValueError(f"unknown keys in {where}: {', '.join(unknown)}; known keys: "
                          f"{', '.join(sorted(known))}")
-    prices = {k: table.get(k, 0.0) for k in ("price_input", "price_output")}
-    for key, value in prices.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"[models.{name}] {key} must be a number >= 0 (USD per million "
-                             f"tokens), got {value!r}")
-    return ModelEntry(name, Path(table["path"]).expanduser(), float(prices["price_input"]),
-                      float(prices["price_output"]))
+    prices = [_number(where, k, table.get(k, 0.0), "USD per million tokens")
+              for k in ("price_input", "price_output")]
+    tier = _integer(where, "tier", table.get("tier", 0), 0, "0 is the cheapest")
+    path = Path(table["path"]).expanduser() if "path" in table else None
+    upstream = _upstream_source(name, table) if "upstream" in table else None
+    return ModelEntry(name, path, *prices, tier, upstream)
+
+
+def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
+    where = f"[models.{name}]"
+    url = table["upstream"]
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is not None and "@" in parts.netloc:  # NOTE: checked first, so it is never echoed
+        raise ValueError(f"{where} upstream must not hold credentials: put the API key in an "
+                         "environment variable and name it with api_key_env")
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where} upstream must be an http(s) base URL like "
+                         f"\"https://api.openai.com/v1\", got {url!r}")
+    api_key_env = table.get("api_key_env")
+    if api_key_env is not None and not (isinstance(api_key_env, str)
+                                        and _ENV_NAME_RE.fullmatch(api_key_env)):
+        # NOTE: not echoed: a key pasted here by mistake must not reach the log
+        raise ValueError(f"{where} api_key_env must name an environment variable, like "
+                         "\"OPENAI_API_KEY\" (the key itself goes in that variable)")
+    model = table.get("upstream_model", name)
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"{where} upstream_model must be the upstream's model name, got {model!r}")
+    timeout_s = _number(where, "timeout_s", table.get("timeout_s", UpstreamSource.timeout_s),
+                        "seconds", positive=True)
+    max_model_len = _integer(where, "max_model_len",
+                             table.get("max_model_len", UpstreamSource.max_model_len), 1, "tokens")
+    return UpstreamSource(url, model, api_key_env, timeout_s, max_model_len)
+
+
+def _number(where: str, key: str, value: Any, unit: str, *, positive: bool = False) -> float:
+    """`value` as a float; ValueError unless it is a number >= 0 (> 0 when `positive`)."""
+    is_number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not is_number or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{where} {key} must be a number {'>' if positive else '>='} 0 ({unit}), "
+                         f"got {value!r}")
+    return float(value)
+
+
+def _integer(where: str, key: str, value: Any, minimum: int, unit: str) -> int:
+    """`value`; ValueError unless it is an integer >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where} {key} must be an integer >= {minimum} ({unit}), got {value!r}")
+    return value
 
 
 def parse_size(text: str | int) -> int:

@@ -150,3 +150,53 @@ def test_model_tables_declare_paths_and_prices(tmp_path):
         config.write_text(bad)
         with pytest.raises(ValueError, match=words):
             load_serve_config({}, config, {})
+
+
+def test_model_tables_declare_upstreams_without_their_keys(tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text('[models.small]\npath = "/models/small"\ntier = 0\n'
+                      '[models.big]\nupstream = "https://api.example.com/v1"\n'
+                      'api_key_env = "BIG_KEY"\nupstream_model = "big-v2"\ntimeout_s = 5\n'
+                      'max_model_len = 4096\nprice_input = 1\nprice_output = 4\ntier = 1\n'
+                      '[models.open]\nupstream = "http://10.0.0.2:8000/v1"\n')
+    loaded = load_serve_config({}, config, {})
+    assert loaded.model_paths() == {"small": Path("/models/small")}  # local models only
+    big, open_ = loaded.upstreams()["big"], loaded.upstreams()["open"]
+    assert (big.url, big.model, big.api_key_env, big.timeout_s, big.max_model_len) == \
+        ("https://api.example.com/v1", "big-v2", "BIG_KEY", 5.0, 4096)
+    assert (open_.model, open_.api_key_env, open_.timeout_s) == ("open", None, 30.0)
+    assert [(e.name, e.tier, e.price_output) for e in loaded.model_entries()] == \
+        [("small", 0, 0.0), ("big", 1, 4.0), ("open", 0, 0.0)]
+    assert big.api_key({"BIG_KEY": "sk-secret"}) == "sk-secret" and open_.api_key({}) is None
+    with pytest.raises(ValueError, match="BIG_KEY is not set"):
+        big.api_key({})
+
+
+@pytest.mark.parametrize("table, words", [
+    ('path = "/m"\nupstream = "http://h/v1"\n', "not both"),
+    ('upstream = "ftp://h/v1"\n', "http\\(s\\) base URL"),
+    ('upstream = "https://user:sk-secret@h/v1"\n', "must not hold credentials"),
+    ('upstream = "https://h/v1"\napi_key = "sk-secret"\n', "must not hold the API key"),
+    ('upstream = "https://h/v1"\napi_key_env = "sk-secret"\n', "must name an environment"),
+    ('upstream = "https://h/v1"\ntimeout_s = 0\n', "timeout_s must be a number > 0"),
+    ('upstream = "https://h/v1"\nmax_model_len = 0\n', "max_model_len must be an integer >= 1"),
+    ('upstream = "https://h/v1"\nupstream_model = ""\n', "upstream_model"),
+    ('path = "/m"\ntier = -1\n', "tier must be an integer >= 0"),
+    ('path = "/m"\ntier = 1.5\n', "tier must be an integer"),
+    ('path = "/m"\ntimeout_s = 5\n', "unknown keys .*: timeout_s"),
+])
+def test_invalid_model_tables_are_refused_without_echoing_secrets(tmp_path, table, words):
+    config = tmp_path / "models.toml"
+    config.write_text("[models.x]\n" + table)
+    with pytest.raises(ValueError, match=words) as raised:
+        load_serve_config({}, config, {})
+    assert "sk-secret" not in str(raised.value)
+
+
+def test_serve_refuses_an_upstream_whose_key_variable_is_unset(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SB_TEST_UNSET_KEY", raising=False)
+    config = tmp_path / "upstream.toml"
+    config.write_text('[models.big]\nupstream = "http://127.0.0.1:9/v1"\n'
+                      'api_key_env = "SB_TEST_UNSET_KEY"\n')
+    assert main(["serve", "--config", str(config), "--data-dir", str(tmp_path / "data")]) == 2
+    assert "SB_TEST_UNSET_KEY is not set" in capsys.readouterr().err

@@ -117,13 +117,14 @@ def tar_gz(members: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def greedy_ids(server, key: str, model: str) -> list[int]:
-    """The gateway's greedy tokens for PROMPT, as ids, through the official client."""
+def greedy_ids(server, key: str, model: str, answered_by: str | None = None) -> list[int]:
+    """The gateway's greedy tokens for PROMPT, as ids, through the official client; the reply
+    names `answered_by` (default: `model`)."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
     completion = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0, logprobs=0,
         extra_body={"min_tokens": NUM_TOKENS, "return_tokens_as_token_ids": True})
-    assert completion.model == model
+    assert completion.model == (answered_by or model)
     return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
 
 
@@ -400,3 +401,26 @@ def test_an_engine_without_lora_refuses_uploads(demo_model_dir, tmp_path):
             assert "without LoRA support" in refused.json()["error"]["message"]
     finally:
         engine.close()
+
+
+def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters, tmp_path):
+    """`route:adapter`: the tier on the adapter's base model runs with it, the others without."""
+    from gateway.app import create_app
+    from routing.routes import parse_routes
+    from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+
+    engines = {"small": demo_engine, "large": demo_engine}  # one engine under two names
+    routes = parse_routes({
+        "keep": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.0},
+        "escalate": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 1.01},
+    }, engines)
+    app = create_app(engines, data_dir=tmp_path, admin_key=ADMIN_KEY, routes=routes)
+    with run_server(app) as url:
+        server = GatewayServer(url, ADMIN_KEY, app)
+        key = server.new_tenant("routed")
+        assert upload(server, key, "bot", files_of(adapters["all-r8"]), base="small").status_code == 201
+        expected = adapters["expected"]
+        assert greedy_ids(server, key, "keep:bot", "small") == expected["all-r8"]  # + adapter
+        assert greedy_ids(server, key, "escalate:bot", "large") == expected["base"]  # without
+        with pytest.raises(openai.NotFoundError):
+            greedy_ids(server, key, "keep:someone-elses")

@@ -1,0 +1,417 @@
+"""UpstreamEngineClient: a model of a remote OpenAI-compatible server (vLLM, another Switchboard,
+...) as an EngineClient, so the gateway serves it like a local model and routes can use it as a tier.
+
+The protocol speaks token ids, an upstream speaks text. Ids of this client's own, meaningful only
+to it, make the mapping lossless:
+
+- prompt ids are the UTF-8 bytes of the text (`tokenize`); `generate` decodes them back and sends
+  the text as `prompt`;
+- output ids stand for the upstream's tokens: FIRST_TOKEN_ID + the index of each token's text in a
+  table this client fills as tokens arrive (`token_text` reads it back). The upstream is always
+  asked for logprobs (`logprobs: 0` gives just the chosen token's), whose tokens are how the
+  client knows where its tokens start and end, so output counts are in the upstream's tokens.
+  An upstream that sends no logprobs has each piece of text it sends counted as one token, with
+  the id TEXT_PIECE_ID.
+
+Requests go to the upstream's `/completions` (the legacy completions API, which vLLM, llama.cpp,
+TGI and Switchboard serve; at OpenAI only its instruct models), streamed with usage. Chats reach
+it as the gateway's plain transcript (`render_chat` is None): that API cannot reach the upstream's
+chat template.
+
+Refused connections, timeouts (to connect, to send, and for each read: a stream that stalls midway
+too), 401/403/404/429 and 5xx answers and malformed streams are EngineFailure; the upstream's
+400/413/422 (the request itself was wrong) is RequestRejected with its message. Messages name the
+upstream by its served name and origin, never with its key.
+
+A route's tiers must tokenize alike (gateway/app.py check_routes), and byte ids match no local
+tokenizer: a route's tiers are all upstreams or all local models.
+
+NOTE: the httpx client lives on an event loop of this client's own thread, so its keep-alive
+connections outlive any caller's loop, and the protocol's synchronous `close()` can close them
+after the server's loop has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+import msgspec
+
+from gateway.config import UpstreamSource
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
+                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
+                                   TokenLogprob)
+
+logger = logging.getLogger(__name__)
+
+TEXT_PIECE_ID = 256  # a piece of text the upstream sent without its tokens (ids below are bytes)
+FIRST_TOKEN_ID = 257  # the first id of the upstream's tokens, in the order they were first seen
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # others read as "stop"
+_REJECTED_STATUSES = (400, 413, 422)  # the request itself was wrong: the caller can fix it
+_MAX_IDLE_CONNECTIONS = 32
+_MAX_MESSAGE_CHARS = 500
+_CLOSE_TIMEOUT_S = 10.0
+
+
+class _ErrorBody(msgspec.Struct):
+    message: str = ""
+
+
+class _Logprobs(msgspec.Struct):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+    logprobs: _Logprobs | None = None
+    finish_reason: str | None = None
+
+
+class _PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int | None = 0
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: _PromptTokensDetails | None = None
+
+
+class _Event(msgspec.Struct):
+    """One `data:` event of an upstream's stream, or an error body (OpenAI's nested shape, or
+    vLLM's older flat one with `message`)."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: _ErrorBody | str | None = None
+    message: str | None = None
+
+    def error_message(self) -> str | None:
+        if isinstance(self.error, _ErrorBody):
+            return self.error.message
+        return self.error if self.error is not None else self.message
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
+
+
+@dataclass
+class _Counts:
+    """Token counts of one answer: the upstream's usage once it arrives (with the end of the
+    answer), until then the prompt's bytes and the output tokens seen."""
+
+    num_prompt_bytes: int
+    num_tokens_seen: int = 0
+    usage: _Usage | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.usage.prompt_tokens if self.usage is not None else self.num_prompt_bytes
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.usage.completion_tokens if self.usage is not None else self.num_tokens_seen
+
+    @property
+    def num_cached_tokens(self) -> int:
+        details = self.usage and self.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details else 0
+
+
+class UpstreamEngineClient:
+    """Serves one model of a remote OpenAI-compatible server; see the module docstring."""
+
+    def __init__(self, name: str, source: UpstreamSource, api_key: str | None = None):
+        self._source = source
+        self._api_key = api_key
+        self._where = f"the upstream of {name!r} ({_origin(source.url)})"
+        self._url = source.url.rstrip("/") + "/completions"
+        self._token_ids: dict[str, int] = {}
+        self._token_texts: list[str] = []  # NOTE: appended to only on the client's loop
+        self._num_in_flight = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._is_closed = False
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # NOTE: no cap on connections: each running request holds one, and the gateway's
+        # admission already bounds how many run; a cap would queue them behind the pool timeout.
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=source.timeout_s,
+            limits=httpx.Limits(max_connections=None,
+                                max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"upstream-{name}",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self._source.max_model_len
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Byte ids: the UTF-8 bytes of `text`, only meaningful to this client (the upstream
+        tokenizes the text itself, adding its own special tokens)."""
+        return list(text.encode())
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
+        return None  # the upstream's template is out of reach: the gateway's transcript is sent
+
+    def token_text(self, token_id: int) -> str:
+        if 0 <= token_id < TEXT_PIECE_ID:
+            return bytes([token_id]).decode(errors="replace")
+        index = token_id - FIRST_TOKEN_ID
+        return self._token_texts[index] if 0 <= index < len(self._token_texts) else ""
+
+    @property
+    def supports_adapters(self) -> bool:
+        return False
+
+    async def check_adapter(self, folder: str) -> AdapterInfo:
+        raise AdapterRejected("this model is served by an upstream server, which takes no "
+                              "adapters from this gateway; upload the adapter for a local model")
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None = None,
+                       adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
+        if adapter is not None:
+            raise RequestRejected(f"{self._where} serves no adapters from this gateway")
+        body = self._request_body(_prompt_text(prompt_token_ids), options)
+        if self._is_closed:
+            raise EngineFailure(f"{self._where}: the gateway has closed its connections")
+        caller = asyncio.get_running_loop()
+        chunks: asyncio.Queue[GenerationChunk | Exception | None] = asyncio.Queue()
+        relay = asyncio.run_coroutine_threadsafe(
+            self._relay(body, request_id, len(prompt_token_ids), options.logprobs is not None,
+                        functools.partial(caller.call_soon_threadsafe, chunks.put_nowait)),
+            self._loop)
+        try:
+            while (item := await chunks.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            relay.cancel()  # closes the upstream request when this stream is left early
+
+    def stats(self) -> EngineStats:
+        """Requests in flight as running, and the tokens counted; the rest is the upstream's."""
+        return EngineStats(num_running=self._num_in_flight, num_waiting=0, kv_blocks_total=0,
+                           kv_blocks_used=0, prefix_cache_hit_rate=0.0,
+                           num_prompt_tokens=self._num_prompt_tokens,
+                           num_generation_tokens=self._num_generation_tokens, num_preemptions=0)
+
+    def close(self) -> None:
+        """Fail the requests still running, close the connections, and stop the client's loop."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(_CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("%s: its connections did not close within %g s; leaving them",
+                           self._where, _CLOSE_TIMEOUT_S)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        relays = asyncio.all_tasks() - {asyncio.current_task()}
+        for relay in relays:
+            relay.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+        await self._client.aclose()
+
+    def _request_body(self, prompt: str, options: SamplingOptions) -> bytes:
+        body = {"model": self._source.model, "prompt": prompt, "stream": True,
+                "stream_options": {"include_usage": True}, "max_tokens": options.max_tokens,
+                "temperature": options.temperature, "top_p": options.top_p,
+                # NOTE: always asked: the logprobs' tokens are how output tokens are counted
+                "logprobs": options.logprobs or 0}
+        if options.seed is not None:
+            body["seed"] = options.seed
+        if options.stop:
+            body["stop"] = options.stop
+        return msgspec.json.encode(body | _vllm_extras(options))
+
+    async def _relay(self, body: bytes, request_id: str, num_prompt_bytes: int,
+                     with_logprobs: bool, put: Callable[[object], object]) -> None:
+        """Run one upstream request on the client's loop, handing each chunk to `put`, then None
+        or the error: the caller waits on what `put` delivers, so every outcome must reach it."""
+        self._num_in_flight += 1
+        try:
+            headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+            async with self._client.stream("POST", self._url, content=body,
+                                           headers=headers) as response:
+                await self._check_status(response)
+                async for chunk in self._chunks(response.aiter_lines(), num_prompt_bytes,
+                                                with_logprobs):
+                    put(chunk)
+            put(None)
+        except asyncio.CancelledError:
+            put(EngineFailure(f"{self._where}: the request was stopped"))
+            raise
+        except RequestRejected as error:
+            put(error)
+        except Exception as error:
+            failure = self._failure(error)
+            logger.warning("%s", failure)
+            put(failure)
+        finally:
+            self._num_in_flight -= 1
+
+    def _failure(self, error: Exception) -> EngineFailure:
+        if isinstance(error, EngineFailure):
+            return error
+        if isinstance(error, httpx.TimeoutException):
+            return EngineFailure(f"{self._where} timed out: {type(error).__name__} after "
+                                 f"{self._source.timeout_s:g} s")
+        return EngineFailure(f"{self._where} failed: {type(error).__name__}: "
+                             f"{self._scrub(str(error))}")
+
+    async def _check_status(self, response: httpx.Response) -> None:
+        if response.is_success:
+            return
+        status, message = response.status_code, self._scrub(_error_message(await response.aread()))
+        if status in _REJECTED_STATUSES:
+            raise RequestRejected(f"{self._where} refused the request: {message}")
+        if status in (401, 403):
+            env = self._source.api_key_env
+            hint = (f"check the key in ${env}" if env else
+                    "name the environment variable that holds its key with api_key_env")
+            raise EngineFailure(f"{self._where} refused the gateway's credentials ({status}: "
+                                f"{message}); {hint}")
+        raise EngineFailure(f"{self._where} answered {status}: {message}")
+
+    async def _chunks(self, lines: AsyncIterator[str], num_prompt_bytes: int,
+                      with_logprobs: bool) -> AsyncIterator[GenerationChunk]:
+        """The answer's chunks; the finished one is held back until the stream ends, since the
+        upstream sends its usage after it."""
+        counts = _Counts(num_prompt_bytes)
+        ending: _Choice | None = None
+        async for event in self._events(lines):
+            for choice in event.choices:
+                if choice.finish_reason is not None:
+                    ending = choice
+                else:
+                    yield self._chunk(choice, counts, with_logprobs, None)
+            if event.usage is not None:
+                counts.usage = event.usage
+        if ending is None:
+            raise EngineFailure(f"{self._where} ended its stream before the answer finished")
+        self._num_prompt_tokens += counts.num_prompt_tokens
+        yield self._chunk(ending, counts, with_logprobs,
+                          _FINISH_REASONS.get(ending.finish_reason, "stop"))
+
+    async def _events(self, lines: AsyncIterator[str]) -> AsyncIterator[_Event]:
+        async for line in lines:
+            if not line.startswith("data:"):
+                continue  # the blank line after each event, comments, event names
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return
+            try:
+                event = _decode_event(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                raise EngineFailure(f"{self._where} sent a malformed stream: {error}") from None
+            message = event.error_message()
+            if message is not None:
+                raise EngineFailure(f"{self._where} failed midway: {self._scrub(message)}")
+            yield event
+
+    def _chunk(self, choice: _Choice, counts: _Counts, with_logprobs: bool,
+               finish_reason: str | None) -> GenerationChunk:
+        logprobs = choice.logprobs
+        if logprobs is not None and logprobs.tokens:
+            token_ids = [self._token_id(token) for token in logprobs.tokens]
+        else:
+            token_ids = [TEXT_PIECE_ID] if choice.text else []
+        self._num_generation_tokens += len(token_ids)
+        counts.num_tokens_seen += len(token_ids)
+        return GenerationChunk(
+            token_ids=token_ids, text=choice.text,
+            logprobs=self._token_logprobs(logprobs, token_ids) if with_logprobs else [],
+            finished=finish_reason is not None, finish_reason=finish_reason,
+            num_prompt_tokens=counts.num_prompt_tokens, num_output_tokens=counts.num_output_tokens,
+            num_cached_tokens=counts.num_cached_tokens)
+
+    def _token_logprobs(self, logprobs: _Logprobs | None,
+                        token_ids: list[int]) -> list[TokenLogprob]:
+        if logprobs is None or not logprobs.tokens:
+            return []
+        tops = logprobs.top_logprobs or [None] * len(token_ids)
+        if not len(token_ids) == len(logprobs.token_logprobs) == len(tops):
+            raise EngineFailure(f"{self._where} sent logprobs whose lists differ in length")
+        return [TokenLogprob(token_id, logprob, self._best_first(top or {}))
+                for token_id, logprob, top in zip(token_ids, logprobs.token_logprobs, tops)]
+
+    def _best_first(self, top: dict[str, float]) -> list[tuple[int, float]]:
+        ranked = sorted(top.items(), key=lambda item: item[1], reverse=True)
+        return [(self._token_id(token), logprob) for token, logprob in ranked]
+
+    def _token_id(self, token: str) -> int:
+        token_id = self._token_ids.get(token)
+        if token_id is None:
+            token_id = FIRST_TOKEN_ID + len(self._token_texts)
+            self._token_texts.append(token)
+            self._token_ids[token] = token_id
+        return token_id
+
+    def _scrub(self, message: str) -> str:
+        """`message` without the API key, should the upstream echo it."""
+        return message.replace(self._api_key, "<api key>") if self._api_key else message
+
+
+def open_upstreams(sources: Mapping[str, UpstreamSource],
+                   environ: Mapping[str, str]) -> dict[str, UpstreamEngineClient]:
+    """One client per served name, its API key read from `environ`; ValueError naming the
+    variable if one is not set (and then no client is opened)."""
+    keys = {name: source.api_key(environ) for name, source in sources.items()}
+    return {name: UpstreamEngineClient(name, source, keys[name])
+            for name, source in sources.items()}
+
+
+def _prompt_text(token_ids: list[int]) -> str:
+    try:
+        return bytes(token_ids).decode()
+    except ValueError:  # an id outside 0-255, or bytes that are not UTF-8
+        raise RequestRejected("this model is served by an upstream server, which reads text: "
+                              "send the prompt as text (its token ids here are the UTF-8 bytes "
+                              "of the text)") from None
+
+
+def _vllm_extras(options: SamplingOptions) -> dict[str, object]:
+    """vLLM's sampling extras that change the answer; left out at their defaults, since other
+    upstreams (OpenAI's) refuse fields they do not know."""
+    extras = {"top_k": options.top_k if options.top_k > 0 else None,
+              "min_tokens": options.min_tokens or None,
+              "repetition_penalty": None if options.repetition_penalty == 1.0
+              else options.repetition_penalty,
+              "stop_token_ids": options.stop_token_ids or None,
+              "include_stop_str_in_output": options.include_stop_str_in_output or None,
+              "ignore_eos": options.ignore_eos or None}
+    return {key: value for key, value in extras.items() if value is not None}
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an upstream's error body, or the body itself (shortened)."""
+    try:
+        message = _decode_event(body).error_message()
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        message = None
+    text = message if message is not None else body.decode(errors="replace").strip()
+    return text[:_MAX_MESSAGE_CHARS] or "no message"
+
+
+def _origin(url: str) -> str:
+    """scheme://host[:port] of `url`: enough to name the upstream, with no path or credentials."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"

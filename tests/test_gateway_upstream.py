@@ -1,0 +1,288 @@
+"""UpstreamEngineClient: a front gateway serving models of real upstreams on loopback ports.
+
+The upstream is a second Switchboard gateway over the demo engine and the scripted engines of
+tests/test_gateway_routing.py; a tiny ASGI app stands for upstreams that never answer or stop
+midway, and a closed port for one that is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.types import Receive, Scope, Send
+
+from gateway.app import create_app
+from gateway.config import UpstreamSource
+from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
+from gateway.upstream import UpstreamEngineClient, open_upstreams
+from routing.routes import parse_routes
+from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
+from tests.test_cli import SWITCHBOARD, _free_port, _wait_for_health
+from tests.test_gateway_routing import PRICES, ScriptedTier
+
+TIMEOUT_S = 1.0  # the front's timeout for every upstream
+KEY_ENV, WRONG_KEY_ENV = "SB_TEST_UPSTREAM_KEY", "SB_TEST_WRONG_KEY"
+WRONG_KEY = "sb-this-key-does-not-exist"
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+
+@dataclass
+class Upstream:
+    server: GatewayServer
+    key: str  # the front gateway's key there
+    scripted: dict[str, ScriptedTier]
+
+
+@pytest.fixture(scope="module")
+def upstream(demo_engine, tmp_path_factory) -> Iterator[Upstream]:
+    scripted = {name: ScriptedTier(name) for name in ("small", "large")}
+    app = create_app({DEMO_MODEL: demo_engine, **scripted}, admin_key=ADMIN_KEY,
+                     data_dir=tmp_path_factory.mktemp("upstream"))
+    with run_server(app) as url:
+        server = GatewayServer(url, ADMIN_KEY, app)
+        yield Upstream(server, server.new_tenant("front"), scripted)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _silent(scope: Scope, receive: Receive, send: Send) -> None:
+    """Takes the request, then never answers: the caller has to give up."""
+    await _wait_for_disconnect(receive)
+
+
+async def _stalled(scope: Scope, receive: Receive, send: Send) -> None:
+    """Starts a streamed answer, then stops sending."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    first = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+    await send({"type": "http.response.body", "more_body": True,
+                "body": f"data: {json.dumps(first)}\n\n".encode()})
+    await _wait_for_disconnect(receive)
+
+
+@pytest.fixture(scope="module")
+def stalling() -> Iterator[str]:
+    app = Starlette(routes=[Mount("/silent/v1", app=_silent), Mount("/stalled/v1", app=_stalled)])
+    with run_server(app) as url:
+        yield url
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def front(upstream, stalling, tmp_path_factory) -> Iterator[tuple[GatewayServer, str]]:
+    """The gateway under test and a tenant key for it."""
+    url = upstream.server.url + "/v1"
+    sources = {
+        # A context larger than the upstream's, so that the upstream's own check refuses.
+        "demo": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S, max_model_len=1 << 16),
+        "small": UpstreamSource(url, "small", KEY_ENV, TIMEOUT_S),
+        "large": UpstreamSource(url, "large", KEY_ENV, TIMEOUT_S),
+        "locked": UpstreamSource(url, "small", WRONG_KEY_ENV, TIMEOUT_S),
+        "silent": UpstreamSource(stalling + "/silent/v1", "any", None, TIMEOUT_S),
+        "stalled": UpstreamSource(stalling + "/stalled/v1", "any", None, TIMEOUT_S),
+        "down": UpstreamSource(f"http://127.0.0.1:{_closed_port()}/v1", "any", None, TIMEOUT_S),
+    }
+    engines = open_upstreams(sources, {KEY_ENV: upstream.key, WRONG_KEY_ENV: WRONG_KEY})
+    routes = parse_routes({
+        "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5,
+                 "prefix_tokens": 2},
+        "fallback": {"tiers": ["silent", "large"], "threshold": 0.5},
+    }, engines)
+    app = create_app(engines, data_dir=tmp_path_factory.mktemp("front"), admin_key=ADMIN_KEY,
+                     prices=PRICES, routes=routes, default_route="auto")
+    try:
+        with run_server(app) as front_url:
+            server = GatewayServer(front_url, ADMIN_KEY, app)
+            yield server, server.new_tenant("client")
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def post(url: str, key: str, path: str = "/v1/completions", **body) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=30, headers={"Authorization": f"Bearer {key}"})
+
+
+def events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: {")]
+
+
+def test_greedy_answers_and_usage_equal_the_upstream_s(front, upstream):
+    server, key = front
+    body = {"prompt": "Hello there", "logprobs": 2, **GREEDY}
+    direct = post(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    proxied = post(server.url, key, model="demo", **body).json()
+    assert proxied["choices"][0] == direct["choices"][0]  # text, logprobs, finish reason
+    assert proxied["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"] != len("Hello there")
+    assert proxied["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"] == 8
+
+    streamed = events(post(server.url, key, model="demo", stream=True,
+                           stream_options={"include_usage": True}, **body))
+    assert "".join(e["choices"][0]["text"] for e in streamed if e["choices"]) == \
+        direct["choices"][0]["text"]
+    assert streamed[-1]["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert streamed[-1]["usage"]["completion_tokens"] == 8
+
+    # A chat reaches the upstream as the gateway's plain transcript.
+    chat = post(server.url, key, "/v1/chat/completions", model="demo",
+                messages=[{"role": "user", "content": "hi"}], **GREEDY).json()
+    transcript = post(upstream.server.url, upstream.key, model=DEMO_MODEL,
+                      prompt="user: hi\nassistant:", **GREEDY).json()
+    assert chat["choices"][0]["message"]["content"] == transcript["choices"][0]["text"]
+    stats = server.app.state.gateway.engines["demo"].stats()
+    assert stats.num_running == 0 and stats.num_generation_tokens == 3 * 8
+
+
+def test_leaving_a_stream_early_stops_the_upstream_request(front, upstream):
+    server, key = front
+
+    def tokens_out() -> int:
+        return upstream.server.admin("GET", "/admin/tenants/front").json()["usage"]["tokens_out"]
+
+    before = tokens_out()
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "demo", "prompt": "hi", "max_tokens": 1000,
+                            "ignore_eos": True, "stream": True}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 10
+    while tokens_out() == before and time.monotonic() < deadline:  # billed once it stopped
+        time.sleep(0.05)
+    assert 0 < tokens_out() - before < 1000
+
+
+def test_a_route_over_upstream_tiers_judges_their_logprobs(front, upstream):
+    server, key = front
+    kept = post(server.url, key, model="auto", prompt="easy one", max_tokens=4)
+    assert kept.json()["choices"][0]["text"] == "ssss"
+    assert float(kept.headers["x-switchboard-score"]) == pytest.approx(0.9)
+    escalated = post(server.url, key, model="auto", prompt="hard one", max_tokens=4)
+    assert escalated.json()["choices"][0]["text"] == "llll"
+    assert escalated.headers["x-switchboard-escalated"] == "true"
+    assert float(escalated.headers["x-switchboard-score"]) == pytest.approx(0.2)
+    expected = PRICES["small"].cost(8, 4) + PRICES["large"].cost(8, 4)  # the upstream's usage
+    assert escalated.json()["usage"]["cost_usd"] == pytest.approx(expected)
+
+    streamed = events(post(server.url, key, model="auto", prompt="hard one", max_tokens=6,
+                           stream=True, stream_options={"include_usage": True}))
+    assert "".join(e["choices"][0]["text"] for e in streamed if e["choices"]) == "llllll"
+    # The small tier is cut after its judged prefix, before its usage came: its prompt counts
+    # as its bytes (here as many as its tokens).
+    expected = PRICES["small"].cost(8, 2) + PRICES["large"].cost(8, 6)
+    assert streamed[-1]["usage"]["cost_usd"] == pytest.approx(expected)
+    assert server.app.state.gateway.engines["small"].stats().num_running == 0
+
+
+def test_failing_upstreams_give_clean_errors(front, upstream):
+    server, key = front
+    locked = post(server.url, key, model="locked", prompt="easy one")
+    assert locked.status_code == 500 and locked.json()["error"]["code"] == "engine_failure"
+    message = locked.json()["error"]["message"]
+    assert "'locked'" in message and "credentials (401" in message and WRONG_KEY_ENV in message
+    assert WRONG_KEY not in locked.text and upstream.key not in locked.text
+
+    started = time.monotonic()
+    down = post(server.url, key, model="down", prompt="hi")
+    assert time.monotonic() - started < TIMEOUT_S
+    assert down.status_code == 500 and down.json()["error"]["type"] == "server_error"
+    assert "'down' (http://127.0.0.1:" in down.json()["error"]["message"]
+
+    too_long = post(server.url, key, model="demo", prompt="hi", max_tokens=1 << 15)
+    assert too_long.status_code == 400  # the upstream's own context check, in its words
+    assert "maximum context length" in too_long.json()["error"]["message"]
+    as_ids = post(server.url, key, model="demo", prompt=[300, 1])
+    assert as_ids.status_code == 400 and "UTF-8 bytes" in as_ids.json()["error"]["message"]
+
+
+def test_hanging_upstreams_time_out_and_a_route_falls_back_while_others_are_served(front):
+    server, key = front
+
+    def timed(**body) -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        return post(server.url, key, **body), time.monotonic() - started
+
+    with ThreadPoolExecutor(4) as pool:
+        silent = pool.submit(timed, model="silent", prompt="hi")
+        stalled = pool.submit(timed, model="stalled", prompt="hi")
+        stalled_stream = pool.submit(timed, model="stalled", prompt="hi", stream=True)
+        fallback = pool.submit(timed, model="fallback", prompt="easy one", max_tokens=4)
+        served, took = timed(model="small", prompt="easy one", max_tokens=4)
+        assert served.status_code == 200 and took < TIMEOUT_S and not silent.done()
+        for response, took in (silent.result(), stalled.result()):
+            assert TIMEOUT_S <= took < TIMEOUT_S + 3
+            assert response.status_code == 500
+            assert response.json()["error"]["code"] == "engine_failure"
+            assert "timed out: ReadTimeout after 1 s" in response.json()["error"]["message"]
+        response, _ = stalled_stream.result()
+        texts = events(response)
+        assert texts[0]["choices"][0]["text"] == "x"
+        assert texts[-1]["error"]["code"] == "engine_failure"  # the stream ends with the error
+        response, took = fallback.result()
+    assert response.status_code == 200 and response.json()["model"] == "large"
+    assert response.headers["x-switchboard-score"] == "none" and took >= TIMEOUT_S
+
+
+def test_the_client_maps_ids_and_closes_for_good(upstream):
+    engine = UpstreamEngineClient("small", UpstreamSource(upstream.server.url + "/v1", "small"))
+    ids = engine.tokenize("naïve")
+    assert bytes(ids).decode() == "naïve" and engine.token_text(ids[0]) == "n"
+    assert engine.supports_adapters is False and engine.render_chat([]) is None
+    with pytest.raises(AdapterRejected):
+        asyncio.run(engine.check_adapter("/any"))
+    engine.close()
+    engine.close()
+
+    async def first_chunk():
+        return await anext(engine.generate(ids, SamplingOptions(), request_id="r"))
+
+    with pytest.raises(EngineFailure, match="closed"):
+        asyncio.run(first_chunk())
+
+
+def test_serve_builds_upstreams_from_the_config_file_and_closes_them(upstream, tmp_path):
+    config = tmp_path / "switchboard.toml"
+    config.write_text(f'[models.remote]\nupstream = "{upstream.server.url}/v1"\n'
+                      f'upstream_model = "large"\napi_key_env = "{KEY_ENV}"\ntimeout_s = 5\n'
+                      'price_input = 10\nprice_output = 20\ntier = 1\n')
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, KEY_ENV: upstream.key, "SWITCHBOARD_ADMIN_KEY": ADMIN_KEY,
+           "SWITCHBOARD_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen(SWITCHBOARD + ["serve", "--config", str(config), "--port", str(port)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_health(url, process)
+        server = GatewayServer(url, ADMIN_KEY, None)
+        key = server.new_tenant("cli")
+        assert [m["id"] for m in httpx.get(url + "/v1/models", headers={
+            "Authorization": f"Bearer {key}"}).json()["data"]] == ["remote"]  # no demo model
+        answer = post(url, key, model="remote", prompt="easy one", max_tokens=3).json()
+        assert answer["choices"][0]["text"] == "lll"
+        assert answer["usage"]["cost_usd"] == pytest.approx(PRICES["large"].cost(8, 3))
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0 and "Traceback" not in stderr, stderr
+    assert upstream.key not in stderr
