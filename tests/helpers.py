@@ -134,3 +134,17 @@ def peft_lora_layers(model) -> dict[tuple[int, str], torch.nn.Module]:
     num_layers = len(model.base_model.model.model.layers)
     modules = {(i, p): peft_module(model, i, p) for i in range(num_layers) for p in ALL_PROJECTIONS}
     return {key: m for key, m in modules.items() if "default" in getattr(m, "lora_A", {})}
+
+
+class IdleEngineParts:
+    """The EngineClient methods a scripted test engine has nothing to say in: idle stats, no-op close."""
+
+    def stats(self):
+        from gateway.engine_client import EngineStats
+
+        return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
+                           prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
+                           num_generation_tokens=0, num_preemptions=0)
+
+    def close(self) -> None:
+        pass

@@ -10,13 +10,14 @@ import pytest
 
 from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions)
+                                   GenerationChunk, RequestRejected, SamplingOptions)
 from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.helpers import IdleEngineParts
 
 MODEL = "scripted"
 
 
-class ScriptedEngine:
+class ScriptedEngine(IdleEngineParts):
     """Emits "A", "B", ... one token per chunk; fails or refuses when told to."""
 
     max_model_len = 64
@@ -54,14 +55,6 @@ class ScriptedEngine:
                                   finished=last, finish_reason="length" if last else None,
                                   num_prompt_tokens=len(prompt_token_ids),
                                   num_output_tokens=i + 1, num_cached_tokens=0)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
-                           prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
-                           num_generation_tokens=0, num_preemptions=0)
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import pytest
 
 from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   EngineStats, GenerationChunk, SamplingOptions, TokenLogprob)
+                                   GenerationChunk, SamplingOptions, TokenLogprob)
 from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.helpers import IdleEngineParts
 
 PRICES = {"small": Price(1.0, 2.0), "medium": Price(3.0, 6.0), "large": Price(10.0, 20.0)}
 # The probability each model gives every token of its answer, by the prompt's first word.
@@ -34,7 +35,7 @@ SCRIPTS = {
 _names = itertools.count()
 
 
-class ScriptedTier:
+class ScriptedTier(IdleEngineParts):
     """An engine that answers with its own letter, as sure as its script says."""
 
     max_model_len = 256
@@ -82,14 +83,6 @@ class ScriptedTier:
         finally:
             if not finished:
                 self.closed_early.append(request_id)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
-                           prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
-                           num_generation_tokens=0, num_preemptions=0)
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
