@@ -3,10 +3,14 @@
 For each LoRA target (qkv_proj, o_proj, gate_up_proj, down_proj) one set of buffers holds every
 layer and every slot, so layer i's view is exactly what kernels/sgmv.py takes:
     lora_a[i]         [num_slices, num_slots, max_rank, d_in]
-    lora_b[i]         [num_slots, d_out, max_rank]   (the slices' B rows concatenated)
+    lora_b[i]         [num_slots, d_out, max_rank]   (the slices' B rows concatenated; a transposed
+                                                      view of rank-major [num_slots, max_rank, d_out])
     slot_ranks[i]     [num_slots] int32              0 = the slot's adapter leaves this linear alone
     slot_scalings[i]  [num_slots] float32
 Ranks are per (layer, target), so a target an adapter does not touch costs no LoRA compute.
+B is stored rank-major so that a slot's first r ranks are one contiguous block: the CPU kernel
+reads B[slot, :r] in place at memory bandwidth, where the [d_out, max_rank] layout would read d_out
+short strided rows (and pull in the padding past r with them).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from adapters.peft_format import LoraAdapter
 from adapters.targets import LoraTarget, lora_targets
 from engine.model.spec import ModelSpec
+from kernels.sgmv_cpu import RankViews
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class PackedTarget:
     """One adapter's weights for one target, every layer: the contents of one slot, unpadded."""
 
     lora_a: torch.Tensor  # [num_layers, num_slices, rank, d_in], model dtype; rank = max over layers
-    lora_b: torch.Tensor  # [num_layers, d_out, rank]
+    lora_b: torch.Tensor  # [num_layers, rank, d_out], rank-major like the slots
     ranks: torch.Tensor  # [num_layers] int32, each layer's own rank (0 = not targeted)
     scalings: torch.Tensor  # [num_layers] float32
 
@@ -56,7 +61,7 @@ def _pack_target(adapter: LoraAdapter, target: LoraTarget, num_layers: int,
     ranks = [max((m.rank for _, m in slices), default=0) for slices in layers]
     rank, offsets = max(ranks), target.slice_offsets
     lora_a = torch.zeros(num_layers, target.num_slices, rank, target.in_features)  # float32
-    lora_b = torch.zeros(num_layers, offsets[-1], rank)
+    lora_b = torch.zeros(num_layers, rank, offsets[-1])
     scalings = torch.zeros(num_layers)
     for layer, slices in enumerate(layers):
         if not slices:
@@ -68,7 +73,7 @@ def _pack_target(adapter: LoraAdapter, target: LoraTarget, num_layers: int,
             # Its rows past its own rank stay zero, so padding to the layer's rank changes nothing.
             fold = m.scaling / slot_scaling if slot_scaling else 0.0
             lora_a[layer, s, :m.rank] = m.lora_a.float()
-            lora_b[layer, offsets[s]:offsets[s + 1], :m.rank] = m.lora_b.float() * fold
+            lora_b[layer, :m.rank, offsets[s]:offsets[s + 1]] = m.lora_b.float().T * fold
     return PackedTarget(lora_a.to(dtype), lora_b.to(dtype), torch.tensor(ranks, dtype=torch.int32), scalings)
 
 
@@ -81,6 +86,7 @@ class LoraLayerWeights:
     slot_ranks: torch.Tensor  # [num_slots] int32
     slot_scalings: torch.Tensor  # [num_slots] float32
     slice_offsets: torch.Tensor  # [num_slices + 1] int32
+    rank_views: RankViews  # the CPU kernel's per-slot views of lora_a and lora_b, kept across steps
 
 
 class TargetSlots:
@@ -92,22 +98,26 @@ class TargetSlots:
         d_out = target.slice_offsets[-1]
         self.lora_a = torch.zeros(num_layers, target.num_slices, num_slots, max_rank, target.in_features,
                                   dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_layers, num_slots, d_out, max_rank, dtype=dtype, device=device)
+        self.lora_b_rows = torch.zeros(num_layers, num_slots, max_rank, d_out, dtype=dtype, device=device)
+        self.lora_b = self.lora_b_rows.transpose(2, 3)  # [num_layers, num_slots, d_out, max_rank]
         self.slot_ranks = torch.zeros(num_layers, num_slots, dtype=torch.int32, device=device)
         self.slot_scalings = torch.zeros(num_layers, num_slots, dtype=torch.float32, device=device)
         self.slice_offsets = torch.tensor(target.slice_offsets, dtype=torch.int32, device=device)
+        self.layers = [LoraLayerWeights(self.lora_a[i], self.lora_b[i], self.slot_ranks[i],
+                                        self.slot_scalings[i], self.slice_offsets,
+                                        RankViews(self.lora_a[i], self.lora_b[i], target.slice_offsets))
+                       for i in range(num_layers)]
 
     def layer(self, index: int) -> LoraLayerWeights:
-        return LoraLayerWeights(self.lora_a[index], self.lora_b[index], self.slot_ranks[index],
-                                self.slot_scalings[index], self.slice_offsets)
+        return self.layers[index]
 
     def write(self, slot: int, packed: PackedTarget) -> None:
         """Copy an adapter into `slot` on the current stream, zeroing the rank padding."""
         rank = packed.lora_a.shape[2]
         self.lora_a[:, :, slot, :rank].copy_(packed.lora_a, non_blocking=True)
         self.lora_a[:, :, slot, rank:].zero_()
-        self.lora_b[:, slot, :, :rank].copy_(packed.lora_b, non_blocking=True)
-        self.lora_b[:, slot, :, rank:].zero_()
+        self.lora_b_rows[:, slot, :rank].copy_(packed.lora_b, non_blocking=True)
+        self.lora_b_rows[:, slot, rank:].zero_()
         self.slot_ranks[:, slot].copy_(packed.ranks, non_blocking=True)
         self.slot_scalings[:, slot].copy_(packed.scalings, non_blocking=True)
 

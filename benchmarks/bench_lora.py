@@ -32,6 +32,7 @@ from benchmarks.common import (
     DEFAULT_WORK_DIR,
     ModelSpec,
     WorkloadRequest,
+    copy_bandwidth,
     ensure_model,
     load_hf_model,
     load_summary,
@@ -130,6 +131,25 @@ def build_adapters(model_path: Path, root: Path, count: int) -> list[Path]:
 
 def rank_of(folder: Path) -> int:
     return json.loads((folder / "adapter_config.json").read_text())["r"]
+
+
+def adapter_bytes_per_rank(spec: ModelSpec) -> int:
+    """float32 bytes of one rank of A and B on all seven linears of every layer: (d_in + d_out) * 4 each."""
+    h, inter = spec.hidden_size, spec.intermediate_size
+    kv = h // spec.num_attention_heads * spec.num_key_value_heads
+    dims = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]  # q k v o gate up down
+    return sum(d_in + d_out for d_in, d_out in dims) * spec.num_hidden_layers * 4
+
+
+def decode_adapter_bytes(spec: ModelSpec, workload: list[WorkloadRequest], adapters: list[int],
+                         ranks: dict[int, int]) -> int:
+    """Adapter bytes the decode steps must read when every unfinished request decodes each step (the
+    first token comes from prefill): each distinct adapter among them, once a step, at its own rank."""
+    total = 0
+    for step in range(1, max(r.output_len for r in workload)):
+        running = {a for a, r in zip(adapters, workload) if r.output_len > step}
+        total += sum(ranks[a] for a in running)
+    return total * adapter_bytes_per_rank(spec)
 
 
 def power_law_indices(num: int, n: int, alpha: float, seed: int) -> list[int]:
@@ -281,6 +301,15 @@ def main() -> None:
     key32 = "n=32 alpha=1" if "n=32 alpha=1" in best else [k for k in best if k.startswith("n=32")][0]
     print(f"  target: multi/base >= 0.85 at n=32 -> {best[base_key] / best[key32]:.2f}", flush=True)
     sb_tps = {k: useful / v for k, v in best.items()}
+    bandwidth = copy_bandwidth(1 << 28)
+    print(f"  floor: decode steps must read each distinct adapter of the batch once a step; at the copy "
+          f"bandwidth measured now ({bandwidth / 1e9:.1f} GB/s, bytes read + written) that alone bounds "
+          "multi/base:")
+    for key, idx in assignments.items():
+        nbytes = decode_adapter_bytes(SPEC, workload, idx, {a: rank_of(folders[a]) for a in set(idx)})
+        floor = nbytes / bandwidth
+        print(f"  {key:<22} {nbytes / 1e9:5.2f} GB -> >= {floor:.2f} s more than base -> multi/base <= "
+              f"{best[base_key] / (best[base_key] + floor):.2f}", flush=True)
 
     # ---- 2. PEFT mixed-adapter generate
     print(f"\n== 2. PEFT mixed-adapter generate (PeftModel with {n_max} adapters loaded, left-padded "

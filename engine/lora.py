@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from adapters.slots import SlotBuffers
-from kernels.sgmv import sgmv_expand, sgmv_shrink
+from kernels.sgmv import Segments, add_lora
 
 
 class AdapterSlots(Protocol):
@@ -38,9 +38,7 @@ class LoraRequest:
 
 @dataclass
 class LoraBatch:
-    seg_starts: torch.Tensor  # [num_segs + 1] int32, token offsets
-    seg_slots: torch.Tensor  # [num_segs] int32, -1 = base model
-    max_seg_len: int
+    segments: Segments  # consecutive tokens of one slot, -1 = base model
     slots: SlotBuffers
 
     @classmethod
@@ -49,23 +47,18 @@ class LoraBatch:
         """token_slots: (num_tokens, slot) per sequence, in flat-batch order. None if no adapter."""
         if all(slot < 0 for _, slot in token_slots):
             return None
-        starts, seg_slots = [0], []
+        lens: list[int] = []
+        seg_slots: list[int] = []
         for num_tokens, slot in token_slots:
             if seg_slots and seg_slots[-1] == slot:
-                starts[-1] += num_tokens
+                lens[-1] += num_tokens
             else:
+                lens.append(num_tokens)
                 seg_slots.append(slot)
-                starts.append(starts[-1] + num_tokens)
-        max_len = max(b - a for a, b in zip(starts, starts[1:]))
-        return cls(torch.tensor(starts, dtype=torch.int32, device=device),
-                   torch.tensor(seg_slots, dtype=torch.int32, device=device), max_len, slots)
+        return cls(Segments.build(lens, seg_slots, device), slots)
 
     def apply(self, layer: int, target: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += the LoRA delta of every token's adapter. x: [T, d_in]; out: [T, d_out]."""
         weights = self.slots.targets[target].layer(layer)
-        num_slices, _, max_rank, _ = weights.lora_a.shape
-        buffer = torch.empty(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
-        sgmv_shrink(x, weights.lora_a, self.seg_starts, self.seg_slots, weights.slot_ranks, buffer,
-                    self.max_seg_len)
-        sgmv_expand(buffer, weights.lora_b, self.seg_starts, self.seg_slots, weights.slot_ranks,
-                    weights.slot_scalings, out, weights.slice_offsets, self.max_seg_len)
+        add_lora(x, weights.lora_a, weights.lora_b, self.segments, weights.slot_ranks, weights.slot_scalings, out,
+                 weights.slice_offsets, weights.rank_views)

@@ -18,14 +18,45 @@ d_in]), the rank buffer too ([num_tokens, max_rank]), and slice_offsets defaults
 The rank buffer is float32: split-K partial sums are added into it atomically, and the LoRA product
 is rounded to the model dtype only once, when added to the base output.
 
-Dispatch: CUDA tensors run the Triton kernels (`kernels/sgmv_triton.py`), CPU tensors their torch
-twins (`kernels/sgmv_torch.py`). `max_seg_len`, the longest segment, is a host-side hint that sizes
-the GPU grid; None means num_tokens (correct, but launches idle programs for decode batches).
+`add_lora` is shrink then expand in one call, what a LoRA-aware linear runs; it takes the step's
+segments as `Segments`, built once per step (device tensors for the GPU, lists for the CPU).
+
+Dispatch: CUDA tensors run the Triton kernels (`kernels/sgmv_triton.py`). On CPU, `add_lora` runs
+`kernels/sgmv_cpu.py`, which batches the per-segment matmuls and never materialises the rank
+buffer, while `sgmv_shrink` / `sgmv_expand` run the torch twins (`kernels/sgmv_torch.py`), the
+reference the other two are tested against. lora_b may be any strided view; adapters/slots.py
+passes a transposed view of rank-major [num_slots, max_rank, d_out] storage, whose slot rows the
+CPU path reads in place. `max_seg_len`, the longest segment, is a host-side hint that sizes the GPU
+grid; None means num_tokens (correct, but launches idle programs for decode batches).
 """
+
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
+from kernels.sgmv_cpu import RankViews, add_lora_cpu
 from kernels.sgmv_torch import sgmv_expand_torch, sgmv_shrink_torch
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One step's segments, built once per step: tensors for the GPU kernels, lists for the CPU path."""
+
+    starts: torch.Tensor  # [num_segs + 1] int32
+    slots: torch.Tensor  # [num_segs] int32, -1 = no adapter
+    lens: list[int]  # [num_segs] tokens per segment
+    slot_list: list[int]  # [num_segs] slots, as in `slots`
+
+    @classmethod
+    def build(cls, lens: list[int], slots: list[int], device: torch.device) -> "Segments":
+        starts = torch.tensor(list(accumulate(lens, initial=0)), dtype=torch.int32, device=device)
+        return cls(starts, torch.tensor(slots, dtype=torch.int32, device=device), lens, slots)
+
+    @property
+    def max_len(self) -> int:
+        """The longest segment: the GPU kernels' launch-size hint."""
+        return max(self.lens, default=0)
 
 
 def sgmv_shrink(
@@ -74,3 +105,31 @@ def sgmv_expand(
     else:
         impl = sgmv_expand_torch
     impl(buf, lora_b, seg_starts, seg_slots, slot_ranks, slot_scalings, out, slice_offsets, max_seg_len)
+
+
+def add_lora(
+    x: torch.Tensor,  # [num_tokens, d_in]
+    lora_a: torch.Tensor,  # [num_slices, num_slots, max_rank, d_in] or [num_slots, max_rank, d_in]
+    lora_b: torch.Tensor,  # [num_slots, d_out, max_rank]
+    segments: Segments,
+    slot_ranks: torch.Tensor,  # [num_slots] int32
+    slot_scalings: torch.Tensor,  # [num_slots] float32
+    out: torch.Tensor,  # [num_tokens, d_out]
+    slice_offsets: torch.Tensor | None = None,  # [num_slices + 1] int32, 0 first, d_out last
+    rank_views: RankViews | None = None,  # of lora_a and lora_b, kept between calls by their owner
+) -> None:
+    """In place: out += the LoRA delta of every token, as `sgmv_shrink` then `sgmv_expand` would."""
+    lora_a = lora_a if lora_a.dim() == 4 else lora_a.unsqueeze(0)
+    assert lora_a.dtype == x.dtype and lora_b.dtype == out.dtype, "x, lora_a: model dtype; lora_b, out too"
+    assert slice_offsets is not None or lora_a.shape[0] == 1, "several slices need slice_offsets"
+    if not out.is_cuda:
+        if rank_views is None:
+            offsets = [0, out.shape[1]] if slice_offsets is None else slice_offsets.tolist()
+            rank_views = RankViews(lora_a, lora_b, offsets)
+        add_lora_cpu(x, rank_views, segments.lens, segments.slot_list, slot_ranks, slot_scalings, out)
+        return
+    num_slices, _, max_rank, _ = lora_a.shape
+    buffer = torch.empty(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+    sgmv_shrink(x, lora_a, segments.starts, segments.slots, slot_ranks, buffer, segments.max_len)
+    sgmv_expand(buffer, lora_b, segments.starts, segments.slots, slot_ranks, slot_scalings, out, slice_offsets,
+                segments.max_len)

@@ -1,8 +1,9 @@
 """Plain-torch twins of the SGMV kernels in `kernels/sgmv_triton.py`.
 
 Same signatures and shapes (the canonical, sliced ones documented in `kernels/sgmv.py`), same
-results up to float32 summation order. They are what runs on CPU in production and the reference
-the Triton kernels are tested against, so they loop over segments (one matmul each), never tokens.
+results up to float32 summation order. They are the reference that the Triton kernels and the
+CPU path (`kernels/sgmv_cpu.py`, what runs on CPU in production) are tested against, so they stay
+plain: a loop over segments (one matmul each), never tokens.
 """
 
 from collections.abc import Iterator

@@ -1,5 +1,6 @@
 """SGMV kernels: torch twins vs a per-token reference loop on CPU, Triton vs the twins on the GPU
-when there is one, else on CPU under the Triton interpreter."""
+when there is one, else on CPU under the Triton interpreter; `add_lora` (the CPU path of
+kernels/sgmv_cpu.py, or Triton on a GPU) vs the twins' shrink then expand."""
 
 import os
 
@@ -11,7 +12,7 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 
 import pytest
@@ -20,7 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton.runtime import interpreter
 
-from kernels import sgmv_expand, sgmv_shrink, sgmv_triton
+from kernels import sgmv_cpu, sgmv_expand, sgmv_shrink, sgmv_triton
+from kernels.sgmv import Segments, add_lora
+from kernels.sgmv_cpu import RankViews
 from kernels.sgmv_torch import sgmv_expand_torch, sgmv_shrink_torch
 from kernels.sgmv_triton import sgmv_expand_triton, sgmv_shrink_triton
 
@@ -87,6 +90,9 @@ class Batch:
     def rank_mask(self) -> torch.Tensor:  # [num_tokens, max_rank] bool, the entries a rank covers
         ranks = torch.tensor([rank for _, rank in self.token_ranks()], dtype=torch.long)
         return torch.arange(self.lora_a.shape[2])[None, :] < ranks[:, None]
+
+    def segments(self) -> Segments:
+        return Segments.build(self.seg_starts.diff().tolist(), self.seg_slots.tolist(), self.x.device)
 
     def slice_bounds(self) -> list[tuple[int, int]]:
         bounds = [0, self.base.shape[1]] if self.slice_offsets is None else self.slice_offsets.tolist()
@@ -159,6 +165,28 @@ def run_expand(impl, b: Batch, buf: torch.Tensor, max_seg_len=None) -> torch.Ten
     return out
 
 
+def run_add_lora(b: Batch) -> torch.Tensor:
+    out = b.base.clone()
+    add_lora(b.x, b.lora_a, b.lora_b, b.segments(), b.slot_ranks, b.slot_scalings, out, b.slice_offsets)
+    return out
+
+
+def run_twins(b: Batch) -> torch.Tensor:
+    """What add_lora must compute: the twins' shrink, then their expand, on CPU."""
+    b = b.to("cpu")
+    return run_expand(sgmv_expand_torch, b, run_shrink(sgmv_shrink_torch, b))
+
+
+def rank_major(b: Batch) -> Batch:
+    """The same batch with lora_b a transposed view of rank-major storage, as adapters/slots.py keeps it."""
+    return replace(b, lora_b=b.lora_b.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with rows strided: what a row-blocked Linear returns on one thread."""
+    return t.t().contiguous().t()
+
+
 def assert_shrink_matches(out: torch.Tensor, expected: torch.Tensor, b: Batch) -> None:
     out, expected = out.cpu(), expected.cpu()
     assert torch.equal(out[:, ~b.rank_mask()], torch.zeros_like(out[:, ~b.rank_mask()]))
@@ -205,6 +233,13 @@ def test_expand_triton_column_tiles_straddle_slices(monkeypatch, block_n):
     # Slice bounds 24 and 80: mid-tile for both widths; slice 1 spans several tiles.
     monkeypatch.setattr(sgmv_triton, "_expand_block_n", lambda *_: block_n)
     b = make_batch(**EDGE, slice_widths=SLICE_WIDTHS[1], dtype=torch.float16, seed=3).to(DEVICE)
+    buf = expand_input(b)
+    assert_expand_matches(run_expand(sgmv_expand_triton, b, buf), run_expand(sgmv_expand_torch, b, buf), b)
+
+
+def test_expand_triton_reads_rank_major_b():
+    # adapters/slots.py passes lora_b as a transposed view of rank-major storage.
+    b = rank_major(make_batch(**EDGE, slice_widths=SLICE_WIDTHS[1], dtype=torch.float16, seed=12)).to(DEVICE)
     buf = expand_input(b)
     assert_expand_matches(run_expand(sgmv_expand_triton, b, buf), run_expand(sgmv_expand_torch, b, buf), b)
 
@@ -264,3 +299,74 @@ def test_triton_matches_twins_property(b):
     assert_shrink_matches(run_shrink(sgmv_shrink_triton, b), run_shrink(sgmv_shrink_torch, b), b)
     buf = expand_input(b)
     assert_expand_matches(run_expand(sgmv_expand_triton, b, buf), run_expand(sgmv_expand_torch, b, buf), b)
+
+
+# LONG_SEGMENT 1 sends every float32 segment down the addmm_ path, 1000 every one down _foreach_mm;
+# at 16, EDGE's 70-token segment takes addmm_ and the others _foreach_mm, in the same call.
+CPU_PATHS = pytest.mark.parametrize("long_segment", [1, 16, 1000], ids=["addmm", "mixed", "foreach"])
+
+
+@CPU_PATHS
+@pytest.mark.parametrize("is_rank_major", [False, True])
+@pytest.mark.parametrize("slice_widths", SLICE_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_lora_matches_twins(monkeypatch, dtype, slice_widths, is_rank_major, long_segment):
+    monkeypatch.setattr(sgmv_cpu, "LONG_SEGMENT", long_segment)
+    b = make_batch(**EDGE, slice_widths=slice_widths, dtype=dtype, seed=7)
+    b = rank_major(b) if is_rank_major else b
+    assert_expand_matches(run_add_lora(b.to(DEVICE)), run_twins(b), b)
+
+
+@CPU_PATHS
+def test_add_lora_reads_strided_activations(monkeypatch, long_segment):
+    monkeypatch.setattr(sgmv_cpu, "LONG_SEGMENT", long_segment)
+    b = make_batch(**EDGE, slice_widths=SLICE_WIDTHS[1], seed=8)
+    strided = replace(b, x=column_major(b.x), base=column_major(b.base))
+    assert_expand_matches(run_add_lora(strided), run_twins(b), b)
+
+
+def test_add_lora_single_slice_form_and_nothing_to_do():
+    b = make_batch(**EDGE, dtype=torch.bfloat16, seed=9)
+    out = b.base.clone()
+    add_lora(b.x, b.lora_a[0], b.lora_b, b.segments(), b.slot_ranks, b.slot_scalings, out)
+    assert_expand_matches(out, run_twins(b), b)
+    idle = make_batch(seg_lens=[3, 0, 2], seg_slots=[-1, 0, 1], slot_ranks=[4, 0], seed=10)
+    assert torch.equal(run_add_lora(idle), idle.base)  # no adapter, empty segment, rank 0
+
+
+@CPU_PATHS
+def test_add_lora_zero_scaling_leaves_base_bitwise(monkeypatch, long_segment):
+    monkeypatch.setattr(sgmv_cpu, "LONG_SEGMENT", long_segment)
+    b = make_batch(**EDGE, slice_widths=SLICE_WIDTHS[1], seed=11)
+    b.slot_scalings.zero_()
+    assert torch.equal(run_add_lora(b), b.base)
+
+
+@CPU_PATHS
+def test_rank_views_follow_a_refilled_slot(monkeypatch, long_segment):
+    # Views kept across calls read the buffers' current contents, and a new rank gets its own views.
+    monkeypatch.setattr(sgmv_cpu, "LONG_SEGMENT", long_segment)
+    b = rank_major(make_batch(**EDGE, slice_widths=SLICE_WIDTHS[1], seed=13))
+    views = RankViews(b.lora_a, b.lora_b, b.slice_offsets.tolist())
+    for refill in range(2):
+        out = b.base.clone()
+        add_lora(b.x, b.lora_a, b.lora_b, b.segments(), b.slot_ranks, b.slot_scalings, out, b.slice_offsets, views)
+        assert_expand_matches(out, run_twins(b), b)
+        new = make_batch(**{**EDGE, "slot_ranks": [1, 5, 8, 0, 16]}, max_rank=64, slice_widths=SLICE_WIDTHS[1],
+                         seed=14)
+        b.lora_a.copy_(new.lora_a), b.lora_b.copy_(new.lora_b), b.slot_ranks.copy_(new.slot_ranks)
+
+
+def test_segments_build():
+    segments = Segments.build([3, 0, 5], [2, -1, 0], torch.device("cpu"))
+    assert segments.starts.tolist() == [0, 3, 3, 8] and segments.starts.dtype == torch.int32
+    assert segments.slots.tolist() == [2, -1, 0] and segments.max_len == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=batches(), long_segment=st.sampled_from([1, 4, 1000]), is_rank_major=st.booleans())
+def test_add_lora_matches_twins_property(b, long_segment, is_rank_major):
+    b = rank_major(b) if is_rank_major else b
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sgmv_cpu, "LONG_SEGMENT", long_segment)
+        assert_expand_matches(run_add_lora(b.to(DEVICE)), run_twins(b), b)
