@@ -1,0 +1,90 @@
+"""Routes over the trained arithmetic fixtures, through the real gateway and engines: the
+decisions and answers are known exactly (tests/test_arithmetic_fixtures.py pins the models)."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.test_arithmetic_fixtures import CONFIDENT, EASY, HARD, MEDIUM_RIGHT_ON_HARD
+
+FIXTURES = ("small", "medium", "large")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import torch
+
+    from benchmarks.routing import FIXTURES as FOLDER
+    from engine.config import EngineConfig
+    from gateway.app import create_app
+    from gateway.local_engine import LocalEngineClient
+    from routing.routes import parse_routes
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engines = {name: LocalEngineClient.load(EngineConfig(model=str(FOLDER / name),
+                                                         num_kv_blocks=64), show_progress=False)
+               for name in FIXTURES}
+    routes = parse_routes({
+        "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": CONFIDENT},
+        "three": {"tiers": list(FIXTURES), "measure": "min_prob",
+                  "thresholds": [CONFIDENT, CONFIDENT]},
+    }, engines)
+    app = create_app(engines, data_dir=tmp_path_factory.mktemp("fixtures-gw"),
+                     admin_key=ADMIN_KEY, routes=routes, default_route="auto")
+    try:
+        with run_server(app) as url:
+            gateway = GatewayServer(url, ADMIN_KEY, app)
+            yield gateway, gateway.new_tenant("arith")
+    finally:
+        for engine in engines.values():
+            engine.close()
+        torch.set_num_threads(threads)
+
+
+def ask(server, prompt: str, model: str = "auto", stream: bool = False) -> httpx.Response:
+    gateway, key = server
+    return httpx.post(gateway.url + "/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "prompt": prompt, "max_tokens": 6,
+                            "temperature": 0, "stream": stream})
+
+
+def test_easy_sums_stay_on_the_small_model_and_hard_ones_escalate_to_a_right_answer(server):
+    for problem in EASY:
+        response = ask(server, problem.prompt)
+        assert response.headers["x-switchboard-model"] == "small", problem
+        assert response.json()["choices"][0]["text"].strip() == problem.answer
+    for problem in HARD:
+        response = ask(server, problem.prompt)
+        assert response.headers["x-switchboard-escalated"] == "true", problem
+        assert float(response.headers["x-switchboard-score"]) < CONFIDENT
+        assert response.json()["choices"][0]["text"].strip() == problem.answer
+
+
+def test_three_tiers_stop_at_the_medium_model_when_it_is_sure(server):
+    kept_medium = []
+    for problem in HARD:
+        headers = ask(server, problem.prompt, model="three").headers
+        scores = [float(s) for s in headers["x-switchboard-score"].split(",")]
+        assert scores[0] < CONFIDENT  # the small model is unsure on every hard sum
+        if headers["x-switchboard-model"] == "medium":
+            assert len(scores) == 2 and scores[1] >= CONFIDENT
+            kept_medium.append(problem)
+        else:
+            assert headers["x-switchboard-model"] == "large" and scores[1] < CONFIDENT
+    # The medium model answers some hard sums (and is right on some of them), so the middle
+    # tier does save large-model calls here.
+    assert kept_medium and sum(MEDIUM_RIGHT_ON_HARD) >= 1
+
+
+def test_a_streamed_hard_sum_is_escalated_before_any_byte(server):
+    response = ask(server, HARD[0].prompt, stream=True)
+    assert response.headers["x-switchboard-model"] == "large"
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {")]
+    assert all(e["model"] == "large" for e in events)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).strip() == \
+        HARD[0].answer
