@@ -169,7 +169,8 @@ def serve(config: ServeConfig) -> int:
     if models:
         logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
     try:
-        engines.update(load_engines(models, **config.engine_options()))
+        for name, path in models.items():  # each with its own engine and memory budget
+            engines.update(load_engines({name: path}, **config.engine_options_of(name)))
         try:
             app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
                              admin_key=config.admin_key, adapter_dir=config.adapter_dir,

@@ -69,6 +69,8 @@ class ModelEntry:
     tier: int = 0
     """Its place among cost tiers, cheapest first (informational: routes list their own tiers)."""
     upstream: UpstreamSource | None = None
+    kv_cache_memory: int | None = None
+    """This local model's KV-cache budget in bytes; None: the server-wide --kv-cache-memory."""
 
 
 @dataclass
@@ -156,6 +158,14 @@ class ServeConfig:
         """{served name: remote server} of the models served by upstreams."""
         return {e.name: e.upstream for e in self.model_entries() if e.upstream is not None}
 
+    def engine_options_of(self, name: str) -> dict[str, Any]:
+        """engine_options() with the [models.NAME] table's own KV-cache budget, if it has one."""
+        options = self.engine_options()
+        for entry in self.model_entries():
+            if entry.name == name and entry.kv_cache_memory is not None:
+                options["kv_cache_memory_bytes"] = entry.kv_cache_memory
+        return options
+
     def engine_options(self) -> dict[str, Any]:
         """The EngineConfig fields this config sets (the rest keep the engine's defaults)."""
         options = {"device": self.device, "dtype": self.dtype,
@@ -181,7 +191,7 @@ def _model_table(name: str, table: Any) -> ModelEntry:
     if "api_key" in table:  # NOTE: never echo its value: it is a secret
         raise ValueError(f"{where} must not hold the API key: set api_key_env = \"VARIABLE\" and "
                          "put the key in that environment variable")
-    known = _COMMON_KEYS | (_UPSTREAM_KEYS if "upstream" in table else {"path"})
+    known = _COMMON_KEYS | (_UPSTREAM_KEYS if "upstream" in table else {"path", "kv_cache_memory"})
     unknown = sorted(set(table) - known)
     if unknown:
         raise ValueError(f"unknown keys in {where}: {', '.join(unknown)}; known keys: "
@@ -191,7 +201,12 @@ def _model_table(name: str, table: Any) -> ModelEntry:
     tier = _integer(where, "tier", table.get("tier", 0), 0, "0 is the cheapest")
     path = Path(table["path"]).expanduser() if "path" in table else None
     upstream = _upstream_source(name, table) if "upstream" in table else None
-    return ModelEntry(name, path, *prices, tier, upstream)
+    memory = table.get("kv_cache_memory")
+    if memory is not None:
+        memory = parse_size(memory)
+        if memory < 1:
+            raise ValueError(f"{where} kv_cache_memory must be positive, like \"2GiB\"")
+    return ModelEntry(name, path, *prices, tier, upstream, memory)
 
 
 def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:

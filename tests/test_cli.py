@@ -200,3 +200,16 @@ def test_serve_refuses_an_upstream_whose_key_variable_is_unset(tmp_path, capsys,
                       'api_key_env = "SB_TEST_UNSET_KEY"\n')
     assert main(["serve", "--config", str(config), "--data-dir", str(tmp_path / "data")]) == 2
     assert "SB_TEST_UNSET_KEY is not set" in capsys.readouterr().err
+
+
+def test_each_local_model_can_have_its_own_kv_cache_budget(tmp_path):
+    config = tmp_path / "budgets.toml"
+    config.write_text('kv_cache_memory = "1GiB"\n'
+                      '[models.small]\npath = "/m/small"\nkv_cache_memory = "256MiB"\n'
+                      '[models.large]\npath = "/m/large"\n')
+    loaded = load_serve_config({}, config, {})
+    assert loaded.engine_options_of("small")["kv_cache_memory_bytes"] == 256 << 20
+    assert loaded.engine_options_of("large")["kv_cache_memory_bytes"] == 1 << 30
+    config.write_text('[models.up]\nupstream = "http://h/v1"\nkv_cache_memory = "1GiB"\n')
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_serve_config({}, config, {})
