@@ -41,7 +41,6 @@ from benchmarks.common import (
     num_params,
     random_prompt,
     scaled_range,
-    timed,
 )
 from engine.llm import LLM
 from engine.lora import LoraRequest

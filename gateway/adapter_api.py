@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from gateway.auth import authenticate_tenant, require_admin
 from gateway.engine_client import AdapterRejected
-from gateway.errors import ApiError, invalid_request, not_found
+from gateway.errors import invalid_request, not_found
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models

@@ -29,7 +29,7 @@ from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
 from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
-from routing.routes import LearnedRoute, Route
+from routing.routes import CascadeRoute, LearnedRoute, Route
 from store import Tenant
 
 T = TypeVar("T")
@@ -221,35 +221,35 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:
-        if target.route is None or isinstance(target.route, LearnedRoute):
+        if isinstance(target.route, CascadeRoute):
+            outcome = await run_cascade(
+                target.route, list(target.tiers), prompts[0], options, streamed=streamed,
+                request_id=call_id, tenant=tenant.name,
+                guard=functools.partial(_unless_disconnected, request))
+            tier, attempts = outcome.tier, outcome.attempts
+            streams, prompt_indices = [outcome.stream], [0]
+        else:
             tier = target.tiers[0]
             if isinstance(target.route, LearnedRoute):
                 text = prompt_text if prompt_text is not None else "".join(
                     tier.engine.token_text(t) for t in prompts[0])
                 decision = state.learned.decide(target.route, tenant, text)
                 tier = target.tiers[decision.tier]
-                model = tier.model
                 attempts = [Attempt(tier.model, decision.score, decision.threshold, 0, 0)]
-            answered_by = tier.model
             streams, prompt_indices = _engine_streams(tier, prompts, options, n, call_id,
                                                       tenant.name)
-        else:
-            outcome = await run_cascade(
-                target.route, list(target.tiers), prompts[0], options, streamed=streamed,
-                request_id=call_id, tenant=tenant.name,
-                guard=functools.partial(_unless_disconnected, request))
-            answered_by = model = outcome.tier.model
-            attempts = outcome.attempts
-            streams, prompt_indices = [outcome.stream], [0]
     except BaseException:
-        await admission.settle(sum(a.tokens_in for a in attempts),
-                               sum(a.tokens_out for a in attempts), 0.0)
+        # NOTE: nothing has produced billable tokens yet (tiers a cascade cut short before the
+        # client left are not counted: run_cascade's attempts do not survive the exception).
+        await admission.settle(0, 0, 0.0)
         raise
+    answered_by = tier.model
+    if target.route is not None:
+        model = answered_by  # a route's replies name the model that answered
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at)
-    escalated = answered_by != target.tiers[0].model
     call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
-                admission, state, attempts, escalated)
+                admission, state, attempts, escalated=answered_by != target.tiers[0].model)
     try:
         await generation.start()
     except RequestRejected as error:
