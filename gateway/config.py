@@ -114,6 +114,14 @@ class ServeConfig:
     """Uploaded adapter files; None: data_dir/adapters. Gateways sharing a store share it too."""
     max_upload_size: int = 1 << 30
     """Largest adapter upload accepted, in bytes (the CLI takes sizes like "512MiB")."""
+    redis: str | None = None
+    """Redis shared by gateways and engine workers (redis://host:port/0). A gateway serves the
+    models of the workers registered there and uses it as its store unless `store` says
+    otherwise; a worker registers there."""
+    advertise_url: str | None = None
+    """A worker's URL as gateways reach it; None: http://host:port."""
+    heartbeat_s: float = 1.0
+    """Seconds between a worker's heartbeats; it leaves the pool after three missed ones."""
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -127,6 +135,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.store is None and self.redis is not None:
+            self.store = self.redis
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0 (0 serves no adapters), got {self.max_loras}")
         self.model_entries()  # NOTE: validates every model now, before any is loaded

@@ -21,14 +21,15 @@ from engine.request import SamplingParams
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
+from gateway.text_codec import TextCodec
 
 
-class LocalEngineClient:
+class LocalEngineClient(TextCodec):
     """Serves one model folder with an in-process AsyncEngine (its step loop runs on a thread)."""
 
     def __init__(self, engine: AsyncEngine):
+        super().__init__(engine.tokenizer)
         self._engine = engine
-        self._tokenizer = engine.tokenizer
 
     @classmethod
     def load(cls, config: EngineConfig, show_progress: bool = True) -> "LocalEngineClient":
@@ -38,25 +39,6 @@ class LocalEngineClient:
     @property
     def max_model_len(self) -> int:
         return self._engine.engine.max_model_len
-
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._tokenizer is None:
-            raise RequestRejected("this model has no tokenizer: send token ids instead of text")
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def render_chat(self, messages: list[dict[str, str]]) -> str | None:
-        if self._tokenizer is None or not getattr(self._tokenizer, "chat_template", None):
-            return None
-        try:
-            return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=True)
-        except Exception as error:  # templates raise jinja errors for chats they do not support
-            raise RequestRejected(f"the model's chat template rejected the messages: {error}") from None
-
-    def token_text(self, token_id: int) -> str:
-        if self._tokenizer is None:
-            return f"token_id:{token_id}"
-        return self._tokenizer.decode([token_id])
 
     @property
     def supports_adapters(self) -> bool:
@@ -105,6 +87,18 @@ class LocalEngineClient:
             num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions,
             adapter_hits=m.adapter_hits, adapter_misses=m.adapter_misses,
             adapter_evictions=m.adapter_evictions, adapters_resident=m.adapters_resident)
+
+    @property
+    def max_loras(self) -> int:
+        """Device slots for adapters (0 without LoRA support)."""
+        lora = self._engine.engine.config.lora
+        return 0 if lora is None else lora.max_gpu_adapters
+
+    def resident_adapters(self) -> tuple[list[str], list[str]]:
+        """Digests of the adapters in device slots, and of those loaded in host memory."""
+        cache = self._engine.engine.adapter_cache
+        # NOTE: read from another thread than the engine's; list() copies a dict atomically.
+        return ([], []) if cache is None else (cache.resident_ids(), cache.host_ids())
 
     def close(self) -> None:
         self._engine.shutdown()

@@ -1,0 +1,301 @@
+"""Engines on remote workers: the pool of workers registered in Redis, and RemoteEngineClient, the
+EngineClient of one model served by some of them.
+
+The pool re-reads the registry every `poll_s`: a worker that stopped heartbeating leaves it within
+its record's lifetime (a few heartbeats), and one that refuses connections leaves at once until
+it heartbeats again. Each request is placed by routing.placement over the model's workers.
+
+Failover: until a request's first chunk arrives nothing has reached the client, so a worker that
+cannot be reached, refuses for being busy or closing, or drops the connection before the first
+chunk, is passed over and the request placed again on another worker. Once chunks flow, a cut
+stream is an EngineFailure (the gateway ends the response with a clean error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
+                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions)
+from gateway.text_codec import TextCodec
+from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
+                                StreamLine, WorkerError)
+from routing.placement import DEFAULT_SLACK, Candidate, place
+from store.blobs import ADAPTER_FILES
+from store.workers import WorkerRecord, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_S = 0.5
+DEFAULT_READ_TIMEOUT_S = 60.0
+_CONNECT_TIMEOUT_S = 2.0
+_MAX_PLACEMENTS = 3  # workers tried for one request before it fails
+_RETRY_STATUSES = (404, 500, 502, 503, 504)  # another worker may serve it
+
+
+class WorkerPool:
+    """The live workers, refreshed from the registry; one RemoteEngineClient per model seen.
+
+    `load_tokenizer` reads a folder of tokenizer files (it may import transformers, so the
+    caller passes it in); `on_model` is told of each new model's client.
+    """
+
+    def __init__(self, registry: WorkerRegistry, tokenizer_dir: Path,
+                 load_tokenizer: Callable[[Path], Any],
+                 on_model: Callable[[str, "RemoteEngineClient"], None], *,
+                 poll_s: float = DEFAULT_POLL_S, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 slack: int = DEFAULT_SLACK):
+        self.registry = registry
+        self._tokenizer_dir = tokenizer_dir
+        self._load_tokenizer = load_tokenizer
+        self._on_model = on_model
+        self._poll_s = poll_s
+        self.slack = slack
+        self.workers: dict[str, WorkerRecord] = {}
+        self.clients: dict[str, RemoteEngineClient] = {}
+        self.inflight: dict[str, int] = {}  # this gateway's requests running on each worker
+        self._down: dict[str, float] = {}  # worker id -> the beat_at it had when it failed
+        self.internal_key = ""
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s,
+                                                            connect=_CONNECT_TIMEOUT_S))
+        self._polling: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Read the registry once (raising if Redis cannot be reached), then keep polling."""
+        await self.refresh()
+        self._polling = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._polling is not None:
+            self._polling.cancel()
+        await self.http.aclose()
+        await self.registry.close()
+
+    async def refresh(self) -> None:
+        """Take the registry's view of the workers, and make clients for new models."""
+        self.internal_key = await self.registry.internal_key()
+        records = await self.registry.workers()
+        self.workers = {r.id: r for r in records}
+        self._down = {i: beat for i, beat in self._down.items()
+                      if i in self.workers and self.workers[i].beat_at <= beat}
+        for record in records:
+            if record.model not in self.clients:
+                tokenizer = await self._tokenizer(record.tokenizer)
+                self.clients[record.model] = client = RemoteEngineClient(record.model, self,
+                                                                         tokenizer)
+                self._on_model(record.model, client)
+                logger.info("serving %s on the workers registered in Redis", record.model)
+
+    async def _poll(self) -> None:
+        is_failing = False
+        while True:
+            await asyncio.sleep(self._poll_s)
+            try:
+                await self.refresh()
+            except Exception as error:  # redis-py raises several types; all mean "try again"
+                if not is_failing:
+                    logger.warning("cannot read the worker registry (%s); keeping the workers "
+                                   "known so far", error)
+                is_failing = True
+            else:
+                is_failing = False
+
+    async def _tokenizer(self, digest: str | None) -> Any:
+        if digest is None:
+            return None
+        folder = self._tokenizer_dir / digest
+        if not folder.is_dir():
+            files = await self.registry.get_tokenizer(digest)
+            if files is None:
+                raise RuntimeError(f"the tokenizer {digest} is not in Redis")
+            await asyncio.to_thread(_write_folder, folder, files)
+        return await asyncio.to_thread(self._load_tokenizer, folder)
+
+    def candidates(self, model: str, exclude: set[str]) -> list[Candidate]:
+        """The model's workers that are up, with their load as this gateway best knows it."""
+        return [Candidate(r.id, max(r.load, self.inflight.get(r.id, 0)),
+                          frozenset(r.adapters_device), frozenset(r.adapters_host))
+                for r in self.workers.values()
+                if r.model == model and r.id not in exclude and r.id not in self._down]
+
+    def mark_down(self, worker_id: str) -> None:
+        """Pass over this worker until it heartbeats again."""
+        record = self.workers.get(worker_id)
+        if record is not None:
+            self._down[worker_id] = record.beat_at
+            logger.warning("worker %s at %s failed; placing its requests elsewhere", worker_id,
+                           record.url)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.internal_key}"}
+
+
+class RemoteEngineClient(TextCodec):
+    """One model served by the workers in a WorkerPool."""
+
+    def __init__(self, model: str, pool: WorkerPool, tokenizer: Any):
+        super().__init__(tokenizer)
+        self.model = model
+        self._pool = pool
+
+    def _records(self) -> list[WorkerRecord]:
+        return [r for r in self._pool.workers.values() if r.model == self.model]
+
+    @property
+    def max_model_len(self) -> int:
+        return min((r.max_model_len for r in self._records()), default=0)
+
+    @property
+    def supports_adapters(self) -> bool:
+        return any(r.supports_adapters for r in self._records())
+
+    async def check_adapter(self, folder: str) -> AdapterInfo:
+        candidates = self._pool.candidates(self.model, set())
+        if not candidates:
+            raise EngineFailure(self._no_worker())
+        worker = self._pool.workers[place(candidates, "check").id]
+        response = await self._pool.http.post(worker.url + CHECK_ADAPTER_PATH,
+                                              files=await _adapter_parts(folder),
+                                              headers=self._pool.headers())
+        if response.status_code == 422:
+            raise AdapterRejected(msgspec.json.decode(response.content, type=WorkerError).message)
+        if response.status_code != 200:
+            raise EngineFailure(f"worker {worker.id} could not check the adapter: "
+                                f"HTTP {response.status_code}")
+        return msgspec.json.decode(response.content, type=AdapterInfo)
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None = None,
+                       adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
+        body = msgspec.json.encode(GenerateBody(
+            model=self.model, prompt_token_ids=prompt_token_ids, options=options,
+            request_id=request_id, tenant=tenant,
+            adapter=None if adapter is None else adapter.digest))
+        first, lines, worker_id = await self._open(body, request_id, adapter)
+        pool = self._pool
+        pool.inflight[worker_id] = pool.inflight.get(worker_id, 0) + 1
+        try:
+            line = first
+            while True:
+                if line.error is not None:
+                    raise EngineFailure(f"worker {worker_id} failed: {line.error}")
+                yield line.chunk
+                if line.chunk.finished:
+                    return
+                line = await anext(lines)
+        except StopAsyncIteration:
+            raise EngineFailure(f"worker {worker_id} ended the stream early") from None
+        except httpx.TransportError as error:
+            pool.mark_down(worker_id)
+            raise EngineFailure(f"lost worker {worker_id} mid-answer ({_describe(error)}); "
+                                "retry the request") from None
+        finally:
+            pool.inflight[worker_id] -= 1
+            await lines.aclose()  # closes the connection, so the worker aborts the request
+
+    async def _open(self, body: bytes, request_id: str, adapter: AdapterRef | None
+                    ) -> tuple[StreamLine, AsyncIterator[StreamLine], str]:
+        """The first line and the rest of the stream of the first worker that starts the
+        request, and that worker's id."""
+        pool, tried = self._pool, set()
+        digest = None if adapter is None else adapter.digest
+        for _ in range(_MAX_PLACEMENTS):
+            candidates = pool.candidates(self.model, tried)
+            if not candidates:
+                break
+            worker = pool.workers[place(candidates, digest or request_id, digest, pool.slack).id]
+            tried.add(worker.id)
+            lines = _stream_lines(pool, worker, body, adapter)
+            try:
+                return await anext(lines), lines, worker.id
+            except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
+                # NOTE: the generator raised, so it is finished and its connection closed.
+                if not isinstance(error, _Retry):
+                    pool.mark_down(worker.id)
+                logger.warning("request %s not started on worker %s (%s); placing it again",
+                               request_id, worker.id, _describe(error))
+        raise EngineFailure(self._no_worker())
+
+    def _no_worker(self) -> str:
+        return (f"no engine worker serving {self.model!r} is available now; start one with "
+                f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
+
+    def stats(self) -> EngineStats:
+        stats = [msgspec.json.decode(r.stats, type=EngineStats) for r in self._records()]
+        total = {f: sum(getattr(s, f) for s in stats) for f in EngineStats.__struct_fields__
+                 if f != "prefix_cache_hit_rate"}
+        rate = sum(s.prefix_cache_hit_rate for s in stats) / len(stats) if stats else 0.0
+        return EngineStats(prefix_cache_hit_rate=rate, **total)
+
+    def close(self) -> None:
+        """Nothing to stop here: the pool's connections close with the gateway's lifespan."""
+
+
+class _Retry(Exception):
+    """The worker refused the request in a way another worker may not."""
+
+
+async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
+                        adapter: AdapterRef | None) -> AsyncIterator[StreamLine]:
+    """The worker's answer to one generate request, line by line (sending the adapter's files
+    first if the worker lacks them). Refusals before the stream are RequestRejected (the request
+    is wrong) or _Retry."""
+    for attempt in range(2):
+        async with pool.http.stream("POST", worker.url + GENERATE_PATH, content=body,
+                                    headers=pool.headers()) as response:
+            if response.status_code == 200:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        yield msgspec.json.decode(line[6:], type=StreamLine)
+                return
+            error = msgspec.json.decode(await response.aread(), type=WorkerError)
+        if response.status_code == 409 and adapter is not None and attempt == 0:
+            await _send_adapter(pool, worker, adapter)
+            continue
+        if response.status_code == 400:
+            raise RequestRejected(error.message)
+        raise _Retry(f"HTTP {response.status_code} {error.kind}: {error.message}")
+
+
+async def _send_adapter(pool: WorkerPool, worker: WorkerRecord, adapter: AdapterRef) -> None:
+    response = await pool.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}",
+                                   files=await _adapter_parts(adapter.path),
+                                   headers=pool.headers())
+    if response.status_code != 204:
+        raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
+
+
+async def _adapter_parts(folder: str) -> dict[str, tuple[str, bytes]]:
+    """An adapter folder's files as multipart parts."""
+    def read() -> dict[str, tuple[str, bytes]]:
+        return {name: (name, (Path(folder) / name).read_bytes()) for name in ADAPTER_FILES}
+    return await asyncio.to_thread(read)
+
+
+def _write_folder(folder: Path, files: dict[str, bytes]) -> None:
+    """Write `files` as `folder` at once (gateways sharing a data folder may race to write it)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+    try:
+        for name, data in files.items():
+            (tmp / Path(name).name).write_bytes(data)  # NOTE: base names only, never a path
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not folder.is_dir():  # else another process wrote the same files first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) or type(error).__name__

@@ -1,0 +1,249 @@
+"""An engine worker: one model's engine behind the internal HTTP API (gateway/worker_api.py),
+registered in Redis with a heartbeat (store/workers.py) so gateways find it and place requests.
+
+Adapter files reach a worker from the gateways, by digest, the first time a request needs them;
+the worker keeps them in its own blob folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
+                                   GenerationChunk, RequestRejected)
+from gateway.local_engine import LocalEngineClient
+from gateway.sse import EventStreamResponse, event
+from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
+                                StreamLine, WorkerError)
+from store.blobs import ADAPTER_FILES, BlobStore, digest_files
+from store.errors import InvalidName
+from store.models import validate_digest
+from store.workers import WorkerRecord, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_S = 1.0
+_LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two missed beats do not drop it
+# Files a tokenizer may need (transformers reads config.json for the tokenizer class).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                    "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
+                    "chat_template.jinja", "chat_template.json", "config.json")
+
+
+@dataclass
+class Worker:
+    """What the worker's handlers share."""
+
+    model: str
+    engine: LocalEngineClient
+    url: str  # where gateways reach this worker
+    blobs: BlobStore
+    registry: WorkerRegistry
+    tokenizer_files: dict[str, bytes]
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    id: str = field(default_factory=lambda: secrets.token_hex(6))
+    internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
+    is_closing: bool = False
+
+    def record(self, tokenizer: str | None) -> WorkerRecord:
+        stats = self.engine.stats()
+        device, host = self.engine.resident_adapters()
+        return WorkerRecord(
+            id=self.id, url=self.url, model=self.model, max_model_len=self.engine.max_model_len,
+            supports_adapters=self.engine.supports_adapters, max_loras=self.engine.max_loras,
+            tokenizer=tokenizer, num_running=stats.num_running, num_waiting=stats.num_waiting,
+            adapters_device=device, adapters_host=host, stats=msgspec.json.encode(stats),
+            beat_at=time.time())
+
+    async def beat(self) -> None:
+        """Publish this worker's record (and what gateways need to reach it) once."""
+        self.internal_key = await self.registry.internal_key()
+        tokenizer = (await self.registry.put_tokenizer(self.tokenizer_files)
+                     if self.tokenizer_files else None)
+        await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * _LAPSE_BEATS)
+
+    async def keep_beating(self) -> None:
+        """Heartbeat until cancelled; Redis outages are logged once and ridden out."""
+        is_failing = False
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.beat()
+            except Exception as error:  # redis-py raises several types; all mean "try again"
+                if not is_failing:
+                    logger.warning("cannot reach Redis to heartbeat (%s); retrying every %.1f s",
+                                   error, self.heartbeat_s)
+                is_failing = True
+                continue
+            if is_failing:
+                logger.info("Redis is back; heartbeating again")
+            is_failing = False
+
+
+def tokenizer_files(model_dir: Path) -> dict[str, bytes]:
+    """The model folder's tokenizer files, by name (empty: the model has no tokenizer)."""
+    files = {name: (model_dir / name).read_bytes() for name in _TOKENIZER_FILES
+             if (model_dir / name).is_file()}
+    return files if set(files) - {"config.json"} else {}
+
+
+def _worker(request: Request) -> Worker:
+    return request.app.state.worker
+
+
+def _error(status: int, kind: str, message: str) -> Response:
+    return Response(msgspec.json.encode(WorkerError(kind, message)), status,
+                    media_type="application/json")
+
+
+def _unauthorized(request: Request) -> Response | None:
+    worker = _worker(request)
+    expected = f"Bearer {worker.internal_key}"
+    given = request.headers.get("authorization", "")
+    if worker.internal_key is None or not secrets.compare_digest(given, expected):
+        return _error(401, "unauthorized", "this is a Switchboard worker's internal API: send "
+                      "the internal key from Redis")
+    return None
+
+
+async def generate(request: Request) -> Response:
+    worker = _worker(request)
+    if (refused := _unauthorized(request)) is not None:
+        return refused
+    if worker.is_closing:
+        return _error(503, "unavailable", "this worker is shutting down")
+    try:
+        body = msgspec.json.decode(await request.body(), type=GenerateBody)
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        return _error(400, "rejected", f"malformed request: {error}")
+    if body.model != worker.model:
+        return _error(404, "unknown_model", f"this worker serves {worker.model!r}, not {body.model!r}")
+    adapter = None
+    if body.adapter is not None:
+        folder = worker.blobs.path(body.adapter)
+        if folder is None:
+            return _error(409, "adapter_missing", f"send the files of adapter {body.adapter}")
+        adapter = AdapterRef(body.adapter, str(folder))
+    stream = worker.engine.generate(body.prompt_token_ids, body.options,
+                                    request_id=body.request_id, tenant=body.tenant,
+                                    adapter=adapter)
+    try:
+        first = await anext(stream)
+    except RequestRejected as error:
+        return _error(400, "rejected", str(error))
+    except EngineFailure as error:
+        return _error(500, "engine_failure", str(error))
+    return EventStreamResponse(_lines(first, stream), on_close=stream.aclose)
+
+
+async def _lines(first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[bytes]:
+    yield event(StreamLine(chunk=first))
+    try:
+        async for chunk in rest:
+            yield event(StreamLine(chunk=chunk))
+    except EngineFailure as error:
+        yield event(StreamLine(error=str(error)))
+
+
+async def put_adapter(request: Request) -> Response:
+    """Keep an adapter's files under their digest (checked against the files)."""
+    worker = _worker(request)
+    if (refused := _unauthorized(request)) is not None:
+        return refused
+    digest = request.path_params["digest"]
+    try:
+        validate_digest(digest)
+    except InvalidName as error:
+        return _error(400, "rejected", str(error))
+    async with _received_files(request) as folder:
+        if folder is None or await asyncio.to_thread(digest_files, folder) != digest:
+            return _error(400, "rejected", f"the files sent are not those of adapter {digest}")
+        await asyncio.to_thread(worker.blobs.put, folder)
+    return Response(status_code=204)
+
+
+async def check_adapter(request: Request) -> Response:
+    """Validate adapter files against this worker's model (for the gateway's upload API)."""
+    worker = _worker(request)
+    if (refused := _unauthorized(request)) is not None:
+        return refused
+    async with _received_files(request) as folder:
+        if folder is None:
+            return _error(400, "rejected", f"send the files {', '.join(ADAPTER_FILES)}")
+        try:
+            info = await worker.engine.check_adapter(str(folder))
+        except AdapterRejected as error:
+            return _error(422, "adapter_rejected", str(error))
+    return Response(msgspec.json.encode(info), media_type="application/json")
+
+
+@contextlib.asynccontextmanager
+async def _received_files(request: Request) -> AsyncIterator[Path | None]:
+    """The request's adapter files in a temporary folder (None if one is missing), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="sb-worker-"))
+    try:
+        async with request.form() as form:
+            parts = [form.get(name) for name in ADAPTER_FILES]
+            if not all(isinstance(p, UploadFile) for p in parts):
+                yield None
+                return
+            await asyncio.to_thread(_save_parts, parts, folder)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save_parts(parts: list[UploadFile], folder: Path) -> None:
+    for name, part in zip(ADAPTER_FILES, parts):
+        with open(folder / name, "wb") as out:
+            shutil.copyfileobj(part.file, out)
+
+
+async def health(request: Request) -> Response:
+    worker = _worker(request)
+    status = "closing" if worker.is_closing else "ok"
+    return Response(msgspec.json.encode({"status": status, "id": worker.id, "model": worker.model}),
+                    503 if worker.is_closing else 200, media_type="application/json")
+
+
+def create_worker_app(worker: Worker) -> Starlette:
+    """The worker's internal API; its lifespan registers the worker and heartbeats until shutdown
+    (failing to start if Redis cannot be reached)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await worker.beat()
+        logger.info("worker %s serves %s at %s", worker.id, worker.model, worker.url)
+        beating = asyncio.create_task(worker.keep_beating())
+        try:
+            yield
+        finally:
+            worker.is_closing = True
+            beating.cancel()
+            with contextlib.suppress(Exception):  # Redis may be gone: the record lapses anyway
+                await worker.registry.remove(worker.id)
+            await worker.registry.close()
+
+    routes = [Route(GENERATE_PATH, generate, methods=["POST"]),
+              Route(ADAPTERS_PATH + "/{digest}", put_adapter, methods=["PUT"]),
+              Route(CHECK_ADAPTER_PATH, check_adapter, methods=["POST"]),
+              Route("/health", health, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.worker = worker
+    return app

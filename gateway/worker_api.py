@@ -1,0 +1,42 @@
+"""The internal HTTP API between gateways and engine workers: its paths and bodies.
+
+A worker serves one model. Gateways send the internal key (store.workers) as a bearer token.
+
+- POST GENERATE_PATH, body GenerateBody: the answer is a stream of server-sent events, each a
+  StreamLine: chunks, or one error that ends a stream already started. Before the stream starts,
+  a refused request is a WorkerError with an HTTP status: 400 `rejected` (the request itself is
+  wrong), 409 `adapter_missing` (send the adapter's files, then ask again), 404 `unknown_model`,
+  401 `unauthorized`, 503 `unavailable` (the worker is shutting down), 500 `engine_failure`.
+- PUT ADAPTERS_PATH/<digest>, multipart with the adapter's two files: the worker keeps them under
+  their digest (checked) for the requests that name it.
+- POST CHECK_ADAPTER_PATH, multipart with the two files: AdapterInfo, or 422 `adapter_rejected`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway.engine_client import GenerationChunk, SamplingOptions
+
+GENERATE_PATH = "/internal/generate"
+ADAPTERS_PATH = "/internal/adapters"
+CHECK_ADAPTER_PATH = "/internal/check-adapter"
+
+
+class GenerateBody(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    request_id: str
+    tenant: str | None = None
+    adapter: str | None = None  # the digest of the adapter to run with (its files are on the worker)
+
+
+class StreamLine(msgspec.Struct, frozen=True, omit_defaults=True):
+    chunk: GenerationChunk | None = None
+    error: str | None = None  # the engine failed mid-stream: the request is gone
+
+
+class WorkerError(msgspec.Struct, frozen=True):
+    kind: str
+    message: str

@@ -1,0 +1,121 @@
+"""The worker registry in Redis: which engine workers are alive, what they serve, how loaded they
+are, and which adapters they hold; plus what gateways need to talk to them.
+
+Each worker (`switchboard worker`) writes its WorkerRecord under `<prefix>worker:<id>` with a TTL
+a few heartbeats long and adds its id to the set `<prefix>workers`; a worker that stops
+heartbeating disappears when its key expires, and readers drop its id from the set. Gateways read
+the records to place requests (routing.placement).
+
+Two more things live here because every gateway and worker reaches the same Redis:
+- the internal key, a random secret created by whichever process comes first (SET NX), which
+  gateways send to workers and workers require: whoever can read it could read Redis anyway;
+- tokenizer files by digest, published by workers, so a gateway serves a model it has no folder
+  of with the very tokenizer its workers use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Mapping
+
+import msgspec
+import redis.asyncio as aioredis
+
+_INTERNAL_KEY_BYTES = 32
+
+
+class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker publishes with each heartbeat."""
+
+    id: str
+    url: str  # where gateways reach its internal API, e.g. http://10.0.0.7:9000
+    model: str  # the served name of its one model
+    max_model_len: int
+    supports_adapters: bool
+    max_loras: int  # its device slots: the most distinct adapters in one batch
+    tokenizer: str | None  # digest of its tokenizer files (None: the model has no tokenizer)
+    num_running: int
+    num_waiting: int
+    adapters_device: list[str]  # digests of adapters in device slots
+    adapters_host: list[str]  # digests of adapters loaded in host memory
+    stats: bytes  # its EngineStats as JSON (the gateway's type; the store does not import it)
+    beat_at: float  # wall-clock time of this heartbeat
+
+    @property
+    def load(self) -> int:
+        """Requests it holds: running plus waiting."""
+        return self.num_running + self.num_waiting
+
+
+class WorkerRegistry:
+    """Worker records, the internal key and tokenizer files in one Redis."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "sb:") -> None:
+        self._redis = client  # NOTE: decode_responses=False: tokenizer files are bytes
+        self._prefix = prefix
+        self._workers = prefix + "workers"
+
+    @classmethod
+    def open(cls, url: str, prefix: str = "sb:", timeout_s: float = 2.0) -> "WorkerRegistry":
+        """A registry over the Redis at `url`; it connects on first use (and reconnects after)."""
+        client = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        return cls(client, prefix)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self._prefix}worker:{worker_id}"
+
+    async def heartbeat(self, record: WorkerRecord, ttl_s: float) -> None:
+        """Publish `record`; it lapses after `ttl_s` unless published again."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._worker_key(record.id), msgspec.json.encode(record), px=int(ttl_s * 1000))
+            pipe.sadd(self._workers, record.id)
+            await pipe.execute()
+
+    async def remove(self, worker_id: str) -> None:
+        """Leave the pool at once (a worker shutting down cleanly)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._worker_key(worker_id))
+            pipe.srem(self._workers, worker_id)
+            await pipe.execute()
+
+    async def workers(self) -> list[WorkerRecord]:
+        """The live workers, by id; ids whose record lapsed are removed from the set."""
+        ids = sorted(i.decode() for i in await self._redis.smembers(self._workers))
+        if not ids:
+            return []
+        raws = await self._redis.mget([self._worker_key(i) for i in ids])
+        lapsed = [i for i, raw in zip(ids, raws) if raw is None]
+        if lapsed:
+            await self._redis.srem(self._workers, *lapsed)
+        return [msgspec.json.decode(raw, type=WorkerRecord) for raw in raws if raw is not None]
+
+    async def internal_key(self) -> str:
+        """The secret gateways and workers share (created here if nobody has yet)."""
+        key = self._prefix + "internal_key"
+        await self._redis.set(key, secrets.token_urlsafe(_INTERNAL_KEY_BYTES), nx=True)
+        return (await self._redis.get(key)).decode()
+
+    async def put_tokenizer(self, files: Mapping[str, bytes]) -> str:
+        """Publish tokenizer files (name -> contents); returns their digest."""
+        digest = files_digest(files)
+        key = f"{self._prefix}tokenizer:{digest}"
+        if not await self._redis.exists(key):
+            await self._redis.hset(key, mapping=dict(files))
+        return digest
+
+    async def get_tokenizer(self, digest: str) -> dict[str, bytes] | None:
+        """The files published under `digest`, or None if there are none."""
+        files = await self._redis.hgetall(f"{self._prefix}tokenizer:{digest}")
+        return {name.decode(): data for name, data in files.items()} or None
+
+
+def files_digest(files: Mapping[str, bytes]) -> str:
+    """sha256 over the files in name order, each as name, NUL, size (8 bytes), contents."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + len(files[name]).to_bytes(8, "big") + files[name])
+    return h.hexdigest()
