@@ -20,7 +20,8 @@ SWITCHBOARD = [sys.executable, "-m", "gateway.cli"]  # what the `switchboard` sc
 SCRIPT = [shutil.which("switchboard")] if shutil.which("switchboard") else SWITCHBOARD
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["worker", "--help"],
+                                  ["router", "train", "--help"]])
 def test_help_exits_zero(argv):
     result = subprocess.run(SCRIPT + argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -30,7 +31,23 @@ def test_help_exits_zero(argv):
             "--model NAME=PATH", "--host", "--port", "--data-dir", "--store", "--admin-key",
             "--device", "--dtype", "--config", "--max-num-seqs", "--max-num-batched-tokens",
             "--kv-cache-memory", "--max-model-len", "--max-loras", "--max-cpu-loras",
-            "--max-lora-rank", "--adapter-dir", "--max-upload-size", "SWITCHBOARD_HOME"))
+            "--max-lora-rank", "--adapter-dir", "--max-upload-size", "--redis",
+            "SWITCHBOARD_HOME"))
+    if "worker" in argv:
+        assert all(option in result.stdout for option in (
+            "--redis URL", "--model NAME=PATH", "--advertise-url", "--heartbeat", "--device",
+            "--max-loras", "--kv-cache-memory"))
+
+
+def test_a_worker_serves_exactly_one_local_model(tmp_path, capsys):
+    two = ["worker", "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path),
+           "--model", f"a={tmp_path}", "--model", f"b={tmp_path}"]
+    assert main(two) == 2
+    assert "exactly one local model" in capsys.readouterr().err
+    anywhere = ["worker", "--redis", "redis://127.0.0.1:1/0", "--model", f"a={tmp_path}",
+                "--host", "0.0.0.0"]
+    assert main(anywhere) == 2
+    assert "--advertise-url" in capsys.readouterr().err
 
 
 def test_a_command_is_required():
