@@ -4,7 +4,9 @@ A judged tier runs with logprobs on. A whole (non-streamed) answer is judged on 
 a streamed one on its first `prefix_tokens`, before any byte reaches the client, and if it is
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
-refuses the request, say for a prompt longer than its context), so the last tier is the fallback; only the last tier's failure reaches the client.
+refuses the request, say for a prompt longer than its context), so the last tier is the fallback;
+only the last tier's failure reaches the client. Each tier reads the prompt with its own tokenizer
+(gateway/generation.py Ask), so a route may mix local models and upstreams.
 """
 
 from __future__ import annotations
@@ -14,19 +16,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, GenerationChunk,
-                                   RequestRejected, SamplingOptions)
+from gateway.engine_client import EngineFailure, GenerationChunk, RequestRejected
+from gateway.generation import Ask, Tier
 from routing.confidence import confidence
 from routing.routes import CascadeRoute
-
-
-@dataclass(frozen=True)
-class Tier:
-    """One step of a route as the tenant runs it: the model, its engine and adapter."""
-
-    model: str
-    engine: EngineClient
-    adapter: AdapterRef | None = None
 
 
 @dataclass(frozen=True)
@@ -53,21 +46,22 @@ class CascadeOutcome:
         return len(self.attempts) > 1
 
 
-async def run_cascade(route: CascadeRoute, tiers: list[Tier], prompt: list[int],
-                      options: SamplingOptions, *, streamed: bool, request_id: str,
-                      tenant: str | None,
+async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, *, streamed: bool,
+                      request_id: str, tenant: str | None,
                       guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
-    """Run `route` over `tiers` (cheapest first) for one prompt; see the module docstring.
+    """Run `route` over `tiers` (cheapest first) for the one prompt of `ask`; see the module
+    docstring.
 
     `guard` wraps each wait on a judged tier (the caller cancels it when the client leaves).
     """
     attempts: list[Attempt] = []
-    judged_options = msgspec.structs.replace(options, logprobs=options.logprobs or 0)
     for step, tier in enumerate(tiers):
         threshold = route.threshold(step)
-        stream = tier.engine.generate(prompt, judged_options if threshold is not None else options,
-                                      request_id=f"{request_id}-{step}", tenant=tenant,
-                                      adapter=tier.adapter)
+        [(prompt, options)] = ask.read(tier)
+        if threshold is not None:  # judged on its logprobs
+            options = msgspec.structs.replace(options, logprobs=options.logprobs or 0)
+        stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
+                              tenant=tenant)
         if threshold is None:
             attempts.append(Attempt(tier.model, None, None, 0, 0))  # counted when it finishes
             return CascadeOutcome(tier, stream, attempts)

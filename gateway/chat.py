@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant
-from gateway.engine_client import EngineClient, EngineFailure, RequestRejected, TokenLogprob
+from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
+from gateway.generation import Ask, Prompt
 from gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
                               ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, ChatMessage,
                               ChatTokenLogprob, Delta, TopLogprob)
-from gateway.serving import (Call, check_context_length, decode_body, refuse_unsupported,
-                             resolve_target, respond, sampling_options, start_call, token_namer)
+from gateway.serving import (Call, decode_body, refuse_unsupported, resolve_target, respond,
+                             sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
 
@@ -25,22 +27,20 @@ async def create_chat_completion(request: Request) -> Response:
     tenant = await authenticate_tenant(request, state.require_store())
     body = await decode_body(request, ChatCompletionRequest)
     target = await resolve_target(state, tenant, body.model)
-    engine = target.engine
     request.state.model = body.model
     refuse_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt = chat_prompt_token_ids(engine, body.messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:  # as OpenAI: the reply may fill the rest of the context
-        max_tokens = max(1, engine.max_model_len - len(prompt))
-    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    check_context_length(len(prompt), max_tokens, engine.max_model_len, param)
+    turns = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(body.messages)]
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    call = await start_call(request, "chatcmpl", tenant, body.model, target, [prompt],
-                            sampling_options(body, max_tokens, num_top), body.n or 1,
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    # As OpenAI: with no max_tokens (None) the reply may fill the rest of the context.
+    ask = Ask([Prompt(functools.partial(_chat_text, turns))], sampling_options(body, num_top),
+              body.max_completion_tokens or body.max_tokens, prompt_param="messages",
+              max_tokens_param=param)
+    call = await start_call(request, "chatcmpl", tenant, body.model, target, ask, body.n or 1,
                             streamed=bool(body.stream), prompt_text=_last_user_text(body.messages))
-    name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs else None
+    name = token_namer(call.engine, body.return_tokens_as_token_ids) if body.logprobs else None
     stream = None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -56,21 +56,17 @@ async def create_chat_completion(request: Request) -> Response:
     return await respond(request, call, stream, whole)
 
 
-def chat_prompt_token_ids(engine: EngineClient, messages: list[ChatMessage]) -> list[int]:
-    """The conversation as prompt token ids, through the model's chat template if it has one.
+def _chat_text(turns: list[dict[str, str]], engine: EngineClient) -> tuple[str, bool]:
+    """The conversation as `engine` reads it, through its model's chat template if it has one,
+    and whether its tokenizer adds special tokens.
 
     Without a template the prompt is a plain transcript ("role: content" lines, then
     "assistant:"). Template output already holds any special tokens, so none are added to it.
     """
-    turns = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(messages)]
-    try:
-        rendered = engine.render_chat(turns)
-        if rendered is not None:
-            return engine.tokenize(rendered, add_special_tokens=False)
-        transcript = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
-        return engine.tokenize(transcript)
-    except RequestRejected as error:
-        raise invalid_request(str(error), param="messages") from None
+    rendered = engine.render_chat(turns)
+    if rendered is not None:
+        return rendered, False
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:", True
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:

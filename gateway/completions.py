@@ -8,11 +8,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant
-from gateway.engine_client import EngineClient, EngineFailure, RequestRejected, TokenLogprob
+from gateway.engine_client import EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
+from gateway.generation import Ask, Prompt
 from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from gateway.serving import (Call, check_context_length, decode_body, refuse_unsupported,
-                             resolve_target, respond, sampling_options, start_call, token_namer)
+from gateway.serving import (Call, Target, decode_body, refuse_unsupported, resolve_target,
+                             respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
 
@@ -23,19 +24,15 @@ async def create_completion(request: Request) -> Response:
     tenant = await authenticate_tenant(request, state.require_store())
     body = await decode_body(request, CompletionRequest)
     target = await resolve_target(state, tenant, body.model)
-    engine = target.engine
     request.state.model = body.model
     refuse_unsupported(body)
-    prompts = _prompt_token_ids(engine, body.prompt)
-    max_tokens = body.max_tokens or 16
-    for prompt in prompts:
-        check_context_length(len(prompt), max_tokens, engine.max_model_len)
-    options = sampling_options(body, max_tokens, body.logprobs)
-    call = await start_call(request, "cmpl", tenant, body.model, target, prompts, options,
-                            body.n or 1, streamed=bool(body.stream),
+    ask = Ask(_prompts(target, body.prompt), sampling_options(body, body.logprobs),
+              body.max_tokens or 16)
+    call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,
+                            streamed=bool(body.stream),
                             prompt_text=body.prompt if isinstance(body.prompt, str) else None)
-    name = token_namer(engine, body.return_tokens_as_token_ids) if body.logprobs is not None \
-        else None
+    name = token_namer(call.engine, body.return_tokens_as_token_ids) \
+        if body.logprobs is not None else None
     stream = None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -51,23 +48,26 @@ async def create_completion(request: Request) -> Response:
     return await respond(request, call, stream, whole)
 
 
-def _prompt_token_ids(engine: EngineClient, prompt: str | list) -> list[list[int]]:
-    """The prompts of a request as token ids: a string, strings, token ids, or lists of ids."""
+def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
+    """The prompts of a request: a string, strings, token ids, or lists of ids."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise invalid_request("prompt must not be empty", param="prompt")
-    try:
-        if all(isinstance(p, str) for p in prompt):
-            return [engine.tokenize(p) for p in prompt]
-    except RequestRejected as error:
-        raise invalid_request(str(error), param="prompt") from None
+    if all(isinstance(p, str) for p in prompt):
+        return [Prompt.of_text(p) for p in prompt]
     if all(isinstance(p, int) for p in prompt):
-        return [prompt]
-    if all(isinstance(p, list) and p for p in prompt):
-        return prompt
-    raise invalid_request("prompt must be a string, a list of strings, a list of token ids or a "
-                          "list of non-empty lists of token ids", param="prompt")
+        prompt = [prompt]
+    elif not all(isinstance(p, list) and p for p in prompt):
+        raise invalid_request("prompt must be a string, a list of strings, a list of token ids "
+                              "or a list of non-empty lists of token ids", param="prompt")
+    if not target.shares_tokenizer:
+        raise invalid_request(
+            f"the models of route {target.route.name!r} read text with different tokenizers, so "
+            "token ids cannot mean the same to all of them; send the prompt as text, or name one "
+            f"of its models ({', '.join(t.model for t in target.tiers)}) instead of the route",
+            param="prompt")
+    return [Prompt(token_ids=p) for p in prompt]
 
 
 async def _stream(call: Call, name: Callable[[int], str] | None,

@@ -1,5 +1,9 @@
 """Generation: the engine requests behind one API call, run at once and merged as they stream.
 
+A call's `Ask` says what it asks of the tier that runs it: each tier (a local model or an
+upstream) reads the prompts with its own tokenizer and fits the answers to its own context, so a
+route may mix models that tokenize differently.
+
 Each engine request is pumped by its own task into one queue, so the n choices of a call decode in
 the same engine batch. Cancelling the tasks (close(), or the HTTP task being cancelled when the
 client disconnects) closes the engine streams, which aborts the requests and frees their KV blocks.
@@ -8,12 +12,127 @@ client disconnects) closes the engine streams, which aborts the requests and fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from gateway.engine_client import EngineFailure, GenerationChunk, TokenLogprob
+import msgspec
+
+from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, GenerationChunk,
+                                   RequestRejected, SamplingOptions, TokenLogprob)
 from gateway.metrics import LatencyMetrics
+
+_TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
+_tokenizer_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tokenizer_key(engine: EngineClient) -> tuple[int, ...] | None:
+    """What tells tokenizers apart: `engine`'s ids for a probe text; None if it has no tokenizer.
+
+    NOTE: engines that agree on the probe are taken to read every text alike.
+    """
+    if engine not in _tokenizer_keys:
+        try:
+            _tokenizer_keys[engine] = tuple(engine.tokenize(_TOKENIZER_PROBE))
+        except RequestRejected:  # no tokenizer: it reads token ids only
+            _tokenizer_keys[engine] = None
+    return _tokenizer_keys[engine]
+
+
+@dataclass
+class Prompt:
+    """One prompt of a call, which each engine reads with its own tokenizer.
+
+    `render(engine)` is the text that engine reads and whether its tokenizer adds special tokens
+    to it (a chat goes through each model's own template); a prompt sent as token ids
+    (`token_ids`) is read as it is. Each engine renders the prompt once, and engines that share a
+    tokenizer tokenize the same text once.
+    """
+
+    render: Callable[[EngineClient], tuple[str, bool]] | None = None
+    token_ids: list[int] | None = None
+    _by_engine: dict[EngineClient, list[int]] = field(default_factory=dict, init=False, repr=False)
+    _by_text: dict[tuple, list[int]] = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def of_text(cls, text: str) -> Prompt:
+        return cls(lambda engine: (text, True))
+
+    def tokens(self, engine: EngineClient) -> list[int]:
+        """The prompt as `engine` reads it; RequestRejected if it cannot read the text."""
+        if self.token_ids is not None:
+            return self.token_ids
+        if engine not in self._by_engine:
+            text, add_special_tokens = self.render(engine)
+            key = (tokenizer_key(engine), text, add_special_tokens)
+            if key not in self._by_text:
+                self._by_text[key] = engine.tokenize(text, add_special_tokens=add_special_tokens)
+            self._by_engine[engine] = self._by_text[key]
+        return self._by_engine[engine]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One model a call may run on, as the tenant runs it: the model, its engine and adapter."""
+
+    model: str
+    engine: EngineClient
+    adapter: AdapterRef | None = None
+
+
+class ContextExceeded(RequestRejected):
+    """A prompt and its answer's max_tokens do not fit a tier's context; `param` is the request
+    field to lower."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one call asks of the tier that runs it: answers to `prompts`, sampled with `options`.
+
+    A prompt and its answer that cannot fit a tier's context are refused there (ContextExceeded,
+    as an engine refuses a request), so a cascade escalates past that tier.
+    """
+
+    prompts: list[Prompt]
+    options: SamplingOptions  # each tier sets max_tokens from `max_tokens`
+    max_tokens: int | None  # None: each answer may fill the rest of its tier's context
+    prompt_param: str = "prompt"  # the request's fields, for the errors that concern them
+    max_tokens_param: str = "max_tokens"
+
+    def read(self, tier: Tier) -> list[tuple[list[int], SamplingOptions]]:
+        """Each prompt as `tier` reads it, with the options of its answer there; RequestRejected
+        if the tier cannot read one."""
+        readings = []
+        for prompt in self.prompts:
+            token_ids = prompt.tokens(tier.engine)
+            max_tokens = self.max_tokens if self.max_tokens is not None else \
+                max(1, tier.engine.max_model_len - len(token_ids))
+            readings.append((token_ids, msgspec.structs.replace(self.options,
+                                                                max_tokens=max_tokens)))
+        return readings
+
+    async def generate(self, tier: Tier, prompt: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None) -> AsyncIterator[GenerationChunk]:
+        """The stream of one answer on `tier` (a reading of `read`); like the engine's own, its
+        first iteration raises RequestRejected if the request cannot run there."""
+        max_model_len, num_tokens = tier.engine.max_model_len, len(prompt) + options.max_tokens
+        if len(prompt) < max_model_len < num_tokens:
+            raise ContextExceeded(
+                f"this model's maximum context length is {max_model_len} tokens, but you asked "
+                f"for {num_tokens} ({len(prompt)} in the prompt, {options.max_tokens} for the "
+                f"output); lower {self.max_tokens_param} or shorten the prompt",
+                self.max_tokens_param)
+        async with contextlib.aclosing(tier.engine.generate(
+                prompt, options, request_id=request_id, tenant=tenant,
+                adapter=tier.adapter)) as stream:  # closing it aborts the engine request
+            async for chunk in stream:
+                yield chunk
 
 
 @dataclass

@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Admission, admit
-from gateway.cascade import Attempt, Tier, run_cascade
+from gateway.cascade import Attempt, run_cascade
 from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, RequestRejected,
                                    SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
-from gateway.generation import Generation
+from gateway.generation import Ask, ContextExceeded, Generation, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
@@ -53,18 +53,16 @@ def refuse_unsupported(body: SamplingFields) -> None:
 
 @dataclass(frozen=True)
 class Target:
-    """Where a call runs: a base model (maybe with an adapter), or a route over several tiers.
-
-    For a route, `tiers[0]` is also the model whose tokenizer reads the prompt: a route's tiers
-    share one tokenizer (checked when the server starts).
-    """
+    """Where a call runs: a base model (maybe with an adapter), or a route over several tiers
+    (each reads the prompt with its own tokenizer)."""
 
     tiers: tuple[Tier, ...]
     route: Route | None = None
 
     @property
-    def engine(self) -> EngineClient:
-        return self.tiers[0].engine
+    def shares_tokenizer(self) -> bool:
+        """Whether every tier reads text as the same token ids (so token ids mean one thing)."""
+        return len({tokenizer_key(t.engine) for t in self.tiers}) == 1
 
 
 async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Target:
@@ -92,10 +90,11 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
     return Target(tiers, target.route)
 
 
-def sampling_options(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingOptions:
-    """SamplingOptions from the fields both endpoints share; None means the engine's default."""
+def sampling_options(body: SamplingFields, logprobs: int | None) -> SamplingOptions:
+    """SamplingOptions from the fields both endpoints share (max_tokens aside, which each tier
+    sets: see Ask); None means the engine's default."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    fields = dict(max_tokens=max_tokens, logprobs=logprobs, stop=tuple(stop),
+    fields = dict(logprobs=logprobs, stop=tuple(stop),
                   stop_token_ids=tuple(body.stop_token_ids or ()))
     for name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos",
                  "repetition_penalty", "include_stop_str_in_output"):
@@ -108,16 +107,6 @@ def sampling_options(body: SamplingFields, max_tokens: int, logprobs: int | None
 def token_namer(engine: EngineClient, as_ids: bool | None) -> Callable[[int], str]:
     """How logprobs name tokens: their text, or "token_id:<id>" when the client asked for ids."""
     return (lambda token_id: f"token_id:{token_id}") if as_ids else engine.token_text
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
-                         param: str = "max_tokens") -> None:
-    """400 if the prompt plus the requested output cannot fit the model's context."""
-    if num_prompt_tokens < max_model_len < num_prompt_tokens + max_tokens:
-        raise invalid_request(
-            f"this model's maximum context length is {max_model_len} tokens, but you asked for "
-            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} "
-            f"for the output); lower {param} or shorten the prompt", param=param)
 
 
 @dataclass
@@ -137,6 +126,11 @@ class Call:
     attempts: list[Attempt] = field(default_factory=list)  # a route's tiers, in the order run
     escalated: bool = False  # a route answered with a dearer tier than its first
     is_finished: bool = False
+
+    @property
+    def engine(self) -> EngineClient:
+        """The engine of the model that answers: its tokens are the ones logprobs name."""
+        return self.state.engines[self.answered_by]
 
     def usage(self) -> Usage:
         g = self.generation
@@ -202,42 +196,43 @@ def _number(value: float | None) -> str:
 
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,
-                     target: Target, prompts: list[list[int]], options: SamplingOptions, n: int, *,
-                     streamed: bool = False, prompt_text: str | None = None) -> Call:
+                     target: Target, ask: Ask, n: int, *, streamed: bool = False,
+                     prompt_text: str | None = None) -> Call:
     """Admit the call and start `n` engine requests per prompt (a route picks its tier first);
     returns once each produced its first token, so a request the engine refuses still gets a 400,
     not a broken stream. `prompt_text` is what a learned route reads (default: the prompt's
     tokens as text)."""
     state = gateway_state(request)
-    if target.route is not None and (n != 1 or len(prompts) != 1):
+    if target.route is not None and (n != 1 or len(ask.prompts) != 1):
         raise invalid_request(f"routes answer one prompt with one choice; send n = 1 and a single "
                               f"prompt, or name a model instead of {target.route.name!r}",
                               param="n")
-    tokens_in = sum(len(p) for p in prompts)
-    tokens_out = options.max_tokens * n * len(prompts)
-    # NOTE: the spend held is the dearest tier's: a cascade may end there.
-    spend = max(state.price_of(t.model).cost(tokens_in, tokens_out) for t in target.tiers)
-    admission = await admit(state.require_store(), tenant, tokens_in + tokens_out, spend)
+    try:
+        readings = [ask.read(tier) for tier in target.tiers]
+    except RequestRejected as error:
+        raise invalid_request(str(error), param=ask.prompt_param) from None
+    # NOTE: the hold is the dearest tier's (a cascade may end there), each in its own tokens.
+    estimates = [_estimate(reading, n) for reading in readings]
+    spend = max(state.price_of(t.model).cost(*e) for t, e in zip(target.tiers, estimates))
+    admission = await admit(state.require_store(), tenant, max(map(sum, estimates)), spend)
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:
         if isinstance(target.route, CascadeRoute):
             outcome = await run_cascade(
-                target.route, list(target.tiers), prompts[0], options, streamed=streamed,
-                request_id=call_id, tenant=tenant.name,
-                guard=functools.partial(_unless_disconnected, request))
+                target.route, list(target.tiers), ask, streamed=streamed, request_id=call_id,
+                tenant=tenant.name, guard=functools.partial(_unless_disconnected, request))
             tier, attempts = outcome.tier, outcome.attempts
             streams, prompt_indices = [outcome.stream], [0]
         else:
             tier = target.tiers[0]
             if isinstance(target.route, LearnedRoute):
                 text = prompt_text if prompt_text is not None else "".join(
-                    tier.engine.token_text(t) for t in prompts[0])
+                    tier.engine.token_text(t) for t in ask.prompts[0].tokens(tier.engine))
                 decision = state.learned.decide(target.route, tenant, text)
                 tier = target.tiers[decision.tier]
                 attempts = [Attempt(tier.model, decision.score, decision.threshold, 0, 0)]
-            streams, prompt_indices = _engine_streams(tier, prompts, options, n, call_id,
-                                                      tenant.name)
+            streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.name)
     except BaseException:
         # NOTE: nothing has produced billable tokens yet (tiers a cascade cut short before the
         # client left are not counted: run_cascade's attempts do not survive the exception).
@@ -254,7 +249,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         await generation.start()
     except RequestRejected as error:
         await call.finish()
-        raise invalid_request(str(error)) from None
+        param = error.param if isinstance(error, ContextExceeded) else None
+        raise invalid_request(str(error), param=param) from None
     except EngineFailure as error:
         await call.finish()
         raise engine_failed(error) from None
@@ -264,17 +260,20 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     return call
 
 
-def _engine_streams(tier: Tier, prompts: list[list[int]], options: SamplingOptions, n: int,
-                    call_id: str, tenant: str):
+def _estimate(reading: list[tuple[list[int], SamplingOptions]], n: int) -> tuple[int, int]:
+    """The prompt tokens of one tier's reading of a call, and the most its answers may use."""
+    return sum(len(p) for p, _ in reading), n * sum(o.max_tokens for _, o in reading)
+
+
+def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):
     """`n` engine requests per prompt on one tier, and the prompt each choice answers."""
     streams, prompt_indices = [], []
-    for p, prompt in enumerate(prompts):
+    for p, (prompt, options) in enumerate(ask.read(tier)):
         for j in range(n):
             # Seeded choices differ from each other but stay reproducible (vLLM does the same).
             seed = None if options.seed is None else options.seed + j
-            streams.append(tier.engine.generate(
-                prompt, msgspec.structs.replace(options, seed=seed),
-                request_id=f"{call_id}-{len(streams)}", tenant=tenant, adapter=tier.adapter))
+            streams.append(ask.generate(tier, prompt, msgspec.structs.replace(options, seed=seed),
+                                        request_id=f"{call_id}-{len(streams)}", tenant=tenant))
             prompt_indices.append(p)
     return streams, prompt_indices
 

@@ -23,8 +23,9 @@ too), 401/403/404/429 and 5xx answers and malformed streams are EngineFailure; t
 400/413/422 (the request itself was wrong) is RequestRejected with its message. Messages name the
 upstream by its served name and origin, never with its key.
 
-A route's tiers must tokenize alike (gateway/app.py check_routes), and byte ids match no local
-tokenizer: a route's tiers are all upstreams or all local models.
+Byte ids match no local tokenizer, but a route may still mix upstreams and local models: each tier
+reads the prompt's text with its own tokenizer (gateway/generation.py Prompt), and a prompt sent
+as token ids is refused by a route whose tiers do not share one.
 
 NOTE: the httpx client lives on an event loop of this client's own thread, so its keep-alive
 connections outlive any caller's loop, and the protocol's synchronous `close()` can close them

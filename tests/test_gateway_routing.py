@@ -85,9 +85,16 @@ class ScriptedTier(IdleEngineParts):
                 self.closed_early.append(request_id)
 
 
+class SpacedTier(ScriptedTier):
+    """A scripted engine whose tokenizer reads text differently: with a space token first."""
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(" ")] + super().tokenize(text)
+
+
 @pytest.fixture(scope="module")
 def engines() -> dict[str, ScriptedTier]:
-    return {name: ScriptedTier(name) for name in SCRIPTS}
+    return {**{name: ScriptedTier(name) for name in SCRIPTS}, "spaced": SpacedTier("large")}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +114,8 @@ def routed(engines, router_dir, tmp_path_factory):
         "learned": {"kind": "learned", "tiers": ["small", "large"], "router": str(router_dir)},
         "tuned": {"kind": "learned", "tiers": ["small", "large"], "router": str(router_dir),
                   "target_strong_share": 0.25, "recalibrate_window": 40},
+        "learned-mixed": {"kind": "learned", "tiers": ["small", "spaced"],
+                          "router": str(router_dir)},
         "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5,
                  "prefix_tokens": 2},
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
@@ -253,17 +262,13 @@ def test_the_spend_budget_stops_a_tenant(routed):
     assert spend(routed, name)["spend_usd"] == pytest.approx(cost("large", 8, 4))
 
 
-def test_a_route_over_different_tokenizers_is_refused_at_startup(tmp_path):
-    class OtherTokenizer(ScriptedTier):
-        def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return [1] + super().tokenize(text)
-
-    engines = {"small": ScriptedTier("small"), "large": OtherTokenizer("large")}
+def test_routes_are_checked_at_startup(tmp_path):
+    engines = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
     routes = parse_routes({"auto": {"tiers": ["small", "large"], "threshold": 0.5}}, engines)
-    with pytest.raises(ValueError, match="different tokenizers"):
-        create_app(engines, data_dir=tmp_path, routes=routes)
     with pytest.raises(ValueError, match="default route 'nope' is not declared"):
-        create_app(engines, data_dir=tmp_path, default_route="nope")
+        create_app(engines, data_dir=tmp_path, routes=routes, default_route="nope")
+    with pytest.raises(ValueError, match="names models that are not served: large"):
+        create_app({"small": engines["small"]}, data_dir=tmp_path, routes=routes)
 
 
 def test_a_learned_route_runs_only_the_model_it_picks(routed, engines):
@@ -286,6 +291,20 @@ def test_a_learned_route_runs_only_the_model_it_picks(routed, engines):
                             "messages": [{"role": "user", "content": "hard question"}]})
     assert chat.status_code == 200, chat.text
     assert chat.json()["model"] == "large"  # the user's words are routed, not the template
+
+
+def test_a_learned_route_runs_its_pick_on_that_model_s_own_tokens(routed):
+    _, key = new_tenant(routed)
+    easy = complete(routed, key, "easy 1000", model="learned-mixed")
+    hard = complete(routed, key, "hard 1000", model="learned-mixed")
+    assert (easy.json()["model"], hard.json()["model"]) == ("small", "spaced")
+    assert hard.json()["choices"][0]["text"] == "llll"
+    assert (easy.json()["usage"]["prompt_tokens"], hard.json()["usage"]["prompt_tokens"]) == \
+        (9, 10)  # the spaced tokenizer's space first
+    as_ids = complete(routed, key, list(b"easy 1000"), model="learned-mixed")
+    assert as_ids.status_code == 400 and as_ids.json()["error"]["param"] == "prompt"
+    assert "send the prompt as text" in as_ids.json()["error"]["message"]
+    assert complete(routed, key, list(b"easy 1000"), model="learned").json()["model"] == "small"
 
 
 def test_a_tenant_share_recalibrates_the_threshold_on_its_own_traffic(routed):

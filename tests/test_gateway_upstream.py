@@ -2,7 +2,8 @@
 
 The upstream is a second Switchboard gateway over the demo engine and the scripted engines of
 tests/test_gateway_routing.py; a tiny ASGI app stands for upstreams that never answer or stop
-midway, and a closed port for one that is down.
+midway, and a closed port for one that is down. The front also serves the demo engine itself, as
+the local first tier of routes that escalate to an upstream.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gateway.app import create_app
 from gateway.config import UpstreamSource
 from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
 from gateway.upstream import UpstreamEngineClient, open_upstreams
+from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
 from tests.test_cli import SWITCHBOARD, _free_port, _wait_for_health
@@ -37,6 +39,8 @@ TIMEOUT_S = 1.0  # the front's timeout for every upstream
 KEY_ENV, WRONG_KEY_ENV = "SB_TEST_UPSTREAM_KEY", "SB_TEST_WRONG_KEY"
 WRONG_KEY = "sb-this-key-does-not-exist"
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+MIXED_PRICES = {"local": Price(1.0, 2.0), "demo": Price(10.0, 30.0)}
+PREFIX_TOKENS = 2  # what the mixed routes judge a stream on
 
 
 @dataclass
@@ -90,7 +94,7 @@ def _closed_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def front(upstream, stalling, tmp_path_factory) -> Iterator[tuple[GatewayServer, str]]:
+def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[GatewayServer, str]]:
     """The gateway under test and a tenant key for it."""
     url = upstream.server.url + "/v1"
     sources = {
@@ -104,13 +108,19 @@ def front(upstream, stalling, tmp_path_factory) -> Iterator[tuple[GatewayServer,
         "down": UpstreamSource(f"http://127.0.0.1:{_closed_port()}/v1", "any", None, TIMEOUT_S),
     }
     engines = open_upstreams(sources, {KEY_ENV: upstream.key, WRONG_KEY_ENV: WRONG_KEY})
+    served = {"local": demo_engine, **engines}
+    # The local demo model first, then the same model through the upstream (a byte tokenizer
+    # with no <s> and no chat template); a probability is never above 1 nor below 0.
+    mixed = {"tiers": ["local", "demo"], "measure": "min_prob", "prefix_tokens": PREFIX_TOKENS}
     routes = parse_routes({
         "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5,
                  "prefix_tokens": 2},
         "fallback": {"tiers": ["silent", "large"], "threshold": 0.5},
-    }, engines)
-    app = create_app(engines, data_dir=tmp_path_factory.mktemp("front"), admin_key=ADMIN_KEY,
-                     prices=PRICES, routes=routes, default_route="auto")
+        "escalating": {**mixed, "threshold": 1.5},
+        "keeping": {**mixed, "threshold": 0.0},
+    }, served)
+    app = create_app(served, data_dir=tmp_path_factory.mktemp("front"), admin_key=ADMIN_KEY,
+                     prices=PRICES | MIXED_PRICES, routes=routes, default_route="auto")
     try:
         with run_server(app) as front_url:
             server = GatewayServer(front_url, ADMIN_KEY, app)
@@ -286,3 +296,102 @@ def test_serve_builds_upstreams_from_the_config_file_and_closes_them(upstream, t
         _, stderr = process.communicate(timeout=30)
     assert process.returncode == 0 and "Traceback" not in stderr, stderr
     assert upstream.key not in stderr
+
+
+def answered_by(response: httpx.Response) -> tuple[str, str]:
+    """The tier that answered a route's call, and whether the route escalated to it."""
+    return response.headers["x-switchboard-model"], response.headers["x-switchboard-escalated"]
+
+
+def mixed_cost(local: tuple[int, int], demo: tuple[int, int] | None = None) -> float:
+    """What a mixed route's call costs: each tier's (prompt, output) tokens at its own price."""
+    return MIXED_PRICES["local"].cost(*local) + (MIXED_PRICES["demo"].cost(*demo) if demo else 0)
+
+
+def test_a_route_escalates_from_a_local_model_to_an_upstream(front, upstream, demo_engine):
+    server, key = front
+    body = {"prompt": "Hello there", "logprobs": 2, **GREEDY}
+    direct = post(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    num_local = len(demo_engine.tokenize("Hello there"))  # with <s>; here the upstream's too
+    escalated = post(server.url, key, model="escalating", **body)
+    assert escalated.status_code == 200, escalated.text
+    assert answered_by(escalated) == ("demo", "true")
+    answer = escalated.json()
+    assert answer["model"] == "demo"
+    assert answer["choices"][0] == direct["choices"][0]  # logprobs named by the upstream's tokens
+    assert answer["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert answer["usage"]["cost_usd"] == pytest.approx(
+        mixed_cost((num_local, 8), (direct["usage"]["prompt_tokens"], 8)))
+
+    streamed = post(server.url, key, model="escalating", stream=True,
+                    stream_options={"include_usage": True}, **body)
+    assert answered_by(streamed) == ("demo", "true")
+    chunks = events(streamed)
+    assert "".join(e["choices"][0]["text"] for e in chunks if e["choices"]) == \
+        direct["choices"][0]["text"]
+    assert chunks[-1]["usage"]["cost_usd"] == pytest.approx(  # the local tier cut after its prefix
+        mixed_cost((num_local, PREFIX_TOKENS), (direct["usage"]["prompt_tokens"], 8)))
+
+
+def test_a_route_keeps_its_local_answer(front, demo_engine):
+    server, key = front
+    num_local = len(demo_engine.tokenize("Hello there"))
+    local = post(server.url, key, model="local", prompt="Hello there", **GREEDY).json()
+    kept = post(server.url, key, model="keeping", prompt="Hello there", **GREEDY)
+    assert answered_by(kept) == ("local", "false")
+    assert kept.json()["choices"][0]["text"] == local["choices"][0]["text"]
+    assert kept.json()["usage"]["prompt_tokens"] == num_local
+    assert kept.json()["usage"]["cost_usd"] == pytest.approx(mixed_cost((num_local, 8)))
+
+    streamed = post(server.url, key, model="keeping", prompt="Hello there", stream=True,
+                    **GREEDY)
+    assert answered_by(streamed) == ("local", "false")
+    assert "".join(e["choices"][0]["text"] for e in events(streamed)) == \
+        local["choices"][0]["text"]
+
+
+def test_a_chat_reaches_each_tier_as_that_model_reads_it(front, upstream, demo_engine):
+    server, key = front
+    messages = [{"role": "user", "content": "hi"}]
+    # The local model reads its chat template, the upstream the gateway's plain transcript.
+    num_local = len(demo_engine.tokenize(demo_engine.render_chat(messages),
+                                         add_special_tokens=False))
+    local = post(server.url, key, "/v1/chat/completions", model="local", messages=messages,
+                 **GREEDY).json()
+    transcript = post(upstream.server.url, upstream.key, model=DEMO_MODEL,
+                      prompt="user: hi\nassistant:", **GREEDY).json()
+    assert local["choices"][0]["message"]["content"] != transcript["choices"][0]["text"]
+
+    kept = post(server.url, key, "/v1/chat/completions", model="keeping", messages=messages,
+                **GREEDY).json()
+    assert kept["choices"][0]["message"]["content"] == local["choices"][0]["message"]["content"]
+    assert kept["usage"]["prompt_tokens"] == num_local
+    escalated = post(server.url, key, "/v1/chat/completions", model="escalating",
+                     messages=messages, **GREEDY).json()
+    assert escalated["choices"][0]["message"]["content"] == transcript["choices"][0]["text"]
+    num_upstream = transcript["usage"]["prompt_tokens"]
+    assert escalated["usage"]["prompt_tokens"] == num_upstream != num_local
+    assert escalated["usage"]["cost_usd"] == pytest.approx(
+        mixed_cost((num_local, 8), (num_upstream, 8)))
+
+
+def test_token_ids_reach_only_routes_whose_tiers_share_a_tokenizer(front):
+    server, key = front
+    mixed = post(server.url, key, model="escalating", prompt=list(b"Hello"), max_tokens=2)
+    assert mixed.status_code == 400
+    error = mixed.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "prompt")
+    assert "send the prompt as text" in error["message"] and "local, demo" in error["message"]
+    shared = post(server.url, key, model="auto", prompt=list(b"easy one"), max_tokens=4)
+    assert shared.status_code == 200 and shared.json()["choices"][0]["text"] == "ssss"
+
+
+def test_each_tier_checks_its_own_context(front, demo_engine):
+    server, key = front
+    max_tokens = demo_engine.max_model_len  # too many for the local model, not for 'demo''s
+    alone = post(server.url, key, model="local", prompt="hi", max_tokens=max_tokens)
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "max_tokens"
+    # The route escalates past the local tier; the upstream's own check then refuses it.
+    routed = post(server.url, key, model="keeping", prompt="hi", max_tokens=max_tokens)
+    assert routed.status_code == 400
+    assert routed.json()["error"]["message"].startswith("the upstream of 'demo'")
