@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import msgspec
@@ -9,6 +10,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.engine_client import EngineUnavailable
+from store import UNAVAILABLE_ERRORS
+
+logger = logging.getLogger(__name__)
+
+STORE_UNAVAILABLE_MESSAGE = ("the gateway cannot reach its store (tenants, keys, limits) at the "
+                             "moment; retry shortly")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _MSGSPEC_MISSING = re.compile(r"missing required field `(.*)`")
 
@@ -55,6 +63,9 @@ def model_not_found(model: str) -> ApiError:
 
 
 def engine_failed(error: Exception) -> ApiError:
+    if isinstance(error, EngineUnavailable):
+        return ApiError(503, f"no engine can take this request now: {error}", type="server_error",
+                        code="engine_unavailable", headers={"Retry-After": "2"})
     return ApiError(500, f"the engine failed on this request: {error}", type="server_error",
                     code="engine_failure")
 
@@ -82,6 +93,14 @@ async def handle_http_exception(request: Request, error: HTTPException) -> Respo
                     headers=error.headers).response()
 
 
+async def handle_store_unavailable(request: Request, error: Exception) -> Response:
+    """A 503 for a call that needed the store while it (Redis) could not be reached; the store's
+    client reconnects by itself once it is back."""
+    logger.warning("%s %s: the store is unreachable: %s", request.method, request.url.path, error)
+    return ApiError(503, STORE_UNAVAILABLE_MESSAGE, type="server_error", code="store_unavailable",
+                    headers={"Retry-After": "2"}).response()
+
+
 async def handle_unexpected(request: Request, error: Exception) -> Response:
     """A 500 in the OpenAI shape; Starlette re-raises the error afterwards, so uvicorn logs it."""
     return ApiError(500, "the gateway failed on this request; see its log",
@@ -91,5 +110,6 @@ async def handle_unexpected(request: Request, error: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     ApiError: handle_api_error,
     HTTPException: handle_http_exception,
+    **dict.fromkeys(UNAVAILABLE_ERRORS, handle_store_unavailable),
     Exception: handle_unexpected,
 }

@@ -7,16 +7,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant
+from gateway.errors import STORE_UNAVAILABLE_MESSAGE
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
 from routing.models import allowed_base_models, allowed_routes, default_route, visible_adapters
 from routing.routes import AUTO
+from store import UNAVAILABLE_ERRORS
 
 
-class Health(msgspec.Struct, kw_only=True):
-    status: str
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
+    status: str  # "ok" or "unavailable"
     models: list[str]
+    error: str | None = None  # why it is unavailable
 
 
 async def list_models(request: Request) -> Response:
@@ -39,8 +42,20 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 while the gateway is up and serving its models (no key needed)."""
+    """200 while the gateway serves its models, 503 while its store is unreachable (no key needed).
+
+    Every /v1 and /admin call needs the store (Redis, with several gateways), so while it cannot be
+    reached the gateway is not ready: a load balancer should send nothing to it. Use this as a
+    readiness check, not a liveness one: a restart does not bring Redis back (the gateway then
+    fails at startup), and the running gateway reconnects by itself once it is back.
+    """
     state = gateway_state(request)
+    try:
+        await state.require_store().get_admin_key_hash()  # a cheap read that every store has
+    except UNAVAILABLE_ERRORS:
+        body = Health(status="unavailable", models=list(state.engines),
+                      error=STORE_UNAVAILABLE_MESSAGE)
+        return Response(msgspec.json.encode(body), 503, media_type="application/json")
     body = Health(status="ok", models=list(state.engines))
     return Response(msgspec.json.encode(body), media_type="application/json")
 

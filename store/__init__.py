@@ -1,11 +1,15 @@
-"""Tenants, hashed API keys, adapter records, usage and budgets behind one `Store` protocol."""
+"""Tenants, hashed API keys, adapter records, usage and budgets behind one `Store` protocol.
+
+A call to a store whose server cannot be reached (Redis down) raises one of UNAVAILABLE_ERRORS:
+the caller should say "retry shortly"; the store reconnects by itself once the server is back.
+"""
 
 from pathlib import Path
 
 from store.base import Store
 from store.errors import AlreadyExists, InvalidName, NotFound, StoreError
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
-from store.redis import RedisStore
+from store.redis import UNAVAILABLE_ERRORS, RedisStore
 from store.sqlite import SqliteStore
 
 DEFAULT_SQLITE_NAME = "switchboard.db"
@@ -23,6 +27,7 @@ __all__ = [
     "Store",
     "StoreError",
     "Tenant",
+    "UNAVAILABLE_ERRORS",
     "Usage",
     "open_store",
 ]

@@ -3,17 +3,29 @@
 Records are msgspec JSON strings. Multi-key writes are WATCH/MULTI transactions (retried when a
 watched key changes); rate buckets and budget holds are Lua scripts (store.redis_lua), so
 concurrent consumers in any number of processes never exceed a limit.
+
+While Redis cannot be reached, calls fail fast (refused at once, stuck after _TIMEOUT_S) with one
+of UNAVAILABLE_ERRORS. Nothing needs reopening when it is back: the connection pool reconnects,
+and redis-py re-sends a script that a restarted server no longer has (NOSCRIPT).
 """
 
 import msgspec
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from store import redis_lua
 from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import WINDOW_S, month_of, new_reservation, now_or, rate_costs
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
+
+# Redis is down, unreachable, stuck, or still loading its data after a restart (BusyLoadingError
+# is a ConnectionError): the call did not happen or its outcome is unknown; retry later.
+UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+_TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 
 
 class _Keys:
@@ -66,9 +78,22 @@ class RedisStore:
 
     @classmethod
     async def open(cls, url: str, prefix: str = "sb:") -> "RedisStore":
-        """Connect to the Redis at `url` (redis://host:port/db) and check that it answers."""
-        client = aioredis.from_url(url, decode_responses=True)
-        await client.ping()
+        """Connect to the Redis at `url` (redis://host:port/db) and check that it answers; a
+        ConnectionError saying so if it does not."""
+        # NOTE: a call whose connection drops is retried once, at once, on a new connection: after
+        # a Redis restart every pooled connection is dead, and this reconnects instead of failing
+        # the call. Timeouts are not retried: Redis is stuck, and a retry only doubles the wait.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
+        client = aioredis.from_url(url, decode_responses=True, socket_timeout=_TIMEOUT_S,
+                                   socket_connect_timeout=_TIMEOUT_S, retry=retry)
+        try:
+            await client.ping()
+        except UNAVAILABLE_ERRORS as error:
+            await client.aclose()
+            # NOTE: from None: the message holds the cause, and startup logs show only this.
+            raise redis_errors.ConnectionError(
+                f"cannot reach the Redis store at {_address(client)} (start Redis, or correct the "
+                f"store URL): {error}") from None
         return cls(client, prefix)
 
     async def close(self) -> None:
@@ -313,6 +338,12 @@ class RedisStore:
             reserved_tokens=sum(t for t, _ in live),
             reserved_spend_usd=sum(s for _, s in live),
         )
+
+
+def _address(client: aioredis.Redis) -> str:
+    """Where `client` connects, without the password its URL may hold."""
+    kwargs = client.connection_pool.connection_kwargs
+    return kwargs.get("path") or f"{kwargs['host']}:{kwargs['port']}/{kwargs['db']}"
 
 
 def _enc(record: msgspec.Struct) -> bytes:

@@ -2,6 +2,7 @@
 
 Use in a test module with `from tests.redis_server import redis_server, redis_url  # noqa: F401`
 (both names: pytest finds fixtures by name in the module). `redis_url` is a flushed server's URL.
+Tests of persistence start their own PersistentRedisServer, which keeps its data across restarts.
 """
 
 import shutil
@@ -9,6 +10,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -36,31 +39,57 @@ def _wait_for_ping(url: str, proc: subprocess.Popen) -> bool:
         client.close()
 
 
-def start_redis_server() -> tuple[subprocess.Popen, str]:
-    """Start redis-server (no persistence) on a free loopback port; return it and its URL."""
+def start_redis_server(data_dir: Path | None = None,
+                       port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start redis-server on a loopback port (`port`, else a free one); return it and its URL.
+
+    Without `data_dir` it keeps nothing on disk. With it, it persists there as production should
+    (appendonly yes, appendfsync everysec), so a server stopped with stop_redis_server and started
+    again with the same `data_dir` and `port` has the same data at the same URL.
+    """
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed: run `apt-get install -y redis-server` "
                     "(bash .ci/run does this)")
-    for _ in range(3):  # the free port can be taken between probing and binding
-        port = _free_port()
-        cmd = [exe, "--save", "", "--appendonly", "no", "--port", str(port), "--bind", "127.0.0.1"]
+    persistence = ["--appendonly", "no"] if data_dir is None else [
+        "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data_dir)]
+    for _ in range(3 if port is None else 1):  # a free port can be taken before redis binds it
+        bound = port or _free_port()
+        cmd = [exe, "--save", "", *persistence, "--port", str(bound), "--bind", "127.0.0.1"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"redis://127.0.0.1:{bound}/0"
         if _wait_for_ping(url, proc):
             return proc, url
         stop_redis_server(proc)
-    raise RuntimeError("redis-server did not answer PING on any of 3 ports")
+    raise RuntimeError(f"redis-server did not answer PING ({cmd})")
 
 
 def stop_redis_server(proc: subprocess.Popen) -> None:
-    """Stop a server from start_redis_server, killing it if it does not exit in 5 s."""
+    """Stop a server from start_redis_server: SIGTERM, on which Redis writes its append-only file
+    to disk and exits; killed if it has not exited in 5 s."""
     proc.terminate()
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+class PersistentRedisServer:
+    """A redis-server persisting to `data_dir`, which can be stopped and started again on the same
+    port with the data it had, as a production Redis restarts."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.process, self.url = start_redis_server(data_dir)
+
+    def stop(self) -> None:
+        """Stop it gracefully (Redis writes its data to disk first); harmless when stopped."""
+        stop_redis_server(self.process)
+
+    def start(self) -> None:
+        """Start it again after stop(), at the same URL, with the data it saved."""
+        self.process, _ = start_redis_server(self.data_dir, urlsplit(self.url).port)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
 import asyncio
 import hashlib
 import shutil
+import signal
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,11 +16,13 @@ import pytest
 import redis
 
 from store import (
+    UNAVAILABLE_ERRORS,
     AdapterRecord,
     AlreadyExists,
     InvalidName,
     NotFound,
     RateDecision,
+    RedisStore,
     SqliteStore,
     Store,
     StoreError,
@@ -27,7 +31,7 @@ from store import (
 )
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
-from tests.redis_server import redis_server, redis_url  # noqa: F401
+from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.anyio
 
@@ -359,6 +363,47 @@ async def test_open_store_urls(tmp_path: Path) -> None:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     with pytest.raises(StoreError, match="unknown store URL 'postgres://x'"):
         await open_store("postgres://x", tmp_path)
+
+
+# Redis: down, stuck, restarted.
+
+
+async def test_redis_store_that_cannot_connect_says_where(tmp_path: Path) -> None:
+    server = PersistentRedisServer(tmp_path)
+    server.stop()
+    url = server.url.replace("redis://", "redis://:secret@")
+    with pytest.raises(UNAVAILABLE_ERRORS, match="cannot reach the Redis store at 127.0.0.1:") as e:
+        await RedisStore.open(url)
+    assert "secret" not in str(e.value)
+
+
+async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    server = PersistentRedisServer(tmp_path)
+    store = await RedisStore.open(server.url)
+    try:
+        acme = await make_tenant(store, rpm=2)
+        assert (await store.check_and_consume_rate(acme, now=T0)).allowed
+        await asyncio.gather(*(store.get_tenant("acme") for _ in range(4)))  # 4 pooled connections
+        server.process.send_signal(signal.SIGSTOP)  # stuck: connected, but no replies
+        started = time.monotonic()
+        with pytest.raises(UNAVAILABLE_ERRORS):
+            await store.get_tenant("acme")
+        assert time.monotonic() - started < 3
+        server.process.send_signal(signal.SIGCONT)
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(UNAVAILABLE_ERRORS):
+            await store.check_and_consume_rate(acme, now=T0)
+        assert time.monotonic() - started < 1
+        server.start()  # every pooled connection is now dead, and the server has no scripts
+        assert await asyncio.gather(*(store.get_tenant("acme") for _ in range(4))) == [acme] * 4
+        assert (await store.check_and_consume_rate(acme, now=T0)).allowed  # the bucket was kept
+        assert not (await store.check_and_consume_rate(acme, now=T0)).allowed
+    finally:
+        await store.close()
+        server.stop()
 
 
 # SQLite: calls run on the caller's event loop, and on the worker thread only to wait.
