@@ -16,8 +16,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.auth import authenticate_tenant, require_admin
-from gateway.engine_client import AdapterRejected
-from gateway.errors import invalid_request, not_found
+from gateway.engine_client import AdapterRejected, EngineFailure
+from gateway.errors import ApiError, invalid_request, not_found
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
@@ -106,6 +106,9 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     except AdapterRejected as error:
         raise invalid_request(f"the adapter is not valid for {uploaded.base_model!r}: {error}",
                               code="invalid_adapter") from None
+    except EngineFailure as error:  # e.g. no engine worker of the model is up to check it
+        raise ApiError(503, f"cannot check the adapter now: {error}", type="server_error",
+                       code="engine_unavailable") from None
     digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder)
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),

@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -25,11 +26,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessLog
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics
+from gateway.remote import WorkerPool
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
 from routing.routes import Route as ModelRoute
 from store import open_store
 from store.blobs import BlobStore
+from store.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +52,10 @@ def _log_admin_key(key: str) -> None:
     logger.warning("created the admin key (stored only as a hash; it is not shown again): %s", key)
 
 
-_TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
-
-
 def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute],
                  default_route: str | None) -> None:
-    """ValueError unless every route's tiers are served and read prompts with the same tokens
-    (a route tokenizes a prompt once, with its first tier's tokenizer)."""
+    """ValueError unless the default route is declared and every route's tiers are served (any
+    mix of local models and upstreams: each tier reads a prompt with its own tokenizer)."""
     if default_route is not None and default_route not in routes:
         raise ValueError(f"the default route {default_route!r} is not declared; routes: "
                          f"{', '.join(routes) or 'none'}")
@@ -64,11 +64,6 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
         if missing:
             raise ValueError(f"route {route.name!r} names models that are not served: "
                              f"{', '.join(missing)}")
-        first = engines[route.tiers[0]]
-        for model in route.tiers[1:]:
-            if engines[model].tokenize(_TOKENIZER_PROBE) != first.tokenize(_TOKENIZER_PROBE):
-                raise ValueError(f"route {route.name!r}: {model!r} and {route.tiers[0]!r} use "
-                                 "different tokenizers; a route's tiers must share one")
 
 
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
@@ -76,6 +71,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                prices: dict[str, Price] | None = None,
                routes: dict[str, ModelRoute] | None = None, default_route: str | None = None,
+               workers_url: str | None = None, load_tokenizer: Callable[[Path], Any] | None = None,
                announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
 
@@ -85,9 +81,14 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     `adapter_dir` (default `data_dir`/adapters), which gateways sharing a store must share too.
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
     `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
+    With `workers_url` (a Redis URL), the models of the engine workers registered there are
+    served too (gateway/remote.py), their tokenizers read by `load_tokenizer`; routes are then
+    checked once the registry has been read, so their models may be served by workers.
     """
     routes = routes or {}
-    check_routes(engines, routes, default_route)
+    engines = dict(engines)  # NOTE: the worker pool adds the models its workers serve
+    if workers_url is None:
+        check_routes(engines, routes, default_route)
     blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
                            max_upload_bytes=max_upload_bytes, prices=prices or {},
@@ -96,12 +97,20 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gateway.store = await open_store(store_url, data_dir)
+        pool = None
         try:
             created = await ensure_admin_key(gateway.store, admin_key)
             if created is not None:
                 announce_admin_key(created)
+            if workers_url is not None:
+                pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
+                                  load_tokenizer, engines.setdefault)
+                await pool.start()
+                check_routes(engines, routes, default_route)
             yield
         finally:
+            if pool is not None:
+                await pool.close()
             await gateway.store.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS,

@@ -54,10 +54,26 @@ model answers unless its confidence is below the threshold), with the one "auto"
   measure = "quantile"       # mean_logprob | min_prob | quantile
   threshold = 0.5
 
-A route's tiers must share a tokenizer: all local models of one tokenizer, or all upstreams.
+A route's tiers may mix local models and upstreams: each reads the prompt with its own
+tokenizer (so a prompt sent as token ids suits only a route whose tiers share one).
 With no model declared, the embedded demo model (random weights, byte tokenizer) is written to
 DATA_DIR/switchboard-demo and served as "switchboard-demo". The first start without an
 admin key creates one and prints it once; only its hash is stored.
+"""
+
+
+WORKER_PORT = 9000
+
+_WORKER_EPILOG = """\
+A worker serves one model with one engine (one GPU): run one per GPU, each with its own port.
+It registers itself in Redis and heartbeats every second; gateways started with
+`switchboard serve --redis URL` serve its model, place requests on the workers that hold the
+request's adapter (or the least loaded), and stop using a worker within seconds of its last
+heartbeat. Adapter files come from the gateways, by content hash, the first time a request needs
+them. Gateways and workers share a random internal key through Redis.
+
+  switchboard worker --model llama=/models/llama-3-8b --device cuda:0 --port 9000 \\
+      --redis redis://10.0.0.5:6379/0 --advertise-url http://10.0.0.7:9000
 """
 
 
@@ -84,28 +100,43 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: SQLite in the data folder)")
     serve.add_argument("--admin-key", help="admin key (default $SWITCHBOARD_ADMIN_KEY, else the "
                                            "stored one, else a new one printed once)")
-    serve.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                       help="weights and KV-cache dtype (default float32)")
-    serve.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
-    serve.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    serve.add_argument("--kv-cache-memory", type=parse_size, metavar="SIZE",
-                       help="KV-cache budget per model, e.g. 4GiB (default: 1GiB on CPU, 85%% of "
-                            "free memory on CUDA)")
-    serve.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
-    serve.add_argument("--max-loras", type=int,
-                       help="LoRA adapters resident on the device at once, so the most distinct "
-                            "adapters in one batch (default 8; 0 serves no adapters)")
-    serve.add_argument("--max-cpu-loras", type=int,
-                       help="adapters kept loaded in host memory (default 64)")
-    serve.add_argument("--max-lora-rank", type=int, help="largest LoRA rank accepted (default 64)")
+    _add_engine_options(serve)
     serve.add_argument("--adapter-dir", type=Path,
                        help="folder of uploaded adapter files (default DATA_DIR/adapters; "
                             "gateways sharing a store must share it)")
     serve.add_argument("--max-upload-size", type=parse_size, metavar="SIZE",
                        help="largest adapter upload accepted, e.g. 512MiB (default 1GiB)")
+    serve.add_argument("--redis", metavar="URL",
+                       help="Redis shared with engine workers (redis://host:port/0): serve the "
+                            "models of the workers registered there; also the default --store")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                        help="log level (default info)")
+    worker = commands.add_parser(
+        "worker", help="run one model's engine for gateways sharing a Redis",
+        description="Run one model's engine behind an internal HTTP API and register it in Redis, "
+                    "where `switchboard serve --redis URL` gateways find it.",
+        epilog=_WORKER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS)
+    worker.add_argument("--redis", metavar="URL", required=True,
+                        help="the Redis the gateways use (redis://host:port/0)")
+    worker.add_argument("--model", action="append", metavar="NAME=PATH",
+                        help="the Hugging Face model folder PATH, served as NAME (default: the "
+                             "demo model as switchboard-demo)")
+    worker.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    worker.add_argument("--port", type=int, help=f"port to listen on (default {WORKER_PORT})")
+    worker.add_argument("--advertise-url", metavar="URL",
+                        help="the URL gateways reach this worker at (default http://HOST:PORT)")
+    worker.add_argument("--heartbeat", type=float, dest="heartbeat_s", metavar="SECONDS",
+                        help="seconds between heartbeats; a worker silent for 3 of them leaves "
+                             "the pool (default 1)")
+    worker.add_argument("--data-dir", type=Path,
+                        help=f"data folder: adapter files sent by gateways, the demo model "
+                             f"(default $SWITCHBOARD_HOME, else ./{DEFAULT_DATA_DIR})")
+    worker.add_argument("--config", type=Path, metavar="FILE.toml",
+                        help="read settings from a TOML file (the keys of the long options)")
+    _add_engine_options(worker)
+    worker.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        help="log level (default info)")
     router = commands.add_parser(
         "router", help="train the learned router of routes with kind = \"learned\"",
         description="Learned routing: a classifier that predicts from the prompt whether the "
@@ -127,17 +158,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the engines a command loads (serve and worker share them)."""
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="weights and KV-cache dtype (default float32)")
+    parser.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    parser.add_argument("--kv-cache-memory", type=parse_size, metavar="SIZE",
+                        help="KV-cache budget per model, e.g. 4GiB (default: 1GiB on CPU, 85%% of "
+                             "free memory on CUDA)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
+    parser.add_argument("--max-loras", type=int,
+                        help="LoRA adapters resident on the device at once, so the most distinct "
+                             "adapters in one batch (default 8; 0 serves no adapters)")
+    parser.add_argument("--max-cpu-loras", type=int,
+                        help="adapters kept loaded in host memory (default 64)")
+    parser.add_argument("--max-lora-rank", type=int, help="largest LoRA rank accepted (default 64)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
-    if command == "serve":
-        config_file = args.pop("config", None)
+    if command in ("serve", "worker"):
+        if command == "worker":
+            args.setdefault("port", WORKER_PORT)
         try:
-            config = load_serve_config(args, config_file)
+            config = load_serve_config(args, args.pop("config", None))
         except (ValueError, TypeError) as error:
-            print(f"switchboard serve: {error}", file=sys.stderr)
+            print(f"switchboard {command}: {error}", file=sys.stderr)
             return 2
-        return serve(config)
+        return serve(config) if command == "serve" else run_worker(config)
     if command == "router":
         return train_router_command(args)
     raise AssertionError(f"unhandled command {command!r}")
@@ -154,8 +205,11 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config.data_dir.mkdir(parents=True, exist_ok=True)
+    if (problem := _redis_problem(config.store)) is not None:  # before minutes of model loading
+        print(f"switchboard serve: {problem}", file=sys.stderr)
+        return 2
     models, upstreams = config.model_paths(), config.upstreams()
-    if not models and not upstreams:
+    if not models and not upstreams and config.redis is None:
         models = _demo_model(config.data_dir)
     prices = {e.name: Price(e.price_input, e.price_output) for e in config.model_entries()}
     try:
@@ -176,9 +230,10 @@ def serve(config: ServeConfig) -> int:
                              admin_key=config.admin_key, adapter_dir=config.adapter_dir,
                              max_upload_bytes=config.max_upload_size, prices=prices,
                              routes=routes, default_route=config.default_route,
+                             workers_url=config.redis, load_tokenizer=_load_tokenizer,
                              announce_admin_key=functools.partial(
                                  _print_admin_key, f"http://{config.host}:{config.port}"))
-        except ValueError as error:  # e.g. a route over models with different tokenizers
+        except ValueError as error:  # e.g. a route naming a model that is not served
             print(f"switchboard serve: {error}", file=sys.stderr)
             return 2
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
@@ -192,6 +247,78 @@ def serve(config: ServeConfig) -> int:
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def run_worker(config: ServeConfig) -> int:
+    """Load the one model's engine, then serve the internal API until interrupted."""
+    import uvicorn
+
+    from gateway.local_engine import load_engines
+    from gateway.worker import Worker, create_worker_app, tokenizer_files
+    from store.blobs import BlobStore
+    from store.workers import WorkerRegistry
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    models = config.model_paths()
+    if len(models) > 1 or config.upstreams():
+        print("switchboard worker: a worker serves exactly one local model (--model NAME=PATH); "
+              "run one worker per model and GPU", file=sys.stderr)
+        return 2
+    url = config.advertise_url or f"http://{config.host}:{config.port}"
+    if config.advertise_url is None and config.host in ("0.0.0.0", "::"):
+        print(f"switchboard worker: listening on {config.host}, give --advertise-url with the "
+              "address gateways reach this worker at", file=sys.stderr)
+        return 2
+    if (problem := _redis_problem(config.redis)) is not None:
+        print(f"switchboard worker: {problem}", file=sys.stderr)
+        return 2
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    models = models or _demo_model(config.data_dir)
+    (name, path), = models.items()
+    logger.info("loading %s from %s", name, path)
+    engine = load_engines({name: path}, **config.engine_options_of(name))[name]
+    try:
+        worker = Worker(model=name, engine=engine, url=url,
+                        blobs=BlobStore(config.data_dir / "worker-adapters"),
+                        registry=WorkerRegistry.open(config.redis), heartbeat_s=config.heartbeat_s,
+                        tokenizer_files=tokenizer_files(path))
+        server = uvicorn.Server(uvicorn.Config(create_worker_app(worker), host=config.host,
+                                               port=config.port, log_config=None,
+                                               access_log=False, log_level=config.log_level,
+                                               lifespan="on"))
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            pass
+        return 0 if server.started else 1
+    finally:
+        engine.close()
+
+
+def _redis_problem(url: str | None) -> str | None:
+    """Why the Redis at `url` cannot be used now (None: it answers, or `url` is not Redis)."""
+    import asyncio
+
+    from store import UNAVAILABLE_ERRORS, RedisStore
+
+    if url is None or not url.startswith(("redis://", "rediss://", "unix://")):
+        return None
+
+    async def ping() -> None:
+        await (await RedisStore.open(url)).close()
+
+    try:
+        asyncio.run(ping())
+    except UNAVAILABLE_ERRORS as error:
+        return str(error)
+    return None
+
+
+def _load_tokenizer(folder: Path):
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(folder)
 
 
 def train_router_command(args: dict) -> int:

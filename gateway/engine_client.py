@@ -1,4 +1,4 @@
-"""EngineClient: how the gateway talks to an engine, in-process or (later) over HTTP.
+"""EngineClient: how the gateway talks to an engine, in-process or on a worker over HTTP.
 
 These types are the whole boundary: the gateway never imports torch or the engine package, so a
 remote worker can implement the same protocol by sending the Structs below as JSON.
@@ -131,3 +131,7 @@ class AdapterRejected(RequestRejected):
 
 class EngineFailure(RuntimeError):
     """The engine failed while running the request (or was shut down); the request is gone."""
+
+
+class EngineUnavailable(EngineFailure):
+    """No engine can take the request now (say no worker of its model is up): retry shortly."""

@@ -25,7 +25,8 @@ import httpx
 import msgspec
 
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions)
+                                   EngineStats, EngineUnavailable, GenerationChunk,
+                                   RequestRejected, SamplingOptions)
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
                                 StreamLine, WorkerError)
@@ -161,7 +162,7 @@ class RemoteEngineClient(TextCodec):
     async def check_adapter(self, folder: str) -> AdapterInfo:
         candidates = self._pool.candidates(self.model, set())
         if not candidates:
-            raise EngineFailure(self._no_worker())
+            raise EngineUnavailable(self._no_worker())
         worker = self._pool.workers[place(candidates, "check").id]
         response = await self._pool.http.post(worker.url + CHECK_ADAPTER_PATH,
                                               files=await _adapter_parts(folder),
@@ -223,7 +224,7 @@ class RemoteEngineClient(TextCodec):
                     pool.mark_down(worker.id)
                 logger.warning("request %s not started on worker %s (%s); placing it again",
                                request_id, worker.id, _describe(error))
-        raise EngineFailure(self._no_worker())
+        raise EngineUnavailable(self._no_worker())
 
     def _no_worker(self) -> str:
         return (f"no engine worker serving {self.model!r} is available now; start one with "

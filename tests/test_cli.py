@@ -230,3 +230,10 @@ def test_each_local_model_can_have_its_own_kv_cache_budget(tmp_path):
     config.write_text('[models.up]\nupstream = "http://h/v1"\nkv_cache_memory = "1GiB"\n')
     with pytest.raises(ValueError, match="unknown keys"):
         load_serve_config({}, config, {})
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_an_unreachable_redis_is_refused_before_any_model_loads(command, tmp_path, capsys):
+    assert main([command, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2
+    assert "cannot reach the Redis store at 127.0.0.1:1/0" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing loaded or written

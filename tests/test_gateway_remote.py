@@ -1,0 +1,57 @@
+"""The gateway over the worker registry, in-process: a model whose only worker cannot be reached
+answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+
+from gateway.app import create_app
+from gateway.engine_client import EngineStats
+from store.workers import WorkerRecord, WorkerRegistry
+from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.redis_server import redis_server, redis_url  # noqa: F401
+
+GHOST = "ghost"
+
+
+def _register_unreachable_worker(url: str) -> None:
+    stats = EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
+                        prefix_cache_hit_rate=0.0, num_prompt_tokens=0, num_generation_tokens=0,
+                        num_preemptions=0)
+    record = WorkerRecord(id="gone", url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
+                          supports_adapters=True, max_loras=1, tokenizer=None, num_running=0,
+                          num_waiting=0, adapters_device=[], adapters_host=[],
+                          stats=msgspec.json.encode(stats), beat_at=0.0)
+
+    async def register() -> None:
+        registry = WorkerRegistry.open(url)
+        await registry.heartbeat(record, ttl_s=60)
+        await registry.close()
+
+    asyncio.run(register())
+
+
+def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path):  # noqa: F811
+    _register_unreachable_worker(redis_url)
+    app = create_app({}, data_dir=tmp_path, store_url=redis_url, admin_key=ADMIN_KEY,
+                     workers_url=redis_url, load_tokenizer=lambda folder: None)
+    with run_server(app) as url:
+        server = GatewayServer(url, ADMIN_KEY, app)
+        key = server.new_tenant("acme")
+        headers = {"Authorization": f"Bearer {key}"}
+        models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
+        assert [m["id"] for m in models] == [GHOST]
+        reply = httpx.post(url + "/v1/completions", headers=headers, timeout=10,
+                           json={"model": GHOST, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "engine_unavailable"
+        assert "switchboard worker --model ghost=PATH" in reply.json()["error"]["message"]
+        upload = httpx.post(url + "/v1/adapters", headers=headers, timeout=10,
+                            data={"name": "a", "base_model": GHOST},
+                            files={"adapter_config.json": b"{}",
+                                   "adapter_model.safetensors": b"x"})
+        assert upload.status_code == 503, upload.text
+        assert httpx.get(url + "/v1/adapters", headers=headers).json()["data"] == []
