@@ -3,7 +3,8 @@
 Real processes on loopback: a redis-server, `switchboard worker` processes (one intra-op thread
 each, as one GPU each would be one device), and one `switchboard serve --redis` gateway. A
 closed-loop load generator (benchmarks/loadgen.py) keeps `--concurrency` greedy completions in
-flight (token-id prompts of `--prompt-len`, `--max-tokens` each). Phase 1 runs it against one
+flight (token-id prompts of `--prompt-len`; outputs of max_tokens/2 to 3*max_tokens/2 tokens, a
+different length per connection). Output tokens/s is what the workers report generating. Phase 1 runs it against one
 worker; then a second worker joins the same Redis, the gateway finds it, and phase 2 runs the same
 load. The ratio of the two rates is the figure; on a machine with fewer free cores than workers it
 says how much the cores, not the design, limit.
@@ -28,6 +29,7 @@ import msgspec
 from benchmarks.common import (DEFAULT_WORK_DIR, ModelSpec, ensure_model, load_summary,
                                machine_summary)
 from benchmarks.loadgen import LoadResult, closed_loop, encode_request, percentile
+from store.workers import WorkerRecord
 from tests.processes import SwitchboardProcess, is_healthy, start_switchboard, wait_until
 from tests.redis_server import start_redis_server, stop_redis_server
 
@@ -41,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--warmup", type=float, default=5.0, help="untimed seconds per phase")
-    parser.add_argument("--duration", type=float, default=20.0, help="timed seconds per phase")
+    parser.add_argument("--duration", type=float, default=30.0, help="timed seconds per phase")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                         help=f"where the random model is kept (default {DEFAULT_WORK_DIR})")
     return parser.parse_args()
@@ -55,14 +57,17 @@ def start_worker(root: Path, index: int, redis_url: str, model_dir: Path) -> Swi
         root / f"worker{index}.log")
 
 
-def num_workers(redis_url: str) -> int:
+def worker_tokens(redis_url: str) -> dict[str, int]:
+    """Output tokens generated so far by each registered worker, by its URL."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
     try:
-        return sum(client.exists(f"sb:worker:{i.decode()}") for i in client.smembers("sb:workers"))
+        raws = [client.get(f"sb:worker:{i.decode()}") for i in client.smembers("sb:workers")]
     finally:
         client.close()
+    records = [msgspec.json.decode(raw, type=WorkerRecord) for raw in raws if raw is not None]
+    return {r.url: msgspec.json.decode(r.stats)["num_generation_tokens"] for r in records}
 
 
 def tenant_key(gateway: SwitchboardProcess) -> str:
@@ -72,24 +77,31 @@ def tenant_key(gateway: SwitchboardProcess) -> str:
 
 
 def run_load(gateway: SwitchboardProcess, key: str, args: argparse.Namespace,
-             vocab_size: int) -> LoadResult:
+             vocab_size: int, redis_url: str) -> LoadResult:
+    """The closed loop; its probe counts the output tokens the workers generated (the sum over
+    their heartbeats' counters, which lag by up to a heartbeat at each end of the window)."""
     rng = random.Random(0)
-    prompt = [rng.randrange(vocab_size) for _ in range(args.prompt_len)]
-    body = msgspec.json.encode({"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens,
-                                "temperature": 0, "ignore_eos": True})
     host = urlsplit(gateway.url)
-    request = encode_request("POST", "/v1/completions", host.netloc, body,
-                             {"Authorization": f"Bearer {key}",
-                              "Content-Type": "application/json"})
-    return asyncio.run(closed_loop(host.hostname, host.port, request, args.concurrency,
-                                   args.warmup, args.duration))
+    requests = []
+    for i in range(args.concurrency):
+        # NOTE: lengths differ by connection, or all requests finish in the same step and the
+        # loop runs in lockstep rounds.
+        body = msgspec.json.encode({
+            "model": MODEL, "prompt": [rng.randrange(vocab_size) for _ in range(args.prompt_len)],
+            "max_tokens": args.max_tokens // 2 + i % (args.max_tokens + 1),
+            "temperature": 0, "ignore_eos": True})
+        requests.append(encode_request("POST", "/v1/completions", host.netloc, body,
+                                       {"Authorization": f"Bearer {key}",
+                                        "Content-Type": "application/json"}))
+    return asyncio.run(closed_loop(host.hostname, host.port, requests, args.concurrency,
+                                   args.warmup, args.duration,
+                                   probe=lambda: sum(worker_tokens(redis_url).values())))
 
 
-def report(label: str, result: LoadResult, max_tokens: int) -> float:
-    ok = result.statuses.get(200, 0)
-    tokens_per_s = ok * max_tokens / result.seconds
+def report(label: str, result: LoadResult) -> float:
+    tokens_per_s = result.probe_seconds / result.seconds  # NOTE: the probe counts tokens here
     p50 = percentile(result.latencies, 50) * 1000 if result.latencies else float("nan")
-    print(f"{label}: {result.rate:.2f} req/s, {tokens_per_s:.1f} output tokens/s, "
+    print(f"{label}: {tokens_per_s:.1f} output tokens/s, {result.rate:.2f} req/s, "
           f"p50 latency {p50:.0f} ms, statuses {dict(result.statuses)}", flush=True)
     return tokens_per_s
 
@@ -100,7 +112,8 @@ def main() -> None:
     model_dir = ensure_model(spec, args.work_dir)
     print(machine_summary())
     print(f"model: {spec.name} (random weights); {args.concurrency} in flight, prompt "
-          f"{args.prompt_len} tokens, {args.max_tokens} output tokens, greedy")
+          f"{args.prompt_len} tokens, {args.max_tokens // 2} to {args.max_tokens * 3 // 2} "
+          "output tokens, greedy")
     redis_proc, redis_url = start_redis_server()
     processes: list[SwitchboardProcess] = []
     with tempfile.TemporaryDirectory(prefix="sb-scaleout-") as tmp:
@@ -116,13 +129,12 @@ def main() -> None:
             wait_until(gateway, lambda: MODEL in httpx.get(gateway.url + "/health").json()["models"])
             key = tenant_key(gateway)
             print(load_summary())
-            one = report("one worker ", run_load(gateway, key, args, spec.vocab_size),
-                         args.max_tokens)
+            one = report("one worker ", run_load(gateway, key, args, spec.vocab_size, redis_url))
             processes.append(start_worker(root, 1, redis_url, model_dir))
-            wait_until(processes[-1], lambda: num_workers(redis_url) == 2)
+            wait_until(processes[-1], lambda: len(worker_tokens(redis_url)) == 2)
             print(load_summary())
-            two = report("two workers", run_load(gateway, key, args, spec.vocab_size),
-                         args.max_tokens)
+            two = report("two workers", run_load(gateway, key, args, spec.vocab_size, redis_url))
+            print(f"output tokens by worker since the start: {worker_tokens(redis_url)}")
             print(f"two workers / one worker: {two / one:.2f}x output tokens/s")
             print(load_summary())
         finally:

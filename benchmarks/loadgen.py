@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -69,17 +69,19 @@ class LoadResult:
         return self.num_completed / self.seconds
 
 
-async def closed_loop(host: str, port: int, request: bytes, concurrency: int, warmup_s: float,
-                      duration_s: float, probe: Callable[[], float] = lambda: 0.0) -> LoadResult:
-    """`concurrency` connections, each sending `request` again as soon as its reply arrived,
+async def closed_loop(host: str, port: int, request: bytes | Sequence[bytes], concurrency: int,
+                      warmup_s: float, duration_s: float,
+                      probe: Callable[[], float] = lambda: 0.0) -> LoadResult:
+    """`concurrency` connections, each sending its request again as soon as its reply arrived,
     for `warmup_s` untimed and then `duration_s` timed; `probe` is read as the window opens and
-    closes."""
+    closes. With several requests, connection i sends request i modulo their number."""
+    requests = [request] if isinstance(request, bytes) else list(request)
     connections = [await Connection.open(host, port) for _ in range(concurrency)]
     started = time.perf_counter()
     window_start, window_end = started + warmup_s, started + warmup_s + duration_s
     result = LoadResult(concurrency, duration_s, [])
 
-    async def worker(connection: Connection) -> None:
+    async def worker(connection: Connection, request: bytes) -> None:
         while (sent_at := time.perf_counter()) < window_end:
             status, _ = await connection.send(request)
             done_at = time.perf_counter()
@@ -98,7 +100,8 @@ async def closed_loop(host: str, port: int, request: bytes, concurrency: int, wa
         result.cpu_seconds, result.probe_seconds = time.process_time() - cpu, probe() - probed
 
     try:
-        await asyncio.gather(window(), *(worker(c) for c in connections))
+        await asyncio.gather(window(), *(worker(c, requests[i % len(requests)])
+                                         for i, c in enumerate(connections)))
     finally:
         for connection in connections:
             await connection.close()

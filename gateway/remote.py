@@ -64,6 +64,7 @@ class WorkerPool:
         self.workers: dict[str, WorkerRecord] = {}
         self.clients: dict[str, RemoteEngineClient] = {}
         self.inflight: dict[str, int] = {}  # this gateway's requests running on each worker
+        self._inflight_at_beat: dict[str, int] = {}  # the same, when its last record was read
         self._down: dict[str, float] = {}  # worker id -> the beat_at it had when it failed
         self.internal_key = ""
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s,
@@ -85,6 +86,9 @@ class WorkerPool:
         """Take the registry's view of the workers, and make clients for new models."""
         self.internal_key = await self.registry.internal_key()
         records = await self.registry.workers()
+        for r in records:
+            if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
+                self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)
         self.workers = {r.id: r for r in records}
         self._down = {i: beat for i, beat in self._down.items()
                       if i in self.workers and self.workers[i].beat_at <= beat}
@@ -123,10 +127,20 @@ class WorkerPool:
 
     def candidates(self, model: str, exclude: set[str]) -> list[Candidate]:
         """The model's workers that are up, with their load as this gateway best knows it."""
-        return [Candidate(r.id, max(r.load, self.inflight.get(r.id, 0)),
-                          frozenset(r.adapters_device), frozenset(r.adapters_host))
+        return [Candidate(r.id, self.load_of(r), frozenset(r.adapters_device),
+                          frozenset(r.adapters_host))
                 for r in self.workers.values()
                 if r.model == model and r.id not in exclude and r.id not in self._down]
+
+    def load_of(self, record: WorkerRecord) -> int:
+        """The worker's load now: other gateways' requests as of its last heartbeat, plus this
+        gateway's requests now.
+
+        NOTE: its heartbeat alone is up to a second old; placing a burst of requests by it sends
+        them all to the worker that was idle then (and the next burst all to the other).
+        """
+        others = max(0, record.load - self._inflight_at_beat.get(record.id, 0))
+        return others + self.inflight.get(record.id, 0)
 
     def mark_down(self, worker_id: str) -> None:
         """Pass over this worker until it heartbeats again."""

@@ -55,3 +55,38 @@ def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path
                                    "adapter_model.safetensors": b"x"})
         assert upload.status_code == 503, upload.text
         assert httpx.get(url + "/v1/adapters", headers=headers).json()["data"] == []
+
+
+def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tmp_path):
+    from gateway.remote import WorkerPool
+    from routing.placement import place
+
+    def record(worker_id: str, load: int, beat_at: float) -> WorkerRecord:
+        return WorkerRecord(id=worker_id, url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
+                            supports_adapters=False, max_loras=0, tokenizer=None,
+                            num_running=load, num_waiting=0, adapters_device=[],
+                            adapters_host=[], stats=b"{}", beat_at=beat_at)
+
+    class Registry:  # what refresh() reads; nothing here needs Redis
+        records: list[WorkerRecord] = []
+
+        async def internal_key(self) -> str:
+            return "k"
+
+        async def workers(self) -> list[WorkerRecord]:
+            return self.records
+
+    registry = Registry()
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, lambda name, client: None)
+    # Our 16 requests ran on "a" when it last heartbeat; "b" also runs 3 of another gateway's.
+    pool.inflight = {"a": 16, "b": 0}
+    registry.records = [record("a", 16, 1.0), record("b", 3, 1.0)]
+    asyncio.run(pool.refresh())
+    pool.inflight["a"] = 0  # they finished since; a burst of 8 arrives before the next heartbeat
+    chosen = []
+    for i in range(8):
+        worker = place(pool.candidates(GHOST, set()), f"req-{i}").id
+        pool.inflight[worker] += 1
+        chosen.append(worker)
+    assert chosen.count("a") == 5 and chosen.count("b") == 3  # even: 5 + 0 and 3 + 3
+    asyncio.run(pool.http.aclose())
