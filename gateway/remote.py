@@ -14,6 +14,7 @@ stream is an EngineFailure (the gateway ends the response with a clean error).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -225,6 +226,11 @@ class RemoteEngineClient(TextCodec):
         digest = None if adapter is None else adapter.digest
         for _ in range(_MAX_PLACEMENTS):
             candidates = pool.candidates(self.model, tried)
+            if not candidates and not tried:
+                # NOTE: the pool's view is up to poll_s old: a worker may have (re)joined since.
+                with contextlib.suppress(Exception):
+                    await pool.refresh()
+                candidates = pool.candidates(self.model, tried)
             if not candidates:
                 break
             worker = pool.workers[place(candidates, digest or request_id, digest, pool.slack).id]

@@ -25,7 +25,7 @@ from store.blobs import digest_files
 from store.workers import WorkerRecord
 from tests.conftest import DEMO_MODEL
 from tests.processes import SwitchboardProcess, is_healthy, start_switchboard, wait_until
-from tests.redis_server import start_redis_server, stop_redis_server
+from tests.redis_server import PersistentRedisServer
 
 ADMIN_KEY = "sb-admin-scaleout-key"
 NUM_ADAPTERS = 10
@@ -39,7 +39,9 @@ class Cluster:
 
     def __init__(self, root: Path, model_dir: Path):
         self.root, self.model_dir = root, model_dir
-        self.redis_proc, self.redis_url = start_redis_server()
+        (root / "redis").mkdir()
+        self.redis_server = PersistentRedisServer(root / "redis")
+        self.redis_url = self.redis_server.url
         self.redis = redis.Redis.from_url(self.redis_url)
         self.workers: list[SwitchboardProcess] = []
         self.gateways: list[SwitchboardProcess] = []
@@ -73,7 +75,7 @@ class Cluster:
         for process in self.gateways + self.workers:
             process.stop()
         self.redis.close()
-        stop_redis_server(self.redis_proc)
+        self.redis_server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +125,13 @@ def _completion(gateway: SwitchboardProcess, key: str, model: str, **fields) -> 
                       headers={"Authorization": f"Bearer {key}"})
 
 
+def _answer_tokens(gateway: SwitchboardProcess, key: str, model: str) -> list[int]:
+    answer = _completion(gateway, key, model, logprobs=0, return_tokens_as_token_ids=True)
+    assert answer.status_code == 200, answer.text
+    return [int(t.removeprefix("token_id:"))
+            for t in answer.json()["choices"][0]["logprobs"]["tokens"]]
+
+
 def _local_greedy(engine, adapter: AdapterRef | None) -> list[int]:
     async def run() -> list[int]:
         tokens = []
@@ -153,12 +162,7 @@ def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenan
     for name, folder in folders.items():
         expected = _local_greedy(demo_engine, AdapterRef(digest_files(folder), str(folder)))
         for gateway in cluster.gateways:  # each adapter twice, through both gateways
-            answer = _completion(gateway, tenant_key, name, logprobs=0,
-                                 return_tokens_as_token_ids=True)
-            assert answer.status_code == 200, answer.text
-            tokens = [int(t.removeprefix("token_id:"))
-                      for t in answer.json()["choices"][0]["logprobs"]["tokens"]]
-            assert tokens == expected, name
+            assert _answer_tokens(gateway, tenant_key, name) == expected, name
     base = _completion(cluster.gateways[1], tenant_key, DEMO_MODEL)
     assert base.status_code == 200, base.text
 
@@ -222,3 +226,14 @@ def test_a_worker_killed_under_load_costs_clean_errors_at_most_and_the_pool_reco
     # Both took requests (their records show it a heartbeat later).
     wait_until(cluster.workers[1], lambda: all(json.loads(r.stats)["num_generation_tokens"] > 0
                                                for r in cluster.records()), timeout_s=5)
+
+
+def test_after_a_redis_restart_workers_rejoin_and_adapters_still_answer(cluster, tenant_key):
+    before = _answer_tokens(cluster.gateways[0], tenant_key, "tenant-lora-3")
+    cluster.redis_server.stop()
+    time.sleep(1.0)  # the workers' records would lapse now, were Redis up
+    cluster.redis_server.start()
+    cluster.wait_for_workers(2)  # re-registered by their heartbeats, nobody restarted
+    for gateway in cluster.gateways:
+        assert _answer_tokens(gateway, tenant_key, "tenant-lora-3") == before
+    assert all(p.popen.poll() is None for p in cluster.gateways + cluster.workers)
