@@ -33,7 +33,7 @@ from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH
                                 StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES
-from store.workers import WorkerRecord, WorkerRegistry
+from store.workers import WorkerRecord, WorkerRegistry, keep_running
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class WorkerPool:
     async def start(self) -> None:
         """Read the registry once (raising if Redis cannot be reached), then keep polling."""
         await self.refresh()
-        self._polling = asyncio.create_task(self._poll())
+        self._polling = asyncio.create_task(keep_running(
+            self.refresh, self._poll_s, "reading the worker registry (workers known so far kept)"))
 
     async def close(self) -> None:
         if self._polling is not None:
@@ -100,20 +101,6 @@ class WorkerPool:
                                                                          tokenizer)
                 self._on_model(record.model, client)
                 logger.info("serving %s on the workers registered in Redis", record.model)
-
-    async def _poll(self) -> None:
-        is_failing = False
-        while True:
-            await asyncio.sleep(self._poll_s)
-            try:
-                await self.refresh()
-            except Exception as error:  # redis-py raises several types; all mean "try again"
-                if not is_failing:
-                    logger.warning("cannot read the worker registry (%s); keeping the workers "
-                                   "known so far", error)
-                is_failing = True
-            else:
-                is_failing = False
 
     async def _tokenizer(self, digest: str | None) -> Any:
         if digest is None:

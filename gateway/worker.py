@@ -34,7 +34,7 @@ from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH
 from store.blobs import ADAPTER_FILES, BlobStore, digest_files
 from store.errors import InvalidName
 from store.models import validate_digest
-from store.workers import WorkerRecord, WorkerRegistry
+from store.workers import WorkerRecord, WorkerRegistry, keep_running
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +79,8 @@ class Worker:
         await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * _LAPSE_BEATS)
 
     async def keep_beating(self) -> None:
-        """Heartbeat until cancelled; Redis outages are logged once and ridden out."""
-        is_failing = False
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            try:
-                await self.beat()
-            except Exception as error:  # redis-py raises several types; all mean "try again"
-                if not is_failing:
-                    logger.warning("cannot reach Redis to heartbeat (%s); retrying every %.1f s",
-                                   error, self.heartbeat_s)
-                is_failing = True
-                continue
-            if is_failing:
-                logger.info("Redis is back; heartbeating again")
-            is_failing = False
+        """Heartbeat until cancelled, riding out Redis outages."""
+        await keep_running(self.beat, self.heartbeat_s, "heartbeating to Redis")
 
 
 def tokenizer_files(model_dir: Path) -> dict[str, bytes]:

@@ -15,12 +15,16 @@ Two more things live here because every gateway and worker reaches the same Redi
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 import redis.asyncio as aioredis
+
+logger = logging.getLogger(__name__)
 
 _INTERNAL_KEY_BYTES = 32
 
@@ -119,3 +123,21 @@ def files_digest(files: Mapping[str, bytes]) -> str:
     for name in sorted(files):
         h.update(name.encode() + b"\0" + len(files[name]).to_bytes(8, "big") + files[name])
     return h.hexdigest()
+
+
+async def keep_running(work: Callable[[], Awaitable[None]], period_s: float, what: str) -> None:
+    """Await `work()` every `period_s` until cancelled. A streak of failures (Redis down) is
+    logged once as it starts and once as it ends; the next period tries again."""
+    is_failing = False
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await work()
+        except Exception as error:  # redis-py raises several types; all mean "try again"
+            if not is_failing:
+                logger.warning("%s failed (%s); retrying every %.1f s", what, error, period_s)
+            is_failing = True
+            continue
+        if is_failing:
+            logger.info("%s works again", what)
+        is_failing = False
