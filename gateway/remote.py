@@ -190,14 +190,19 @@ class RemoteEngineClient(TextCodec):
             line = first
             while True:
                 if line.error is not None:
+                    logger.warning("request %s: worker %s failed: %s", request_id, worker_id,
+                                   line.error)
                     raise EngineFailure(f"worker {worker_id} failed: {line.error}")
                 yield line.chunk
                 if line.chunk.finished:
                     return
                 line = await anext(lines)
         except StopAsyncIteration:
+            logger.warning("request %s: worker %s ended its stream early", request_id, worker_id)
             raise EngineFailure(f"worker {worker_id} ended the stream early") from None
         except httpx.TransportError as error:
+            logger.warning("request %s: lost worker %s mid-answer (%s)", request_id, worker_id,
+                           _describe(error))
             pool.mark_down(worker_id)
             raise EngineFailure(f"lost worker {worker_id} mid-answer ({_describe(error)}); "
                                 "retry the request") from None

@@ -71,6 +71,10 @@ class Cluster:
             wait_until(gateway, lambda: len(self.records()) == count
                        and DEMO_MODEL in httpx.get(gateway.url + "/health").json()["models"])
 
+    def log_tails(self) -> dict[str, str]:
+        """The end of each process's log, for failure messages."""
+        return {str(p.log.name): p.output()[-1500:] for p in self.gateways + self.workers}
+
     def close(self) -> None:
         for process in self.gateways + self.workers:
             process.stop()
@@ -213,7 +217,7 @@ def test_a_worker_killed_under_load_costs_clean_errors_at_most_and_the_pool_reco
     # The dead worker lapses from the registry; every request now succeeds on the survivor.
     cluster.wait_for_workers(1)
     failed = [raw for kind, raw in map(call, range(1, 7)) if kind != "answer"]
-    assert not failed, failed
+    assert not failed, (failed, cluster.log_tails())
 
     # It rejoins (same port) and takes requests again.
     cluster.workers[1] = cluster.start_worker(1, port=victim.port)
@@ -222,7 +226,7 @@ def test_a_worker_killed_under_load_costs_clean_errors_at_most_and_the_pool_reco
     time.sleep(1.0)  # the gateways re-read the registry every 0.5 s
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         failed = [raw for kind, raw in pool.map(call, range(16)) if kind != "answer"]
-    assert not failed, failed
+    assert not failed, (failed, cluster.log_tails())
     # Both took requests (their records show it a heartbeat later).
     wait_until(cluster.workers[1], lambda: all(json.loads(r.stats)["num_generation_tokens"] > 0
                                                for r in cluster.records()), timeout_s=5)
