@@ -28,6 +28,7 @@ import msgspec
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, EngineUnavailable, GenerationChunk,
                                    RequestRejected, SamplingOptions)
+from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
                                 StreamLine, WorkerError)
@@ -266,7 +267,7 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
         async with pool.http.stream("POST", worker.url + GENERATE_PATH, content=body,
                                     headers=pool.headers()) as response:
             if response.status_code == 200:
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response.aiter_bytes()):
                     if line.startswith("data: "):
                         yield msgspec.json.decode(line[6:], type=StreamLine)
                 return

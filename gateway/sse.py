@@ -1,7 +1,9 @@
-"""Server-sent events for streamed completions: `data: <json>` events ending in `data: [DONE]`."""
+"""Server-sent events for streamed completions: `data: <json>` events ending in `data: [DONE]`;
+written by the gateway and its workers, read back from workers and upstreams."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -9,6 +11,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
+_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
 def event(payload: msgspec.Struct) -> bytes:
@@ -37,3 +40,19 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._on_close()
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream read from its raw bytes, split where the format
+    says: at CR, LF or CRLF, and nowhere else.
+
+    NOTE: not httpx's `aiter_lines`, which also splits at U+2028, U+0085 and other characters
+    that JSON strings carry unescaped, so a token's text could cut an event in two.
+    """
+    pending = b""
+    async for chunk in chunks:
+        *lines, pending = _LINE_BREAK.split(pending + chunk)
+        for line in lines:  # NOTE: CR and LF bytes never occur inside a UTF-8 sequence
+            yield line.decode()
+    if pending:
+        yield pending.decode()

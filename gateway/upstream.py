@@ -49,6 +49,7 @@ from gateway.config import UpstreamSource
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
+from gateway.sse import sse_lines
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ class UpstreamEngineClient:
             async with self._client.stream("POST", self._url, content=body,
                                            headers=headers) as response:
                 await self._check_status(response)
-                async for chunk in self._chunks(response.aiter_lines(), num_prompt_bytes,
+                async for chunk in self._chunks(sse_lines(response.aiter_bytes()), num_prompt_bytes,
                                                 with_logprobs):
                     put(chunk)
             put(None)
