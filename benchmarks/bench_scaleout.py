@@ -4,9 +4,9 @@ Real processes on loopback: a redis-server, `switchboard worker` processes (one 
 each, as one GPU each would be one device), and one `switchboard serve --redis` gateway. A
 closed-loop load generator (benchmarks/loadgen.py) keeps `--concurrency` greedy completions in
 flight (token-id prompts of `--prompt-len`; outputs of max_tokens/2 to 3*max_tokens/2 tokens, a
-different length per connection). Output tokens/s is what the workers report generating. Phase 1 runs it against one
-worker; then a second worker joins the same Redis, the gateway finds it, and phase 2 runs the same
-load. The ratio of the two rates is the figure; on a machine with fewer free cores than workers it
+different length per connection); output tokens/s is what the workers report generating. Phase 1
+runs it against one worker; then a second worker joins the same Redis, the gateway finds it, and
+phase 2 runs the same load. The ratio of the two rates is the figure; on a machine with fewer free cores than workers it
 says how much the cores, not the design, limit.
 
 Run from the repository root:

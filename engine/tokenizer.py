@@ -13,10 +13,15 @@ logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether the model folder ships a tokenizer."""
+    return any((Path(folder) / name).exists() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer, or None when it ships none (then requests must carry token ids)."""
     folder = Path(folder)
-    if not any((folder / name).exists() for name in _TOKENIZER_FILES):
+    if not has_tokenizer(folder):
         logger.warning("%s has no tokenizer files: only token-id prompts will be accepted", folder)
         return None
     try:

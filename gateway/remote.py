@@ -42,7 +42,6 @@ DEFAULT_POLL_S = 0.5
 DEFAULT_READ_TIMEOUT_S = 60.0
 _CONNECT_TIMEOUT_S = 2.0
 _MAX_PLACEMENTS = 3  # workers tried for one request before it fails
-_RETRY_STATUSES = (404, 500, 502, 503, 504)  # another worker may serve it
 
 
 class WorkerPool:

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine.tokenizer import has_tokenizer
 from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
 from gateway.local_engine import LocalEngineClient
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
 _LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two missed beats do not drop it
-# Files a tokenizer may need (transformers reads config.json for the tokenizer class).
+# What gateways need to load a worker's tokenizer (transformers reads config.json for its class).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
                     "chat_template.jinja", "chat_template.json", "config.json")
@@ -66,10 +67,9 @@ class Worker:
         device, host = self.engine.resident_adapters()
         return WorkerRecord(
             id=self.id, url=self.url, model=self.model, max_model_len=self.engine.max_model_len,
-            supports_adapters=self.engine.supports_adapters, max_loras=self.engine.max_loras,
-            tokenizer=tokenizer, num_running=stats.num_running, num_waiting=stats.num_waiting,
-            adapters_device=device, adapters_host=host, stats=msgspec.json.encode(stats),
-            beat_at=time.time())
+            max_loras=self.engine.max_loras, tokenizer=tokenizer, num_running=stats.num_running,
+            num_waiting=stats.num_waiting, adapters_device=device, adapters_host=host,
+            stats=msgspec.json.encode(stats), beat_at=time.time())
 
     async def beat(self) -> None:
         """Publish this worker's record (and what gateways need to reach it) once."""
@@ -85,9 +85,10 @@ class Worker:
 
 def tokenizer_files(model_dir: Path) -> dict[str, bytes]:
     """The model folder's tokenizer files, by name (empty: the model has no tokenizer)."""
-    files = {name: (model_dir / name).read_bytes() for name in _TOKENIZER_FILES
-             if (model_dir / name).is_file()}
-    return files if set(files) - {"config.json"} else {}
+    if not has_tokenizer(model_dir):
+        return {}
+    return {name: (model_dir / name).read_bytes() for name in _TOKENIZER_FILES
+            if (model_dir / name).is_file()}
 
 
 def _worker(request: Request) -> Worker:

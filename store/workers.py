@@ -36,8 +36,7 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     url: str  # where gateways reach its internal API, e.g. http://10.0.0.7:9000
     model: str  # the served name of its one model
     max_model_len: int
-    supports_adapters: bool
-    max_loras: int  # its device slots: the most distinct adapters in one batch
+    max_loras: int  # its device slots: the most distinct adapters in one batch (0: no LoRA)
     tokenizer: str | None  # digest of its tokenizer files (None: the model has no tokenizer)
     num_running: int
     num_waiting: int
@@ -45,6 +44,10 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     adapters_host: list[str]  # digests of adapters loaded in host memory
     stats: bytes  # its EngineStats as JSON (the gateway's type; the store does not import it)
     beat_at: float  # wall-clock time of this heartbeat
+
+    @property
+    def supports_adapters(self) -> bool:
+        return self.max_loras > 0
 
     @property
     def load(self) -> int:

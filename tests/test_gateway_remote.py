@@ -17,14 +17,19 @@ from tests.redis_server import redis_server, redis_url  # noqa: F401
 GHOST = "ghost"
 
 
-def _register_unreachable_worker(url: str) -> None:
-    stats = EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
+def _record(worker_id: str, load: int = 0, beat_at: float = 0.0) -> WorkerRecord:
+    """A worker of GHOST at an address where nothing listens."""
+    stats = EngineStats(num_running=load, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
                         prefix_cache_hit_rate=0.0, num_prompt_tokens=0, num_generation_tokens=0,
                         num_preemptions=0)
-    record = WorkerRecord(id="gone", url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
-                          supports_adapters=True, max_loras=1, tokenizer=None, num_running=0,
-                          num_waiting=0, adapters_device=[], adapters_host=[],
-                          stats=msgspec.json.encode(stats), beat_at=0.0)
+    return WorkerRecord(id=worker_id, url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
+                        max_loras=1, tokenizer=None, num_running=load, num_waiting=0,
+                        adapters_device=[], adapters_host=[], stats=msgspec.json.encode(stats),
+                        beat_at=beat_at)
+
+
+def _register_unreachable_worker(url: str) -> None:
+    record = _record("gone")
 
     async def register() -> None:
         registry = WorkerRegistry.open(url)
@@ -61,12 +66,6 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     from gateway.remote import WorkerPool
     from routing.placement import place
 
-    def record(worker_id: str, load: int, beat_at: float) -> WorkerRecord:
-        return WorkerRecord(id=worker_id, url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
-                            supports_adapters=False, max_loras=0, tokenizer=None,
-                            num_running=load, num_waiting=0, adapters_device=[],
-                            adapters_host=[], stats=b"{}", beat_at=beat_at)
-
     class Registry:  # what refresh() reads; nothing here needs Redis
         records: list[WorkerRecord] = []
 
@@ -80,7 +79,7 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     pool = WorkerPool(registry, tmp_path, lambda folder: None, lambda name, client: None)
     # Our 16 requests ran on "a" when it last heartbeat; "b" also runs 3 of another gateway's.
     pool.inflight = {"a": 16, "b": 0}
-    registry.records = [record("a", 16, 1.0), record("b", 3, 1.0)]
+    registry.records = [_record("a", 16, 1.0), _record("b", 3, 1.0)]
     asyncio.run(pool.refresh())
     pool.inflight["a"] = 0  # they finished since; a burst of 8 arrives before the next heartbeat
     chosen = []

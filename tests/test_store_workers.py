@@ -11,7 +11,7 @@ from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 def record(worker_id: str, **fields) -> WorkerRecord:
     values = dict(url=f"http://127.0.0.1:9/{worker_id}", model="m", max_model_len=64,
-                  supports_adapters=True, max_loras=2, tokenizer=None, num_running=1,
+                  max_loras=2, tokenizer=None, num_running=1,
                   num_waiting=2, adapters_device=["a"], adapters_host=["a", "b"], stats=b"{}",
                   beat_at=1.0)
     return WorkerRecord(id=worker_id, **{**values, **fields})
