@@ -111,16 +111,22 @@ def run_server(app) -> Iterator[str]:
 
 
 @contextmanager
-def gateway_server(engine, data_dir: Path, store_url: str | None = None,
-                   admin_key: str = ADMIN_KEY, **app_options) -> Iterator[GatewayServer]:
-    """A gateway serving the demo engine as `switchboard-demo`, with its store in `data_dir`;
-    `app_options` go to create_app."""
+def serve_gateway(engines: dict, data_dir: Path, admin_key: str = ADMIN_KEY,
+                  **app_options) -> Iterator[GatewayServer]:
+    """A gateway serving `engines` (by served name), with its store in `data_dir`;
+    `app_options` go to create_app. The caller keeps the engines (and closes them)."""
     from gateway.app import create_app
 
-    app = create_app({DEMO_MODEL: engine}, data_dir=data_dir, store_url=store_url,
-                     admin_key=admin_key, **app_options)
+    app = create_app(engines, data_dir=data_dir, admin_key=admin_key, **app_options)
     with run_server(app) as url:
         yield GatewayServer(url, admin_key, app)
+
+
+def gateway_server(engine, data_dir: Path, store_url: str | None = None,
+                   admin_key: str = ADMIN_KEY, **app_options):
+    """serve_gateway over the demo engine as `switchboard-demo`."""
+    return serve_gateway({DEMO_MODEL: engine}, data_dir, admin_key, store_url=store_url,
+                         **app_options)
 
 
 @pytest.fixture(scope="module")

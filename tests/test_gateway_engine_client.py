@@ -8,10 +8,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected, SamplingOptions)
-from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.conftest import serve_gateway
 from tests.helpers import IdleEngineParts
 
 MODEL = "scripted"
@@ -64,10 +63,7 @@ def engine() -> ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def scripted(engine, tmp_path_factory):
-    app = create_app({MODEL: engine}, data_dir=tmp_path_factory.mktemp("scripted"),
-                     admin_key=ADMIN_KEY)
-    with run_server(app) as url:
-        server = GatewayServer(url, ADMIN_KEY, app)
+    with serve_gateway({MODEL: engine}, tmp_path_factory.mktemp("scripted")) as server:
         yield server, server.new_tenant("scripted")
 
 

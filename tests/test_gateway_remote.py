@@ -8,10 +8,9 @@ import asyncio
 import httpx
 import msgspec
 
-from gateway.app import create_app
 from gateway.engine_client import EngineStats
 from store.workers import WorkerRecord, WorkerRegistry
-from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.conftest import serve_gateway
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 GHOST = "ghost"
@@ -41,10 +40,9 @@ def _register_unreachable_worker(url: str) -> None:
 
 def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path):  # noqa: F811
     _register_unreachable_worker(redis_url)
-    app = create_app({}, data_dir=tmp_path, store_url=redis_url, admin_key=ADMIN_KEY,
-                     workers_url=redis_url, load_tokenizer=lambda folder: None)
-    with run_server(app) as url:
-        server = GatewayServer(url, ADMIN_KEY, app)
+    with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None) as server:
+        url = server.url
         key = server.new_tenant("acme")
         headers = {"Authorization": f"Bearer {key}"}
         models = httpx.get(url + "/v1/models", headers=headers).json()["data"]

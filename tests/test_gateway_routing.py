@@ -22,7 +22,7 @@ from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, Eng
 from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
-from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.conftest import GatewayServer, serve_gateway
 from tests.helpers import IdleEngineParts
 
 PRICES = {"small": Price(1.0, 2.0), "medium": Price(3.0, 6.0), "large": Price(10.0, 20.0)}
@@ -121,10 +121,9 @@ def routed(engines, router_dir, tmp_path_factory):
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
                   "thresholds": [math.log(0.5), math.log(0.5)]},
     }, engines)
-    app = create_app(engines, data_dir=tmp_path_factory.mktemp("routed"), admin_key=ADMIN_KEY,
-                     prices=PRICES, routes=routes, default_route="auto")
-    with run_server(app) as url:
-        yield GatewayServer(url, ADMIN_KEY, app)
+    with serve_gateway(engines, tmp_path_factory.mktemp("routed"), prices=PRICES, routes=routes,
+                       default_route="auto") as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

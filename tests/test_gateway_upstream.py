@@ -25,13 +25,12 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
 
-from gateway.app import create_app
 from gateway.config import UpstreamSource
 from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
 from gateway.upstream import UpstreamEngineClient, open_upstreams
 from routing.pricing import Price
 from routing.routes import parse_routes
-from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
+from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server, serve_gateway
 from tests.test_cli import SWITCHBOARD, _free_port, _wait_for_health
 from tests.test_gateway_routing import PRICES, ScriptedTier
 
@@ -53,10 +52,8 @@ class Upstream:
 @pytest.fixture(scope="module")
 def upstream(demo_engine, tmp_path_factory) -> Iterator[Upstream]:
     scripted = {name: ScriptedTier(name) for name in ("small", "large")}
-    app = create_app({DEMO_MODEL: demo_engine, **scripted}, admin_key=ADMIN_KEY,
-                     data_dir=tmp_path_factory.mktemp("upstream"))
-    with run_server(app) as url:
-        server = GatewayServer(url, ADMIN_KEY, app)
+    with serve_gateway({DEMO_MODEL: demo_engine, **scripted},
+                       tmp_path_factory.mktemp("upstream")) as server:
         yield Upstream(server, server.new_tenant("front"), scripted)
 
 
@@ -119,11 +116,9 @@ def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[G
         "escalating": {**mixed, "threshold": 1.5},
         "keeping": {**mixed, "threshold": 0.0},
     }, served)
-    app = create_app(served, data_dir=tmp_path_factory.mktemp("front"), admin_key=ADMIN_KEY,
-                     prices=PRICES | MIXED_PRICES, routes=routes, default_route="auto")
     try:
-        with run_server(app) as front_url:
-            server = GatewayServer(front_url, ADMIN_KEY, app)
+        with serve_gateway(served, tmp_path_factory.mktemp("front"), prices=PRICES | MIXED_PRICES,
+                           routes=routes, default_route="auto") as server:
             yield server, server.new_tenant("client")
     finally:
         for engine in engines.values():

@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import ADMIN_KEY, GatewayServer, run_server
+from tests.conftest import serve_gateway
 from tests.test_arithmetic_fixtures import CONFIDENT, EASY, HARD, MEDIUM_RIGHT_ON_HARD
 
 FIXTURES = ("small", "medium", "large")
@@ -18,7 +18,6 @@ def server(tmp_path_factory):
 
     from benchmarks.routing import FIXTURES as FOLDER
     from engine.config import EngineConfig
-    from gateway.app import create_app
     from gateway.local_engine import LocalEngineClient
     from routing.routes import parse_routes
 
@@ -32,11 +31,9 @@ def server(tmp_path_factory):
         "three": {"tiers": list(FIXTURES), "measure": "min_prob",
                   "thresholds": [CONFIDENT, CONFIDENT]},
     }, engines)
-    app = create_app(engines, data_dir=tmp_path_factory.mktemp("fixtures-gw"),
-                     admin_key=ADMIN_KEY, routes=routes, default_route="auto")
     try:
-        with run_server(app) as url:
-            gateway = GatewayServer(url, ADMIN_KEY, app)
+        with serve_gateway(engines, tmp_path_factory.mktemp("fixtures-gw"), routes=routes,
+                           default_route="auto") as gateway:
             yield gateway, gateway.new_tenant("arith")
     finally:
         for engine in engines.values():
