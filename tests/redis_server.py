@@ -6,7 +6,6 @@ Tests of persistence start their own PersistentRedisServer, which keeps its data
 """
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,13 +15,9 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
+from tests.processes import free_port
+
 _START_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_ping(url: str, proc: subprocess.Popen) -> bool:
@@ -54,7 +49,7 @@ def start_redis_server(data_dir: Path | None = None,
     persistence = ["--appendonly", "no"] if data_dir is None else [
         "--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data_dir)]
     for _ in range(3 if port is None else 1):  # a free port can be taken before redis binds it
-        bound = port or _free_port()
+        bound = port or free_port()
         cmd = [exe, "--save", "", *persistence, "--port", str(bound), "--bind", "127.0.0.1"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{bound}/0"

@@ -3,7 +3,6 @@
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 from gateway.cli import main
 from gateway.config import ServeConfig, load_serve_config, parse_size
 from tests.conftest import DEMO_MODEL
+from tests.processes import free_port
 
 SWITCHBOARD = [sys.executable, "-m", "gateway.cli"]  # what the `switchboard` script runs
 SCRIPT = [shutil.which("switchboard")] if shutil.which("switchboard") else SWITCHBOARD
@@ -100,14 +100,8 @@ def test_unknown_config_keys_exit_2_with_the_reason(tmp_path, capsys):
     assert "unknown keys" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_prints_a_new_admin_key_once_and_serves(demo_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "SWITCHBOARD_HOME": str(tmp_path / "home")}
     env.pop("SWITCHBOARD_ADMIN_KEY", None)

@@ -31,7 +31,8 @@ from gateway.upstream import UpstreamEngineClient, open_upstreams
 from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server, serve_gateway
-from tests.test_cli import SWITCHBOARD, _free_port, _wait_for_health
+from tests.processes import free_port
+from tests.test_cli import SWITCHBOARD, _wait_for_health
 from tests.test_gateway_routing import PRICES, ScriptedTier
 
 TIMEOUT_S = 1.0  # the front's timeout for every upstream
@@ -271,7 +272,7 @@ def test_serve_builds_upstreams_from_the_config_file_and_closes_them(upstream, t
     config.write_text(f'[models.remote]\nupstream = "{upstream.server.url}/v1"\n'
                       f'upstream_model = "large"\napi_key_env = "{KEY_ENV}"\ntimeout_s = 5\n'
                       'price_input = 10\nprice_output = 20\ntier = 1\n')
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, KEY_ENV: upstream.key, "SWITCHBOARD_ADMIN_KEY": ADMIN_KEY,
            "SWITCHBOARD_HOME": str(tmp_path / "home")}
