@@ -64,6 +64,7 @@ class EngineMetrics:
     adapter_misses: int = 0
     adapter_evictions: int = 0
     adapter_page_ins: int = 0
+    adapter_disk_loads: int = 0
     adapters_resident: int = 0
 
 
@@ -156,6 +157,7 @@ class LLMEngine:
             adapters = dict(adapter_hits=cache_stats.num_hits, adapter_misses=cache_stats.num_misses,
                             adapter_evictions=cache_stats.num_evictions,
                             adapter_page_ins=cache_stats.num_page_ins,
+                            adapter_disk_loads=cache_stats.num_loads,
                             adapters_resident=len(self.adapter_cache.resident_ids()))
         return EngineMetrics(
             num_running=len(self.scheduler.running),

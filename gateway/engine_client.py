@@ -78,6 +78,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     adapter_hits: int = 0  # requests whose adapter was in a device slot
     adapter_misses: int = 0  # requests whose adapter had to be paged in
     adapter_evictions: int = 0  # device slots taken from an idle adapter
+    adapter_disk_loads: int = 0  # adapters read from storage into host memory
     adapters_resident: int = 0  # adapters in device slots now
 
 

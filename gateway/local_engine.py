@@ -86,7 +86,8 @@ class LocalEngineClient(TextCodec):
             prefix_cache_hit_rate=m.prefix_cache_hit_rate, num_prompt_tokens=m.num_prompt_tokens,
             num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions,
             adapter_hits=m.adapter_hits, adapter_misses=m.adapter_misses,
-            adapter_evictions=m.adapter_evictions, adapters_resident=m.adapters_resident)
+            adapter_evictions=m.adapter_evictions, adapter_disk_loads=m.adapter_disk_loads,
+            adapters_resident=m.adapters_resident)
 
     @property
     def max_loras(self) -> int:

@@ -74,6 +74,9 @@ class GatewayMetrics:
                                     "Adapter requests whose adapter had to be paged in.", ("model",))
         self.adapter_evictions = Gauge("switchboard_adapter_cache_evictions",
                                        "Device slots taken from an idle adapter.", ("model",))
+        self.adapter_disk_loads = Gauge("switchboard_adapter_disk_loads",
+                                        "Adapters read from storage, validated and packed into "
+                                        "host memory.", ("model",))
         self.adapters_resident = Gauge("switchboard_adapters_resident",
                                        "Adapters in device slots now.", ("model",))
         self.routed = Counter("switchboard_routed_requests_total",
@@ -118,6 +121,7 @@ class GatewayMetrics:
         self.adapter_hits.set(stats.adapter_hits, model=model)
         self.adapter_misses.set(stats.adapter_misses, model=model)
         self.adapter_evictions.set(stats.adapter_evictions, model=model)
+        self.adapter_disk_loads.set(stats.adapter_disk_loads, model=model)
         self.adapters_resident.set(stats.adapters_resident, model=model)
 
     def _all(self) -> list[Metric]:

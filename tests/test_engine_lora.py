@@ -72,7 +72,9 @@ def test_base_and_three_adapters_in_one_batch_match_peft(setup):
         assert tokens[i] == references[adapter_index][prompt_index], (adapter_index, prompt_index)
     # The adapters really changed the output (PEFT's B is random here, not zero).
     assert references[0][0] != references[None][0] and references[1][0] != references[None][0]
-    assert engine.metrics().adapter_page_ins == 3 and engine.metrics().adapter_evictions == 0
+    metrics = engine.metrics()
+    assert metrics.adapter_page_ins == 3 and metrics.adapter_evictions == 0
+    assert metrics.adapter_disk_loads == 3  # each adapter read from its files once
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 
@@ -88,6 +90,8 @@ def test_two_slots_six_adapters_stay_exact_and_count_evictions(setup):
     metrics = engine.metrics()
     assert metrics.adapters_resident == 2
     assert metrics.adapter_page_ins >= 6 and metrics.adapter_evictions == metrics.adapter_page_ins - 2
+    # Three host entries for six adapters: every adapter was read from its files at least once.
+    assert metrics.adapter_disk_loads >= 6
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 

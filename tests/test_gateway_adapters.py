@@ -162,6 +162,8 @@ def test_uploaded_adapters_answer_as_peft_does(server, tenant, adapters):
     misses = [line for line in metrics.splitlines()
               if line.startswith("switchboard_adapter_cache_misses{")]
     assert misses and float(misses[0].split()[-1]) >= 1  # both adapters were paged in
+    loads = [line for line in metrics.splitlines() if line.startswith("switchboard_adapter_disk_loads{")]
+    assert loads and float(loads[0].split()[-1]) >= 2  # and read from their files
     assert "switchboard_adapter_cache_hits{" in metrics
 
 
