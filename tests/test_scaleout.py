@@ -152,8 +152,16 @@ _ids = itertools.count()
 
 def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenant_key,
                                                                    demo_engine, tmp_path):
+    worker_ids = [r.id for r in cluster.records()]
     folders = {f"tenant-lora-{i}": _peft_adapter(cluster.model_dir, tmp_path / f"a{i}", i)
                for i in range(NUM_ADAPTERS)}
+    seed = NUM_ADAPTERS
+    while len({home_of(digest_files(f), worker_ids) for f in folders.values()}) < len(worker_ids):
+        # Worker ids are random: with odds of 1 in 512 all ten homes fall on one worker, and the
+        # test would not show adapters spread. Swap in another adapter until both have some.
+        folders[f"tenant-lora-{NUM_ADAPTERS - 1}"] = _peft_adapter(cluster.model_dir, tmp_path / f"a{seed}",
+                                                                   seed)
+        seed += 1
     for i, (name, folder) in enumerate(folders.items()):
         gateway = cluster.gateways[i % 2]  # uploads through either gateway land in one registry
         files = {f: (f, (folder / f).read_bytes())
@@ -172,7 +180,7 @@ def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenan
 
     # Each adapter went to its home worker, and only there (the registry lags a heartbeat; each
     # worker has device slots for all ten, so no eviction blurs where they went).
-    worker_ids = [r.id for r in cluster.records()]
+    assert sorted(r.id for r in cluster.records()) == sorted(worker_ids)
     homes = {digest_files(f): home_of(digest_files(f), worker_ids) for f in folders.values()}
     assert set(homes.values()) == set(worker_ids)  # both workers got adapters
     wait_until(cluster.gateways[0], lambda: all(
