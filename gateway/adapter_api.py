@@ -109,7 +109,8 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     except EngineFailure as error:  # e.g. no engine worker of the model is up to check it
         raise ApiError(503, f"cannot check the adapter now: {error}", type="server_error",
                        code="engine_unavailable") from None
-    digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder)
+    # NOTE: staged under the blob root, so the files are linked into place, not copied.
+    digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
@@ -122,7 +123,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     if state.blobs.path(digest) is None:
         # A delete of another record with the same files collected the blob between our put and
         # our record (see collect_garbage); the record now references it, so put it back.
-        await asyncio.to_thread(state.blobs.put, uploaded.folder)
+        await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
     return stored
 
 

@@ -45,11 +45,15 @@ class BlobStore:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES) -> tuple[str, int]:
+    def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES, *,
+            link: bool = False) -> tuple[str, int]:
         """Store copies of the named files of folder `src`; returns (digest, total bytes).
 
         Atomic: the files are written and synced in a temporary folder that is then renamed to
-        its digest, so a reader sees all of a blob or none of it.
+        its digest, so a reader sees all of a blob or none of it. `link`: hard-link the files
+        instead of copying them where `src` is on the same file system (an upload staged under
+        `root` is then stored without being written twice); the caller must never change them
+        in place afterwards. Elsewhere, or where links fail, they are copied.
         """
         for name in names:
             validate_name("adapter file", name)
@@ -61,7 +65,7 @@ class BlobStore:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
         try:
             for name in names:
-                shutil.copyfile(src / name, tmp / name)
+                _place(src / name, tmp / name, link)
                 _fsync(tmp / name)
             digest = digest_files(tmp, names)
             size = sum((tmp / n).stat().st_size for n in names)
@@ -118,6 +122,16 @@ async def collect_garbage(
         ):
             removed.append(digest)
     return removed
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another file system (EXDEV), or one without hard links
+            pass
+    shutil.copyfile(src, dst)
 
 
 def _fsync(path: Path) -> None:

@@ -2,6 +2,7 @@
 
 import asyncio
 import hashlib
+import os
 import shutil
 import signal
 import sqlite3
@@ -541,6 +542,27 @@ def test_blob_put_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     (src / ADAPTER_FILES[1]).unlink()
     with pytest.raises(StoreError, match="lacks adapter_model.safetensors"):
         blobs.put(src)
+
+
+def test_blob_put_can_link_instead_of_copying(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    blobs = BlobStore(tmp_path / "blobs")
+    staged = write_adapter(tmp_path / "blobs" / ".tmp-upload-x", b"\x04" * 10)
+    digest, _ = blobs.put(staged, link=True)
+    stored = blobs.path(digest)
+    for name in ADAPTER_FILES:  # the same file, not a second copy of it
+        assert (stored / name).stat().st_ino == (staged / name).stat().st_ino
+    shutil.rmtree(staged)  # what an upload does with its staging folder once stored
+    assert digest_files(stored) == digest
+
+    def no_links(src: Path, dst: Path) -> None:
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    other = write_adapter(tmp_path / "elsewhere", b"\x05" * 10)
+    digest, _ = blobs.put(other, link=True)  # falls back to copying
+    assert (blobs.path(digest) / ADAPTER_FILES[1]).read_bytes() == b"\x05" * 10
+    assert (blobs.path(digest) / ADAPTER_FILES[1]).stat().st_ino != (other / ADAPTER_FILES[1]).stat().st_ino
 
 
 def test_blob_delete_and_bad_digest(tmp_path: Path) -> None:
