@@ -7,12 +7,16 @@ tokens are still billed. A tier whose engine fails is escalated past too (and so
 refuses the request, say for a prompt longer than its context), so the last tier is the fallback;
 only the last tier's failure reaches the client. Each tier reads the prompt with its own tokenizer
 (gateway/generation.py Ask), so a route may mix local models and upstreams.
-"""
+
+Every token a tier generated is billed, however the call ends: each tier goes into the caller's
+list of attempts as soon as it is done with (kept, escalated, failed, or cut short because the
+client left while it was judged), so the list survives a cascade that raises. A tier cut short
+counts its prompt once its first chunk came, and its output so far."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -27,34 +31,28 @@ class Attempt:
     """A tier that ran: how sure it was, the bar it had to clear, and the tokens it used."""
 
     model: str
-    score: float | None  # None when its engine failed before it could be judged
+    score: float | None  # None when it was not judged: its engine failed, or the call ended
     threshold: float | None  # None for the last tier, which answers whatever its score
     tokens_in: int
     tokens_out: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class CascadeOutcome:
-    """The tier that answers (its stream replays what judging it consumed) and every attempt."""
+    """The tier that answers: its stream replays what judging it consumed."""
 
     tier: Tier
     stream: AsyncIterator[GenerationChunk]
-    attempts: list[Attempt] = field(default_factory=list)
-
-    @property
-    def escalated(self) -> bool:
-        return len(self.attempts) > 1
 
 
-async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, *, streamed: bool,
-                      request_id: str, tenant: str | None,
+async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts: list[Attempt],
+                      *, streamed: bool, request_id: str, tenant: str | None,
                       guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
-    """Run `route` over `tiers` (cheapest first) for the one prompt of `ask`; see the module
-    docstring.
+    """Run `route` over `tiers` (cheapest first) for the one prompt of `ask`, adding each tier
+    run to `attempts` (also when this raises); see the module docstring.
 
     `guard` wraps each wait on a judged tier (the caller cancels it when the client leaves).
     """
-    attempts: list[Attempt] = []
     for step, tier in enumerate(tiers):
         threshold = route.threshold(step)
         [(prompt, options)] = ask.read(tier)
@@ -64,39 +62,44 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, *, strea
                               tenant=tenant)
         if threshold is None:
             attempts.append(Attempt(tier.model, None, None, 0, 0))  # counted when it finishes
-            return CascadeOutcome(tier, stream, attempts)
+            return CascadeOutcome(tier, stream)
         limit = route.prefix_tokens if streamed else None
+        chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
         try:
-            chunks = await guard(_collect(stream, limit))
-        except (EngineFailure, RequestRejected):  # the next tier is the fallback
-            await stream.aclose()
-            attempts.append(Attempt(tier.model, None, threshold, 0, 0))
-            continue
-        except BaseException:
-            await stream.aclose()
+            await guard(_collect(stream, limit, chunks))
+        except BaseException as error:
+            attempts.append(Attempt(tier.model, None, threshold, *_used(chunks)))
+            await stream.aclose()  # aborts the engine request
+            if isinstance(error, (EngineFailure, RequestRejected)):
+                continue  # the next tier is the fallback
             raise
         logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
         score = confidence(logprobs[:limit] if limit else logprobs, route.measure, route.quantile)
-        used_in = chunks[-1].num_prompt_tokens if chunks else len(prompt)
-        used_out = sum(len(chunk.token_ids) for chunk in chunks)
         if score >= threshold:
             attempts.append(Attempt(tier.model, score, threshold, 0, 0))  # counted when it finishes
-            return CascadeOutcome(tier, _replay(chunks, stream), attempts)
+            return CascadeOutcome(tier, _replay(chunks, stream))
+        attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
         await stream.aclose()  # aborts the engine request
-        attempts.append(Attempt(tier.model, score, threshold, used_in, used_out))
     raise AssertionError("the last tier always answers")  # pragma: no cover
 
 
-async def _collect(stream: AsyncIterator[GenerationChunk],
-                   num_tokens: int | None) -> list[GenerationChunk]:
-    """Chunks until `num_tokens` tokens (all of them when None) or the end of the answer."""
-    chunks, count = [], 0
+async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | None,
+                   chunks: list[GenerationChunk]) -> None:
+    """Add chunks to `chunks` until `num_tokens` tokens (all of them when None) or the end of the
+    answer."""
+    count = 0
     async for chunk in stream:
         chunks.append(chunk)
         count += len(chunk.token_ids)
         if chunk.finished or (num_tokens is not None and count >= num_tokens):
             break
-    return chunks
+
+
+def _used(chunks: list[GenerationChunk]) -> tuple[int, int]:
+    """The prompt and output tokens an answer has used, by the chunks it produced: its prompt
+    counts once the engine read it (the first chunk came)."""
+    return (chunks[-1].num_prompt_tokens if chunks else 0,
+            sum(len(chunk.token_ids) for chunk in chunks))
 
 
 async def _replay(chunks: list[GenerationChunk],

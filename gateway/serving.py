@@ -143,8 +143,7 @@ class Call:
         g = self.generation
         answered = self.state.price_of(self.answered_by).cost(g.num_prompt_tokens,
                                                               g.num_output_tokens)
-        return answered + sum(self.state.price_of(a.model).cost(a.tokens_in, a.tokens_out)
-                              for a in self.attempts)
+        return answered + _cost_of(self.state, self.attempts)
 
     def headers(self) -> dict[str, str]:
         """What the gateway did, for the response headers (the cost only once it is known)."""
@@ -178,21 +177,40 @@ class Call:
         self.is_finished = True
         self.generation.close()
         usage = self.usage()
-        tokens_in = usage.prompt_tokens + sum(a.tokens_in for a in self.attempts)
-        tokens_out = usage.completion_tokens + sum(a.tokens_out for a in self.attempts)
-        metrics = self.state.metrics
-        metrics.count_tokens(self.tenant.name, self.model, tokens_in, tokens_out)
-        metrics.spend.inc(usage.cost_usd, tenant=self.tenant.name, model=self.answered_by)
+        tried_in, tried_out = _tokens_of(self.attempts)
         if self.target.route is not None:
-            metrics.count_route(self.target.route.name, self.answered_by, self.escalated,
-                                [a.model for a in self.attempts])
-        self.request.state.prompt_tokens = tokens_in
-        self.request.state.completion_tokens = tokens_out
-        await self.admission.settle(tokens_in, tokens_out, usage.cost_usd)
+            self.state.metrics.count_route(self.target.route.name, self.answered_by,
+                                           self.escalated, [a.model for a in self.attempts])
+        await _bill(self.request, self.admission, self.tenant.name,
+                    usage.prompt_tokens + tried_in, usage.completion_tokens + tried_out,
+                    usage.cost_usd, model=self.model, priced_as=self.answered_by)
 
 
 def _number(value: float | None) -> str:
     return "none" if value is None else f"{value:.6g}"
+
+
+def _tokens_of(attempts: list[Attempt]) -> tuple[int, int]:
+    """The prompt and output tokens of a route's attempts (the answering tier's are its
+    Generation's)."""
+    return sum(a.tokens_in for a in attempts), sum(a.tokens_out for a in attempts)
+
+
+def _cost_of(state: GatewayState, attempts: list[Attempt]) -> float:
+    """What a route's attempts cost, each at its own tier's price."""
+    return sum(state.price_of(a.model).cost(a.tokens_in, a.tokens_out) for a in attempts)
+
+
+async def _bill(request: Request, admission: Admission, tenant: str, tokens_in: int,
+                tokens_out: int, cost_usd: float, *, model: str, priced_as: str) -> None:
+    """Count a call's tokens (under `model`) and spend (under `priced_as`, the model whose price
+    applies), then charge them to its tenant: the one place a call is billed."""
+    metrics = gateway_state(request).metrics
+    metrics.count_tokens(tenant, model, tokens_in, tokens_out)
+    metrics.spend.inc(cost_usd, tenant=tenant, model=priced_as)
+    request.state.prompt_tokens = tokens_in
+    request.state.completion_tokens = tokens_out
+    await admission.settle(tokens_in, tokens_out, cost_usd)
 
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,
@@ -220,9 +238,10 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     try:
         if isinstance(target.route, CascadeRoute):
             outcome = await run_cascade(
-                target.route, list(target.tiers), ask, streamed=streamed, request_id=call_id,
-                tenant=tenant.name, guard=functools.partial(_unless_disconnected, request))
-            tier, attempts = outcome.tier, outcome.attempts
+                target.route, list(target.tiers), ask, attempts, streamed=streamed,
+                request_id=call_id, tenant=tenant.name,
+                guard=functools.partial(_unless_disconnected, request))
+            tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
         else:
             tier = target.tiers[0]
@@ -231,12 +250,12 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                     tier.engine.token_text(t) for t in ask.prompts[0].tokens(tier.engine))
                 decision = state.learned.decide(target.route, tenant, text)
                 tier = target.tiers[decision.tier]
-                attempts = [Attempt(tier.model, decision.score, decision.threshold, 0, 0)]
+                attempts.append(Attempt(tier.model, decision.score, decision.threshold, 0, 0))
             streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.name)
-    except BaseException:
-        # NOTE: nothing has produced billable tokens yet (tiers a cascade cut short before the
-        # client left are not counted: run_cascade's attempts do not survive the exception).
-        await admission.settle(0, 0, 0.0)
+    except BaseException:  # only a cascade's tiers have used tokens yet; bill those
+        ran = attempts[-1].model if attempts else target.tiers[0].model
+        await _bill(request, admission, tenant.name, *_tokens_of(attempts),
+                    _cost_of(state, attempts), model=ran, priced_as=ran)
         raise
     answered_by = tier.model
     if target.route is not None:

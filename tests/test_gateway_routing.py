@@ -7,18 +7,24 @@ models of tests/fixtures/arithmetic check the same routes on real answers.
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import itertools
 import json
 import math
 import random
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 import pytest
 
 from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   GenerationChunk, SamplingOptions, TokenLogprob)
+                                   EngineStats, GenerationChunk, SamplingOptions, TokenLogprob)
 from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
@@ -45,8 +51,14 @@ class ScriptedTier(IdleEngineParts):
         self.name = name
         self.letter = name[0]
         self.fail = False
+        self.stall_after: int | None = None  # tokens after which answers wait to be aborted
+        self.stalled = threading.Event()  # set once an answer waits there
         self.started: list[str] = []  # request ids, in order
+        self.running: set[str] = set()
         self.closed_early: list[str] = []  # requests aborted before their last token
+
+    def stats(self) -> EngineStats:
+        return msgspec.structs.replace(super().stats(), num_running=len(self.running))
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
@@ -70,8 +82,12 @@ class ScriptedTier(IdleEngineParts):
         word = next(w for w in words if w in SCRIPTS[self.name])  # chats: the user's first word
         logprob = math.log(SCRIPTS[self.name][word])
         finished = False
+        self.running.add(request_id)
         try:
             for i in range(options.max_tokens):
+                if i == self.stall_after:
+                    self.stalled.set()
+                    await asyncio.Event().wait()  # until the gateway aborts the request
                 finished = i == options.max_tokens - 1
                 logprobs = [] if options.logprobs is None else [
                     TokenLogprob(ord(self.letter), logprob, [(ord(self.letter), logprob)])]
@@ -81,6 +97,7 @@ class ScriptedTier(IdleEngineParts):
                                       num_prompt_tokens=len(prompt_token_ids),
                                       num_output_tokens=i + 1, num_cached_tokens=0)
         finally:
+            self.running.discard(request_id)
             if not finished:
                 self.closed_early.append(request_id)
 
@@ -129,7 +146,8 @@ def routed(engines, router_dir, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def healthy(engines):
     for engine in engines.values():
-        engine.fail = False
+        engine.fail, engine.stall_after = False, None
+        engine.stalled.clear()
 
 
 def new_tenant(server: GatewayServer, **policy) -> tuple[str, str]:
@@ -149,6 +167,14 @@ def spend(server, tenant: str) -> dict:
 
 def cost(model: str, tokens_in: int, tokens_out: int) -> float:
     return PRICES[model].cost(tokens_in, tokens_out)
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether `condition` holds within `timeout_s` (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
 
 
 def test_a_confident_small_model_answers(routed):
@@ -206,6 +232,34 @@ def test_a_stream_is_judged_on_its_prefix_before_any_byte_is_sent(routed, engine
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in kept.text.splitlines()
              if line.startswith("data: {")]
     assert "".join(texts) == "ssssss"  # the judged prefix is replayed, then the rest follows
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_mid_cascade_is_billed_every_token_generated(routed, engines, stream):
+    name, key = new_tenant(routed)
+    engines["medium"].stall_after = 2  # "harder": small escalates, then medium is judged
+    large_before = len(engines["large"].started)
+    url = urlsplit(routed.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request("POST", "/v1/completions", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        body=json.dumps({"model": "three", "prompt": "harder x", "max_tokens": 4,
+                         "stream": stream}))
+    assert engines["medium"].stalled.wait(10)
+    connection.close()  # while medium's answer is being judged
+    assert eventually(lambda: spend(routed, name)["requests"] == 1)
+    # small's whole answer, and medium's prompt and the 2 tokens it made before it was aborted
+    expected = cost("small", 8, 4) + cost("medium", 8, 2)
+    usage = spend(routed, name)
+    assert (usage["tokens_in"], usage["tokens_out"]) == (16, 6)
+    assert usage["spend_usd"] == pytest.approx(expected)
+    metrics = routed.app.state.gateway.metrics
+    assert (metrics.prompt_tokens.value(tenant=name, model="medium"),
+            metrics.generation_tokens.value(tenant=name, model="medium")) == (16, 6)
+    assert metrics.spend.value(tenant=name, model="medium") == pytest.approx(expected)
+    assert engines["medium"].closed_early[-1] == engines["medium"].started[-1]
+    assert len(engines["large"].started) == large_before
+    assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
 
 
 def test_three_tiers_escalate_step_by_step(routed):
