@@ -3,12 +3,14 @@
 `/v1/adapters...` act on the caller's own tenant (a tenant key), `/admin/tenants/{tenant}/adapters...`
 on any tenant (the admin key). An upload is validated in full (form, size, name, base model, and
 the engine's PEFT checks against that base model) before anything is stored; then its files go to
-the content-addressed blob folder and its record to the store, as the next version of its name.
+the content-addressed blob folder (and, with Redis, to the store's shared copy, from which other
+gateways fetch them) and its record to the store, as the next version of its name.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 from starlette.requests import Request
@@ -21,7 +23,7 @@ from gateway.errors import ApiError, invalid_request, not_found
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
-from store import AdapterRecord, InvalidName, NotFound, Tenant
+from store import AdapterRecord, InvalidName, NotFound, Store, Tenant
 from store.blobs import collect_garbage
 from store.models import is_valid_name, validate_name
 
@@ -111,20 +113,29 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                        code="engine_unavailable") from None
     # NOTE: staged under the blob root, so the files are linked into place, not copied.
     digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
+    store = state.require_store()
+    # Before the record: other gateways fetch the files as soon as they can see it.
+    await _share_files(store, digest, uploaded.folder)
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
-    store = state.require_store()
     try:
         stored = await store.put_adapter_record(record)
     except NotFound:  # the tenant was deleted meanwhile: its blob must not linger
         await collect_garbage(state.blobs, store, [digest])
         raise not_found(f"tenant {tenant.name!r} does not exist", code="tenant_not_found") from None
+    # A delete of another record with the same files may have collected the blob between our puts
+    # and our record (see collect_garbage); the record now references it, so put it back.
     if state.blobs.path(digest) is None:
-        # A delete of another record with the same files collected the blob between our put and
-        # our record (see collect_garbage); the record now references it, so put it back.
         await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
+    await _share_files(store, digest, uploaded.folder)  # a no-op unless it was collected
     return stored
+
+
+async def _share_files(store: Store, digest: str, folder: Path) -> None:
+    """Keep the files in the store too, where it has shared copies, for every gateway to fetch."""
+    if store.shared_blobs is not None:
+        await store.shared_blobs.put_files(digest, folder)
 
 
 async def list_adapters(request: Request, tenant: Tenant) -> Response:

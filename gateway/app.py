@@ -78,7 +78,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     On startup it opens the store (`store_url`, see store.open_store; SQLite in `data_dir` when
     None) and sets the admin key to `admin_key`; with none given and none stored, it creates one
     and hands its plaintext to `announce_admin_key`, once. Uploaded adapter files live in
-    `adapter_dir` (default `data_dir`/adapters), which gateways sharing a store must share too.
+    `adapter_dir` (default `data_dir`/adapters); with a Redis store also in Redis, from which
+    gateways fetch what their own `adapter_dir` lacks.
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
     `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
     With `workers_url` (a Redis URL), the models of the engine workers registered there are

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -30,7 +31,8 @@ from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
 from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
 from routing.routes import CascadeRoute, LearnedRoute, Route
-from store import Tenant
+from store import AdapterRecord, StoreError, Tenant
+from store.blobs import fetch_blob
 
 T = TypeVar("T")
 
@@ -78,16 +80,40 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
                        type="permission_error", code="model_not_allowed") from None
     adapter = None
     if target.adapter is not None:
-        folder = state.blobs.path(target.adapter.digest)
-        if folder is None:
-            raise ApiError(503, f"the files of adapter {target.adapter.name!r} are missing from "
-                           "this server's adapter folder; upload the adapter again",
-                           type="server_error", code="adapter_files_missing")
+        folder = await adapter_folder(state, target.adapter)
         adapter = (target.adapter.base_model, AdapterRef(target.adapter.digest, str(folder)))
     models = target.route.tiers if target.route is not None else (target.base_model,)
     tiers = tuple(Tier(m, state.engines[m], adapter[1] if adapter and adapter[0] == m else None)
                   for m in models)
     return Target(tiers, target.route)
+
+
+async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
+    """The folder of the adapter's files in this gateway's blob folder, fetched there from the
+    store's shared copy if need be (once, however many requests wait for it); 503 when neither
+    holds them, or the shared copy is damaged."""
+    # NOTE: no store round trip when the files are here, as they are after the first request.
+    folder = state.blobs.path(adapter.digest)
+    shared = state.require_store().shared_blobs
+    if folder is None and shared is not None:
+        lock = state.blob_fetches.setdefault(adapter.digest, asyncio.Lock())
+        try:
+            async with lock:  # the request holding it may have fetched the files meanwhile
+                folder = (state.blobs.path(adapter.digest)
+                          or await fetch_blob(state.blobs, shared, adapter.digest))
+        except StoreError as error:
+            raise ApiError(503, f"the files of adapter {adapter.name!r} are damaged in the store "
+                           f"and were not used ({error}); upload the adapter again",
+                           type="server_error", code="adapter_files_damaged") from None
+        finally:
+            if not lock.locked() and state.blob_fetches.get(adapter.digest) is lock:
+                del state.blob_fetches[adapter.digest]
+    if folder is None:
+        where = "this server's adapter folder" + (" and the store" if shared is not None else "")
+        raise ApiError(503, f"the files of adapter {adapter.name!r} are missing from {where}; "
+                       "upload the adapter again", type="server_error",
+                       code="adapter_files_missing")
+    return folder
 
 
 def sampling_options(body: SamplingFields, logprobs: int | None) -> SamplingOptions:

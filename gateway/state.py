@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,9 @@ DEFAULT_MAX_UPLOAD_BYTES = 1 << 30
 
 @dataclass
 class GatewayState:
-    """The served models (by the name clients use), the store, adapter files, and the metrics."""
+    """The served models (by the name clients use), the store, adapter files (`blobs`: this
+    gateway's folder, a cache in front of the store's shared copies if it has any), and the
+    metrics."""
 
     engines: dict[str, EngineClient]
     metrics: GatewayMetrics
@@ -32,6 +35,8 @@ class GatewayState:
     default_route: str | None = None  # what `auto` means for tenants without a default of their own
     learned: LearnedRouting = field(default_factory=LearnedRouting)
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
+    # by digest: held while that blob is fetched from the store (gateway.serving.adapter_folder)
+    blob_fetches: dict[str, asyncio.Lock] = field(default_factory=dict)
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @property

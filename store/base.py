@@ -5,13 +5,39 @@ processes). Lookups return None for what does not exist; writes raise store.erro
 Times (`now`) are unix seconds; None means the wall clock.
 """
 
+from pathlib import Path
 from typing import Protocol
 
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 
 
+class SharedBlobs(Protocol):
+    """Adapter files (store.blobs) kept in the store itself, so that every gateway sharing the
+    store can serve every adapter; each gateway's blob folder is a cache in front of them."""
+
+    async def put_files(self, digest: str, folder: Path) -> None:
+        """Keep the adapter files of `folder`, whose digest is `digest`; a no-op if kept already.
+        Readers see all of them or none."""
+
+    async def fetch_into(self, digest: str, folder: Path) -> bool:
+        """Write the files kept under `digest` into the empty `folder`; False if none are kept.
+        StoreError if they are incomplete; the caller checks their digest (BlobStore.put)."""
+
+    async def delete_unreferenced(self, digest: str) -> bool:
+        """Delete the files kept under `digest` unless an adapter record references it (checked
+        atomically with the delete); whether they were deleted."""
+
+    async def drop(self, digest: str) -> None:
+        """Delete the files kept under `digest`, referenced or not: they are damaged, and the
+        next upload of the same files keeps them anew."""
+
+
 class Store(Protocol):
     """Tenants, hashed API keys, adapter records, rate limits, budgets and usage."""
+
+    # Adapter files every process sharing the store reaches (Redis); None where each process's
+    # blob folder is the only copy (SQLite: one machine).
+    shared_blobs: SharedBlobs | None
 
     async def close(self) -> None:
         """Release connections and threads."""

@@ -5,6 +5,9 @@ taken in sorted name order, each fed as
     name (UTF-8) + b"\\0" + size (8 bytes, big-endian) + contents.
 The size makes the boundaries unambiguous. The same files give the same digest and share one
 folder, whoever uploads them; changed files give a new digest, so caches never serve old weights.
+
+Where the store keeps adapter files too (Store.shared_blobs: Redis), the folder is a cache in
+front of them: fetch_blob copies a blob the folder lacks from the store, checking its digest.
 """
 
 import asyncio
@@ -17,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from store.base import Store
+from store.base import SharedBlobs, Store
 from store.errors import StoreError
 from store.models import validate_digest, validate_name
 
@@ -45,15 +48,16 @@ class BlobStore:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES, *,
-            link: bool = False) -> tuple[str, int]:
+    def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES, *, link: bool = False,
+            expected: str | None = None) -> tuple[str, int]:
         """Store copies of the named files of folder `src`; returns (digest, total bytes).
 
         Atomic: the files are written and synced in a temporary folder that is then renamed to
         its digest, so a reader sees all of a blob or none of it. `link`: hard-link the files
         instead of copying them where `src` is on the same file system (an upload staged under
         `root` is then stored without being written twice); the caller must never change them
-        in place afterwards. Elsewhere, or where links fail, they are copied.
+        in place afterwards. Elsewhere, or where links fail, they are copied. `expected`: the
+        digest the files must have; StoreError if they have another, and nothing is stored.
         """
         for name in names:
             validate_name("adapter file", name)
@@ -68,6 +72,9 @@ class BlobStore:
                 _place(src / name, tmp / name, link)
                 _fsync(tmp / name)
             digest = digest_files(tmp, names)
+            if expected is not None and digest != expected:
+                raise StoreError(f"the files hash to {digest}, not to {expected}: they were "
+                                 "changed or damaged")
             size = sum((tmp / n).stat().st_size for n in names)
             try:
                 os.rename(tmp, self.root / digest)
@@ -105,10 +112,30 @@ class BlobStore:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+async def fetch_blob(blobs: BlobStore, shared: SharedBlobs, digest: str) -> Path | None:
+    """Copy the store's shared copy of blob `digest` into `blobs`; its local folder, or None if
+    the store keeps none. StoreError if the copy is damaged (incomplete, or its files do not hash
+    to `digest`): nothing of it is kept then, and it is dropped from the store, so that the next
+    upload of the same files keeps them anew."""
+    staging = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=".tmp-fetch-", dir=blobs.root))
+    try:
+        if not await shared.fetch_into(digest, staging):
+            return None
+        # NOTE: put hashes the files again: a copy changed in the store never reaches the folder.
+        await asyncio.to_thread(blobs.put, staging, link=True, expected=digest)
+        return blobs.path(digest)
+    except StoreError:
+        await shared.drop(digest)
+        raise
+    finally:
+        await asyncio.to_thread(shutil.rmtree, staging, True)
+
+
 async def collect_garbage(
     blobs: BlobStore, store: Store, digests: Sequence[str] | None = None
 ) -> list[str]:
-    """Delete the blobs (all, or just `digests`) that no adapter record references.
+    """Delete the blobs (all local ones, or just `digests`) that no adapter record references,
+    from the folder and from the store's shared copies; returns those deleted from the folder.
 
     NOTE: uploads put the blob before the record, so a blob whose record is being written at
     this moment can be collected; run this after deletes, not concurrently with uploads of the
@@ -117,9 +144,11 @@ async def collect_garbage(
     await asyncio.to_thread(blobs.remove_stale_temp, time.time())
     removed = []
     for digest in blobs.digests() if digests is None else digests:
-        if not await store.is_digest_referenced(digest) and await asyncio.to_thread(
-            blobs.delete, digest
-        ):
+        if await store.is_digest_referenced(digest):
+            continue
+        if store.shared_blobs is not None:
+            await store.shared_blobs.delete_unreferenced(digest)
+        if await asyncio.to_thread(blobs.delete, digest):
             removed.append(digest)
     return removed
 

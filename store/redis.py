@@ -1,8 +1,10 @@
-"""Redis backend, for several gateway processes sharing tenants, keys, limits and budgets.
+"""Redis backend, for several gateway processes sharing tenants, keys, limits, budgets and
+adapter files.
 
-Records are msgspec JSON strings. Multi-key writes are WATCH/MULTI transactions (retried when a
-watched key changes); rate buckets and budget holds are Lua scripts (store.redis_lua), so
-concurrent consumers in any number of processes never exceed a limit.
+Records are msgspec JSON strings, adapter files chunked byte strings (store.redis_blobs).
+Multi-key writes are WATCH/MULTI transactions (retried when a watched key changes); rate buckets
+and budget holds are Lua scripts (store.redis_lua), so concurrent consumers in any number of
+processes never exceed a limit.
 
 While Redis cannot be reached, calls fail fast (refused at once, stuck after _TIMEOUT_S) with one
 of UNAVAILABLE_ERRORS. Nothing needs reopening when it is back: the connection pool reconnects,
@@ -21,6 +23,7 @@ from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import WINDOW_S, month_of, new_reservation, now_or, rate_costs
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
+from store.redis_blobs import RedisBlobs
 
 # Redis is down, unreachable, stuck, or still loading its data after a restart (BusyLoadingError
 # is a ConnectionError): the call did not happen or its outcome is unknown; retry later.
@@ -28,7 +31,7 @@ UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 
 
-class _Keys:
+class RedisKeys:
     """Redis key names, all under one prefix so deployments can share a server."""
 
     def __init__(self, prefix: str) -> None:
@@ -66,15 +69,27 @@ class _Keys:
     def holds(self, tenant: str, month: str) -> str:
         return f"{self.p}holds:{tenant}:{month}"
 
+    def blob(self, digest: str) -> str:
+        return f"{self.p}blob:{digest}"  # an adapter's files: their manifest (store.redis_blobs)
+
+    def blob_chunk(self, digest: str, index: int) -> str:
+        return f"{self.p}blob:{digest}:{index}"
+
+    def blob_staged(self, token: str, index: int) -> str:
+        return f"{self.p}blob-staged:{token}:{index}"  # a chunk of a write not committed yet
+
 
 class RedisStore:
     """The Store protocol over Redis; build it with `await RedisStore.open(url)`."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str = "sb:") -> None:
+    def __init__(self, client: aioredis.Redis, blob_client: aioredis.Redis,
+                 prefix: str = "sb:") -> None:
         self._redis = client
-        self._keys = _Keys(prefix)
+        self._keys = RedisKeys(prefix)
         self._rate_script = client.register_script(redis_lua.RATE)
         self._reserve_script = client.register_script(redis_lua.RESERVE)
+        # NOTE: its own client, with decode_responses=False: adapter files are bytes.
+        self.shared_blobs = RedisBlobs(blob_client, self._keys)
 
     @classmethod
     async def open(cls, url: str, prefix: str = "sb:") -> "RedisStore":
@@ -84,20 +99,24 @@ class RedisStore:
         # a Redis restart every pooled connection is dead, and this reconnects instead of failing
         # the call. Timeouts are not retried: Redis is stuck, and a retry only doubles the wait.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
-        client = aioredis.from_url(url, decode_responses=True, socket_timeout=_TIMEOUT_S,
-                                   socket_connect_timeout=_TIMEOUT_S, retry=retry)
+        client, blob_client = (
+            aioredis.from_url(url, decode_responses=decode, socket_timeout=_TIMEOUT_S,
+                              socket_connect_timeout=_TIMEOUT_S, retry=retry)
+            for decode in (True, False))
         try:
             await client.ping()
         except UNAVAILABLE_ERRORS as error:
             await client.aclose()
+            await blob_client.aclose()
             # NOTE: from None: the message holds the cause, and startup logs show only this.
             raise redis_errors.ConnectionError(
                 f"cannot reach the Redis store at {_address(client)} (start Redis, or correct the "
                 f"store URL): {error}") from None
-        return cls(client, prefix)
+        return cls(client, blob_client, prefix)
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self.shared_blobs.close()
 
     # Tenants.
 

@@ -73,6 +73,8 @@ CREATE INDEX IF NOT EXISTS reservations_tenant ON reservations (tenant, month);
 class SqliteStore:
     """The Store protocol over a SQLite file; build it with `await SqliteStore.open(path)`."""
 
+    shared_blobs = None  # one machine: its blob folder is the only copy of adapter files
+
     def __init__(self, path: Path, auth_cache_ttl_s: float = AUTH_CACHE_TTL_S) -> None:
         self.path = path
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")

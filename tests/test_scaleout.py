@@ -56,10 +56,10 @@ class Cluster:
         return worker
 
     def start_gateway(self, index: int) -> SwitchboardProcess:
-        # NOTE: one data folder for both: gateways sharing a store share their adapter files.
+        # NOTE: a data folder each: a gateway fetches the adapter files it lacks from Redis.
         return start_switchboard(
             ["serve", "--redis", self.redis_url, "--admin-key", ADMIN_KEY,
-             "--data-dir", str(self.root / "gateways"), "--log-level", "warning"],
+             "--data-dir", str(self.root / f"gateway{index}"), "--log-level", "warning"],
             self.root / f"gateway{index}.log")
 
     def records(self) -> list[WorkerRecord]:

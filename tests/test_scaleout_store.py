@@ -1,7 +1,8 @@
 """Two real gateways sharing one Redis: limits hold across both, and both ride out a Redis restart.
 
 The gateways are `switchboard serve` processes over the demo model with one store (a Redis that
-persists to disk, as production's should) and one data folder, as replicas behind a load balancer.
+persists to disk, as production's should) and a data folder each, as replicas on two machines
+behind a load balancer: adapter files reach the second gateway through Redis.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def cluster(demo_model_dir, tmp_path_factory) -> Iterator[Cluster]:
         stack.callback(redis.stop)
         gateways: list[Gateway] = []
         for name in ("a", "b"):
-            gateways.append(_start_gateway(demo_model_dir, root / "shared", redis.url,
+            gateways.append(_start_gateway(demo_model_dir, root / f"gateway-{name}", redis.url,
                                            root / f"gateway-{name}.log"))
             stack.callback(gateways[-1].process.stop)
         for gateway in gateways:

@@ -1,0 +1,231 @@
+"""Two gateways, each with its own adapter folder, sharing one redis-server: an adapter uploaded
+through one answers through the other (its files fetched from Redis, once, and checked); deletes
+remove the Redis copy; a damaged or half-written copy is refused and never reaches a folder, and
+uploading the adapter again repairs it.
+
+The gateways are real apps on real sockets over the session's demo engine (see conftest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from store.blobs import ADAPTER_FILES
+from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server
+from tests.helpers import TINY_DIMS, save_peft_adapter
+from tests.redis_server import redis_server  # noqa: F401
+
+PROMPT = "Shared adapters"
+NUM_TOKENS = 6
+_seeds = iter(range(1, 1000))
+
+
+@pytest.fixture(scope="module")
+def gateways(demo_engine, redis_server, tmp_path_factory) -> Iterator[list[GatewayServer]]:
+    """Gateways A and B: one Redis store, two data folders (so two adapter folders)."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(gateway_server(demo_engine, tmp_path_factory.mktemp(name),
+                                                  redis_server))
+               for name in ("gateway-a", "gateway-b")]
+
+
+@pytest.fixture
+def client(redis_server) -> Iterator[redis.Redis]:
+    with redis.Redis.from_url(redis_server) as connected:
+        yield connected
+
+
+@pytest.fixture
+def tenant_key(gateways) -> str:
+    return gateways[0].new_tenant(f"t{next(_seeds)}")
+
+
+@pytest.fixture
+def adapter(tmp_path) -> Path:
+    """A PEFT adapter for the demo model, with files no other test uploads."""
+    from engine.demo import demo_config
+
+    demo_dims = {name: getattr(demo_config(), name) for name in TINY_DIMS}
+    save_peft_adapter(tmp_path / "adapter", seed=next(_seeds), model_overrides=demo_dims, r=4,
+                      lora_alpha=8)
+    return tmp_path / "adapter"
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def upload(gateway: GatewayServer, key: str, name: str, folder: Path) -> str:
+    """Upload through `gateway`; the adapter's digest."""
+    files = {n: (n, (folder / n).read_bytes()) for n in ADAPTER_FILES}
+    reply = httpx.post(gateway.url + "/v1/adapters", files=files, headers=auth(key), timeout=60,
+                       data={"name": name, "base_model": DEMO_MODEL})
+    assert reply.status_code == 201, reply.text
+    return reply.json()["digest"]
+
+
+def completion(gateway: GatewayServer, key: str, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": NUM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    return httpx.post(gateway.url + "/v1/completions", json=body, headers=auth(key), timeout=60)
+
+
+def greedy_ids(gateway: GatewayServer, key: str, model: str) -> list[int]:
+    reply = completion(gateway, key, model)
+    assert reply.status_code == 200, reply.text
+    return [int(t.removeprefix("token_id:"))
+            for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def local_blobs(gateway: GatewayServer):
+    return gateway.app.state.gateway.blobs
+
+
+def leftovers(gateway: GatewayServer) -> list[str]:
+    """Staging folders in the gateway's adapter folder (a fetch must leave none)."""
+    return [p.name for p in local_blobs(gateway).root.iterdir() if p.name.startswith(".")]
+
+
+def blob_keys(client: redis.Redis, digest: str) -> list[str]:
+    return sorted(k.decode() for k in client.scan_iter(match=f"sb:blob:{digest}*"))
+
+
+def test_an_adapter_uploaded_through_one_gateway_answers_through_the_other(
+        gateways, tenant_key, adapter, client):
+    a, b = gateways
+    digest = upload(a, tenant_key, "tuned", adapter)
+    assert local_blobs(a).path(digest) is not None and local_blobs(b).path(digest) is None
+    assert blob_keys(client, digest) == [f"sb:blob:{digest}", f"sb:blob:{digest}:0",
+                                         f"sb:blob:{digest}:1"]  # one chunk per (small) file
+
+    # B first, so the engine reads the adapter from the files B fetched.
+    through_b = greedy_ids(b, tenant_key, "tuned")
+    folder = local_blobs(b).path(digest)
+    assert folder is not None and leftovers(b) == []
+    for name in ADAPTER_FILES:
+        assert (folder / name).read_bytes() == (adapter / name).read_bytes()
+    assert greedy_ids(a, tenant_key, "tuned") == through_b
+    assert greedy_ids(b, tenant_key, "tuned") == through_b  # now from B's own folder
+    assert greedy_ids(b, tenant_key, DEMO_MODEL) != through_b  # the adapter is applied
+
+
+@contextmanager
+def redis_commands(url: str) -> Iterator[list[str]]:
+    """The commands Redis runs while the block runs, as MONITOR reports them."""
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def record(monitor) -> None:
+        for command in monitor.listen():
+            if stop.is_set():
+                return
+            seen.append(command["command"])
+
+    with redis.Redis.from_url(url) as client, client.monitor() as monitor:
+        thread = threading.Thread(target=record, args=(monitor,), daemon=True)
+        thread.start()
+        try:
+            yield seen
+        finally:
+            stop.set()
+            client.ping()  # a command for the monitor to see, so it stops
+            thread.join(timeout=10)
+
+
+def test_concurrent_requests_fetch_a_missing_blob_once(gateways, tenant_key, adapter,
+                                                       redis_server):
+    a, b = gateways
+    digest = upload(a, tenant_key, "popular", adapter)
+
+    async def burst() -> list[httpx.Response]:
+        body = {"model": "popular", "prompt": PROMPT, "max_tokens": 2}
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await asyncio.gather(*(
+                http.post(b.url + "/v1/completions", json=body, headers=auth(tenant_key))
+                for _ in range(8)))
+
+    with redis_commands(redis_server) as commands:
+        replies = asyncio.run(burst())
+    assert [r.status_code for r in replies] == [200] * 8, replies[0].text
+    reads = [c for c in commands if c.startswith(f"GET sb:blob:{digest}")]
+    assert sorted(reads) == [f"GET sb:blob:{digest}", f"GET sb:blob:{digest}:0",
+                             f"GET sb:blob:{digest}:1"]
+
+
+def test_deleting_an_adapter_removes_its_redis_copy(gateways, adapter, client):
+    a, b = gateways
+    name = f"t{next(_seeds)}"
+    key = a.new_tenant(name)
+    digest = upload(a, key, "first", adapter)
+    assert upload(b, key, "second", adapter) == digest  # the same files, twice
+    greedy_ids(b, key, "first")
+
+    deleted = httpx.delete(a.url + "/v1/adapters/first", headers=auth(key))
+    assert deleted.status_code == 200, deleted.text
+    assert len(blob_keys(client, digest)) == 3  # "second" still references the files
+    assert local_blobs(a).path(digest) is not None
+
+    assert b.admin("DELETE", f"/admin/tenants/{name}/adapters/second").status_code == 200
+    assert blob_keys(client, digest) == []
+    assert local_blobs(b).path(digest) is None  # the deleting gateway's own copy goes too
+    reply = completion(a, key, "second")
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+
+
+def test_deleting_a_tenant_removes_its_adapters_redis_copies(gateways, adapter, client):
+    a, b = gateways
+    name = f"t{next(_seeds)}"
+    digest = upload(a, a.new_tenant(name), "tuned", adapter)
+    assert b.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+    assert blob_keys(client, digest) == []
+    assert local_blobs(b).path(digest) is None
+
+
+@pytest.mark.parametrize("damage", ["changed chunk", "missing chunk"])
+def test_a_damaged_redis_copy_is_refused(gateways, tenant_key, adapter, client, damage):
+    a, b = gateways
+    digest = upload(a, tenant_key, "tuned", adapter)
+    weights = f"sb:blob:{digest}:1"
+    if damage == "changed chunk":
+        client.setrange(weights, 100, b"\x00\x01\x02\x03")
+    else:
+        client.delete(weights)
+    before = sorted(local_blobs(b).root.iterdir())
+
+    reply = completion(b, tenant_key, "tuned")
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "adapter_files_damaged")
+    assert error["message"].startswith("the files of adapter 'tuned' are damaged in the store "
+                                       "and were not used (")
+    assert error["message"].endswith("); upload the adapter again")
+    assert sorted(local_blobs(b).root.iterdir()) == before  # nothing of it was kept
+    assert blob_keys(client, digest) == []  # the damaged copy is dropped
+    through_a = greedy_ids(a, tenant_key, "tuned")  # A's own copy is intact and still serves
+
+    upload(a, tenant_key, "tuned", adapter)  # uploading again repairs it, as the error says
+    assert greedy_ids(b, tenant_key, "tuned") == through_a
+
+
+def test_a_copy_without_its_manifest_is_missing(gateways, tenant_key, adapter, client):
+    a, b = gateways
+    digest = upload(a, tenant_key, "tuned", adapter)
+    client.delete(f"sb:blob:{digest}")  # the chunks stay, as after a write cut short
+
+    reply = completion(b, tenant_key, "tuned")
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"] == {
+        "message": "the files of adapter 'tuned' are missing from this server's adapter folder "
+                   "and the store; upload the adapter again",
+        "type": "server_error", "param": None, "code": "adapter_files_missing"}
+    assert local_blobs(b).path(digest) is None and leftovers(b) == []
+    upload(a, tenant_key, "tuned", adapter)  # uploading again repairs it
+    assert greedy_ids(b, tenant_key, "tuned")
