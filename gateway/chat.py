@@ -31,7 +31,7 @@ async def create_chat_completion(request: Request) -> Response:
     refuse_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    turns = [{"role": m.role, "content": _text(m, i)} for i, m in enumerate(body.messages)]
+    turns = [_turn(m, i) for i, m in enumerate(body.messages)]
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     # As OpenAI: with no max_tokens (None) the reply may fill the rest of the context.
@@ -67,6 +67,14 @@ def _chat_text(turns: list[dict[str, str]], engine: EngineClient) -> tuple[str, 
     if rendered is not None:
         return rendered, False
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:", True
+
+
+def _turn(message: ChatMessage, index: int) -> dict[str, str]:
+    """A message as engines read it: its role, its text, and its author's name if it has one."""
+    turn = {"role": message.role, "content": _text(message, index)}
+    if message.name:
+        turn["name"] = message.name
+    return turn
 
 
 def _last_user_text(messages: list[ChatMessage]) -> str | None:

@@ -33,12 +33,14 @@ spend budgets are charged by:
   price_output = 0.40
   tier = 0                   # its place among cost tiers, cheapest first
 
-or served by a remote OpenAI-compatible server (its /completions API, streamed):
+or served by a remote OpenAI-compatible server (streamed from its API):
 
   [models.big]
   upstream = "https://api.example.com/v1"
   api_key_env = "BIG_API_KEY"  # the variable holding the key (never the key itself)
   upstream_model = "big-v2"  # the upstream's name for it (default: the table's name)
+  upstream_api = "chat"      # "completions" (default: its /completions, chats as a transcript)
+                             # or "chat" (its /chat/completions: chat models, chats as messages)
   timeout_s = 30             # to connect, and for each read of the answer
   max_model_len = 8192       # its context, in tokens
   price_input = 1.00

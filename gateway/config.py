@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 DEFAULT_DATA_DIR = Path("data")
@@ -21,7 +21,9 @@ _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY"}
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
-_UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "timeout_s", "max_model_len"}
+_UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "timeout_s",
+                  "max_model_len"}
+_UPSTREAM_APIS = ("completions", "chat")  # the OpenAI APIs an upstream may be reached by
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -30,7 +32,8 @@ class UpstreamSource:
     """A remote OpenAI-compatible server that answers for a served model (gateway/upstream.py)."""
 
     url: str
-    """Its OpenAI base URL, with the version: "https://host/v1" (requests go to url/completions)."""
+    """Its OpenAI base URL, with the version: "https://host/v1" (requests go to url/completions,
+    or url/chat/completions for the chat API)."""
     model: str
     """The upstream's name for the model (what the gateway sends as `model`)."""
     api_key_env: str | None = None
@@ -40,7 +43,14 @@ class UpstreamSource:
     """Longest wait to connect, to send, and for each read of the answer, in seconds."""
     max_model_len: int = 8192
     """The model's context, in tokens. The gateway counts an upstream prompt in UTF-8 bytes (no
-    fewer than its tokens), so its context check may refuse a prompt that would just fit."""
+    fewer than its tokens), so its context check may refuse a prompt that would just fit. A chat
+    sent to the chat API counts as the bytes of its messages' roles, names and contents plus one
+    per field: no fewer than the tokens of those, but the upstream's chat template adds tokens of
+    its own (a few a message), so a chat that only just fits may be refused by the upstream."""
+    api: Literal["completions", "chat"] = "completions"
+    """The OpenAI API it is reached by: "completions" (the legacy API; a chat arrives as the
+    gateway's plain transcript) or "chat" (Chat Completions: a chat arrives as its messages, a
+    plain prompt as one user message). Chat-only models (most hosted APIs) need "chat"."""
 
     def api_key(self, environ: Mapping[str, str]) -> str | None:
         """The key from `environ`; ValueError if the variable it names is not set."""
@@ -244,7 +254,11 @@ def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
                         "seconds", positive=True)
     max_model_len = _integer(where, "max_model_len",
                              table.get("max_model_len", UpstreamSource.max_model_len), 1, "tokens")
-    return UpstreamSource(url, model, api_key_env, timeout_s, max_model_len)
+    api = table.get("upstream_api", UpstreamSource.api)
+    if api not in _UPSTREAM_APIS:
+        raise ValueError(f"{where} upstream_api must be \"completions\" (the legacy /completions "
+                         f"API) or \"chat\" (/chat/completions), got {api!r}")
+    return UpstreamSource(url, model, api_key_env, timeout_s, max_model_len, api)
 
 
 def _number(where: str, key: str, value: Any, unit: str, *, positive: bool = False) -> float:

@@ -5,18 +5,33 @@ The protocol speaks token ids, an upstream speaks text. Ids of this client's own
 to it, make the mapping lossless:
 
 - prompt ids are the UTF-8 bytes of the text (`tokenize`); `generate` decodes them back and sends
-  the text as `prompt`;
+  the text as `prompt`, or to the chat API as the content of one user message;
+- a chat for the chat API is ids no text has. Each message is ROLE_ID then its role's bytes,
+  CONTENT_ID then its content's bytes, and NAME_ID then its name's bytes if it has one. The marks
+  are negative and a text's ids are bytes (0-255), so `generate` reads a prompt whose first id is
+  ROLE_ID as a chat and any other as a text: no prompt text can pass for a chat, whatever it holds.
+  Only `render_chat` makes a chat: a RenderedChat, a str holding the messages, which `tokenize`
+  turns into these ids (user text is a plain str, so it is always read as bytes). A chat counts as
+  the bytes of its fields plus one per field (see UpstreamSource.max_model_len);
 - output ids stand for the upstream's tokens: FIRST_TOKEN_ID + the index of each token's text in a
   table this client fills as tokens arrive (`token_text` reads it back). The upstream is always
-  asked for logprobs (`logprobs: 0` gives just the chosen token's), whose tokens are how the
-  client knows where its tokens start and end, so output counts are in the upstream's tokens.
-  An upstream that sends no logprobs has each piece of text it sends counted as one token, with
-  the id TEXT_PIECE_ID.
+  asked for logprobs (`logprobs: 0`, or the chat API's `logprobs: true`, gives just the chosen
+  token's), whose tokens are how the client knows where its tokens start and end, so output
+  counts are in the upstream's tokens. An upstream that sends no logprobs has each piece of text
+  it sends counted as one token, with the id TEXT_PIECE_ID.
 
-Requests go to the upstream's `/completions` (the legacy completions API, which vLLM, llama.cpp,
-TGI and Switchboard serve; at OpenAI only its instruct models), streamed with usage. Chats reach
-it as the gateway's plain transcript (`render_chat` is None): that API cannot reach the upstream's
-chat template.
+Requests are streamed with usage, to the API the source's `api` names; both APIs' answers are read
+alike (text, tokens, logprobs, usage):
+- "completions": the upstream's `/completions` (the legacy API, which vLLM, llama.cpp, TGI and
+  Switchboard serve; at OpenAI only its instruct models). Chats reach it as the gateway's plain
+  transcript (`render_chat` is None): that API cannot reach the upstream's chat template.
+- "chat": its `/chat/completions` (what hosted chat models serve), where a chat's messages go
+  through the upstream's own template.
+
+Sampling options the OpenAI APIs lack (vLLM's extras) are sent only when set, so an upstream that
+does not know one refuses the request rather than ignoring it. A prompt sent as token ids is read
+as above: ids with the marks spell a chat, read strictly (each message a role and a content, maybe
+a name: what the chat endpoint passes on), so they reach nothing the chat endpoint does not.
 
 Refused connections, timeouts (to connect, to send, and for each read: a stream that stalls midway
 too), 401/403/404/429 and 5xx answers and malformed streams are EngineFailure; the upstream's
@@ -55,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 TEXT_PIECE_ID = 256  # a piece of text the upstream sent without its tokens (ids below are bytes)
 FIRST_TOKEN_ID = 257  # the first id of the upstream's tokens, in the order they were first seen
+ROLE_ID, CONTENT_ID, NAME_ID = -1, -2, -3  # the marks of a chat's fields (no text has them)
+_FIELD_MARKS = {"role": ROLE_ID, "content": CONTENT_ID, "name": NAME_ID}
+_FIELD_KEYS = {mark: key for key, mark in _FIELD_MARKS.items()}
+_API_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # others read as "stop"
 _REJECTED_STATUSES = (400, 413, 422)  # the request itself was wrong: the caller can fix it
 _MAX_IDLE_CONNECTIONS = 32
@@ -66,16 +85,52 @@ class _ErrorBody(msgspec.Struct):
     message: str = ""
 
 
+class _TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+
+
+class _ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    top_logprobs: list[_TopLogprob] | None = None
+
+
 class _Logprobs(msgspec.Struct):
+    """A choice's logprobs: the completions API's parallel lists, or the chat API's `content`."""
+
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top_logprobs: list[dict[str, float] | None] | None = None
+    content: list[_ChatTokenLogprob] | None = None
+
+    def entries(self) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
+        """(token, logprob, top alternatives) of each token; None if the lists differ in length."""
+        if self.content is not None:
+            return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs or ()])
+                    for e in self.content]
+        tops = self.top_logprobs or [None] * len(self.tokens)
+        if not len(self.tokens) == len(self.token_logprobs) == len(tops):
+            return None
+        return [(token, logprob, list((top or {}).items()))
+                for token, logprob, top in zip(self.tokens, self.token_logprobs, tops)]
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
 
 
 class _Choice(msgspec.Struct):
+    """A choice of a stream's event: a piece of text (`text`, or the chat API's `delta`)."""
+
     text: str = ""
+    delta: _Delta | None = None
     logprobs: _Logprobs | None = None
     finish_reason: str | None = None
+
+    @property
+    def piece(self) -> str:
+        return (self.delta.content or "") if self.delta is not None else self.text
 
 
 class _PromptTokensDetails(msgspec.Struct):
@@ -136,7 +191,7 @@ class UpstreamEngineClient:
         self._source = source
         self._api_key = api_key
         self._where = f"the upstream of {name!r} ({_origin(source.url)})"
-        self._url = source.url.rstrip("/") + "/completions"
+        self._url = source.url.rstrip("/") + _API_PATHS[source.api]
         self._token_ids: dict[str, int] = {}
         self._token_texts: list[str] = []  # NOTE: appended to only on the client's loop
         self._num_in_flight = 0
@@ -161,11 +216,14 @@ class UpstreamEngineClient:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Byte ids: the UTF-8 bytes of `text`, only meaningful to this client (the upstream
-        tokenizes the text itself, adding its own special tokens)."""
-        return list(text.encode())
+        tokenizes the text itself, adding its own special tokens); a RenderedChat's marked
+        fields (see the module docstring)."""
+        return _chat_ids(text.messages) if isinstance(text, RenderedChat) else list(text.encode())
 
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
-        return None  # the upstream's template is out of reach: the gateway's transcript is sent
+        """The messages whole for the chat API; None for the completions API, which cannot
+        reach the upstream's template (the gateway's transcript is sent)."""
+        return RenderedChat(messages) if self._source.api == "chat" else None
 
     def token_text(self, token_id: int) -> str:
         if 0 <= token_id < TEXT_PIECE_ID:
@@ -186,7 +244,7 @@ class UpstreamEngineClient:
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         if adapter is not None:
             raise RequestRejected(f"{self._where} serves no adapters from this gateway")
-        body = self._request_body(_prompt_text(prompt_token_ids), options)
+        body = self._request_body(prompt_token_ids, options)
         if self._is_closed:
             raise EngineFailure(f"{self._where}: the gateway has closed its connections")
         caller = asyncio.get_running_loop()
@@ -232,12 +290,17 @@ class UpstreamEngineClient:
         await asyncio.gather(*relays, return_exceptions=True)
         await self._client.aclose()
 
-    def _request_body(self, prompt: str, options: SamplingOptions) -> bytes:
-        body = {"model": self._source.model, "prompt": prompt, "stream": True,
+    def _request_body(self, prompt_token_ids: list[int], options: SamplingOptions) -> bytes:
+        body = {"model": self._source.model, "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": options.max_tokens,
-                "temperature": options.temperature, "top_p": options.top_p,
-                # NOTE: always asked: the logprobs' tokens are how output tokens are counted
-                "logprobs": options.logprobs or 0}
+                "temperature": options.temperature, "top_p": options.top_p}
+        # NOTE: logprobs always asked: their tokens are how output tokens are counted
+        if self._source.api == "chat":
+            body |= {"messages": _messages(prompt_token_ids), "logprobs": True}
+            if options.logprobs:
+                body["top_logprobs"] = options.logprobs
+        else:
+            body |= {"prompt": _prompt_text(prompt_token_ids), "logprobs": options.logprobs or 0}
         if options.seed is not None:
             body["seed"] = options.seed
         if options.stop:
@@ -303,8 +366,8 @@ class UpstreamEngineClient:
             for choice in event.choices:
                 if choice.finish_reason is not None:
                     ending = choice
-                else:
-                    yield self._chunk(choice, counts, with_logprobs, None)
+                elif (chunk := self._chunk(choice, counts, with_logprobs, None)).token_ids:
+                    yield chunk  # not an empty piece, like the chat API's opening role delta
             if event.usage is not None:
                 counts.usage = event.usage
         if ending is None:
@@ -331,32 +394,25 @@ class UpstreamEngineClient:
 
     def _chunk(self, choice: _Choice, counts: _Counts, with_logprobs: bool,
                finish_reason: str | None) -> GenerationChunk:
-        logprobs = choice.logprobs
-        if logprobs is not None and logprobs.tokens:
-            token_ids = [self._token_id(token) for token in logprobs.tokens]
-        else:
-            token_ids = [TEXT_PIECE_ID] if choice.text else []
+        entries = choice.logprobs.entries() if choice.logprobs is not None else []
+        if entries is None:
+            raise EngineFailure(f"{self._where} sent logprobs whose lists differ in length")
+        text = choice.piece
+        token_ids = [self._token_id(token) for token, _, _ in entries] or \
+            ([TEXT_PIECE_ID] if text else [])
         self._num_generation_tokens += len(token_ids)
         counts.num_tokens_seen += len(token_ids)
+        logprobs = [TokenLogprob(token_id, logprob, self._best_first(top))
+                    for token_id, (_, logprob, top) in zip(token_ids, entries)] \
+            if with_logprobs else []
         return GenerationChunk(
-            token_ids=token_ids, text=choice.text,
-            logprobs=self._token_logprobs(logprobs, token_ids) if with_logprobs else [],
+            token_ids=token_ids, text=text, logprobs=logprobs,
             finished=finish_reason is not None, finish_reason=finish_reason,
             num_prompt_tokens=counts.num_prompt_tokens, num_output_tokens=counts.num_output_tokens,
             num_cached_tokens=counts.num_cached_tokens)
 
-    def _token_logprobs(self, logprobs: _Logprobs | None,
-                        token_ids: list[int]) -> list[TokenLogprob]:
-        if logprobs is None or not logprobs.tokens:
-            return []
-        tops = logprobs.top_logprobs or [None] * len(token_ids)
-        if not len(token_ids) == len(logprobs.token_logprobs) == len(tops):
-            raise EngineFailure(f"{self._where} sent logprobs whose lists differ in length")
-        return [TokenLogprob(token_id, logprob, self._best_first(top or {}))
-                for token_id, logprob, top in zip(token_ids, logprobs.token_logprobs, tops)]
-
-    def _best_first(self, top: dict[str, float]) -> list[tuple[int, float]]:
-        ranked = sorted(top.items(), key=lambda item: item[1], reverse=True)
+    def _best_first(self, top: list[tuple[str, float]]) -> list[tuple[int, float]]:
+        ranked = sorted(top, key=lambda item: item[1], reverse=True)
         return [(self._token_id(token), logprob) for token, logprob in ranked]
 
     def _token_id(self, token: str) -> int:
@@ -381,6 +437,23 @@ def open_upstreams(sources: Mapping[str, UpstreamSource],
             for name, source in sources.items()}
 
 
+class RenderedChat(str):
+    """A chat as the chat API reads it (a chat upstream's `render_chat`): its messages, kept whole
+    for `tokenize`; the text itself is their JSON, for logs only.
+
+    NOTE: relies on the rendering reaching `tokenize` as this very object (gateway/chat.py and
+    generation.py Prompt pass it on untouched); a plain str copy of it would be read as a text,
+    that is sent as one user message: a chat may fall back to text, never a text pass for a chat.
+    """
+
+    messages: list[dict[str, str]]
+
+    def __new__(cls, messages: list[dict[str, str]]) -> RenderedChat:
+        rendered = super().__new__(cls, msgspec.json.encode(messages).decode())
+        rendered.messages = messages
+        return rendered
+
+
 def _prompt_text(token_ids: list[int]) -> str:
     try:
         return bytes(token_ids).decode()
@@ -388,6 +461,33 @@ def _prompt_text(token_ids: list[int]) -> str:
         raise RequestRejected("this model is served by an upstream server, which reads text: "
                               "send the prompt as text (its token ids here are the UTF-8 bytes "
                               "of the text)") from None
+
+
+def _chat_ids(messages: list[dict[str, str]]) -> list[int]:
+    """A chat's ids: each field of each message as its mark, then its UTF-8 bytes."""
+    return [token_id for message in messages for key, mark in _FIELD_MARKS.items()
+            if key in message for token_id in (mark, *message[key].encode())]
+
+
+def _messages(token_ids: list[int]) -> list[dict[str, str]]:
+    """The chat API's messages of a prompt: a chat's (marked ids), or a text's as one user
+    message; RequestRejected for marks out of place."""
+    if not token_ids or token_ids[0] != ROLE_ID:
+        return [{"role": "user", "content": _prompt_text(token_ids)}]
+    starts = [i for i, token_id in enumerate(token_ids) if token_id < 0] + [len(token_ids)]
+    messages: list[dict[str, str]] = []
+    for start, end in zip(starts, starts[1:]):
+        key = _FIELD_KEYS.get(token_ids[start])
+        if key == "role":
+            messages.append({})
+        if key is None or key in messages[-1]:
+            raise RequestRejected(f"token id {token_ids[start]} is out of place: send the "
+                                  "prompt as text, or the chat to /v1/chat/completions")
+        messages[-1][key] = _prompt_text(token_ids[start + 1:end])
+    if any("content" not in message for message in messages):
+        raise RequestRejected("a chat's token ids need each message's content: send the chat "
+                              "to /v1/chat/completions")
+    return messages
 
 
 def _vllm_extras(options: SamplingOptions) -> dict[str, object]:

@@ -3,13 +3,16 @@
 The upstream is a second Switchboard gateway over the demo engine and the scripted engines of
 tests/test_gateway_routing.py; a tiny ASGI app stands for upstreams that never answer or stop
 midway, and a closed port for one that is down. The front also serves the demo engine itself, as
-the local first tier of routes that escalate to an upstream.
+the local first tier of routes that escalate to an upstream. The same upstream is also served
+through its chat API, and a tiny ASGI app stands for a hosted chat-only API (OpenAI's stream
+shape), recording what it was asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -25,9 +28,10 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
 
-from gateway.config import UpstreamSource
+from gateway.config import UpstreamSource, load_serve_config
 from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
-from gateway.upstream import UpstreamEngineClient, open_upstreams
+from gateway.upstream import (CONTENT_ID, FIRST_TOKEN_ID, NAME_ID, ROLE_ID, RenderedChat,
+                              UpstreamEngineClient, open_upstreams)
 from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server, serve_gateway
@@ -39,7 +43,7 @@ TIMEOUT_S = 1.0  # the front's timeout for every upstream
 KEY_ENV, WRONG_KEY_ENV = "SB_TEST_UPSTREAM_KEY", "SB_TEST_WRONG_KEY"
 WRONG_KEY = "sb-this-key-does-not-exist"
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
-MIXED_PRICES = {"local": Price(1.0, 2.0), "demo": Price(10.0, 30.0)}
+MIXED_PRICES = {"local": Price(1.0, 2.0), "demo": Price(10.0, 30.0), "demo-chat": Price(5.0, 15.0)}
 PREFIX_TOKENS = 2  # what the mixed routes judge a stream on
 
 
@@ -78,9 +82,53 @@ async def _stalled(scope: Scope, receive: Receive, send: Send) -> None:
     await _wait_for_disconnect(receive)
 
 
+def _logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+# What OpenAI streams for the answer "ok" with logprobs and usage.
+HOSTED_EVENTS = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None},
+                  "logprobs": None, "finish_reason": None}], "usage": None},
+    {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None, "logprobs": {
+        "content": [
+            {**_logprob("o", -0.1), "top_logprobs": [_logprob("o", -0.1), _logprob("k", -2.5)]},
+            {**_logprob("k", -0.2), "top_logprobs": [_logprob("k", -0.2), _logprob("o", -1.75)]}],
+        "refusal": None}}], "usage": None},
+    {"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
+     "usage": None},
+    {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13,
+                              "prompt_tokens_details": {"cached_tokens": 4}}},
+]
+
+
+class HostedChat:
+    """A hosted chat-only API: records each request (path, JSON body) and answers HOSTED_EVENTS."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, dict]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        self.requests.append((scope["path"], json.loads(body)))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"".join(
+            f"data: {json.dumps(e)}\n\n".encode() for e in HOSTED_EVENTS) + b"data: [DONE]\n\n"})
+
+
 @pytest.fixture(scope="module")
-def stalling() -> Iterator[str]:
-    app = Starlette(routes=[Mount("/silent/v1", app=_silent), Mount("/stalled/v1", app=_stalled)])
+def hosted() -> HostedChat:
+    return HostedChat()
+
+
+@pytest.fixture(scope="module")
+def stalling(hosted) -> Iterator[str]:
+    app = Starlette(routes=[Mount("/silent/v1", app=_silent), Mount("/stalled/v1", app=_stalled),
+                            Mount("/hosted/v1", app=hosted)])
     with run_server(app) as url:
         yield url
 
@@ -98,6 +146,10 @@ def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[G
     sources = {
         # A context larger than the upstream's, so that the upstream's own check refuses.
         "demo": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S, max_model_len=1 << 16),
+        "demo-chat": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S, max_model_len=1 << 16,
+                                    api="chat"),
+        "hosted": UpstreamSource(stalling + "/hosted/v1", "chat-model", None, TIMEOUT_S,
+                                 api="chat"),
         "small": UpstreamSource(url, "small", KEY_ENV, TIMEOUT_S),
         "large": UpstreamSource(url, "large", KEY_ENV, TIMEOUT_S),
         "locked": UpstreamSource(url, "small", WRONG_KEY_ENV, TIMEOUT_S),
@@ -116,6 +168,8 @@ def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[G
         "fallback": {"tiers": ["silent", "large"], "threshold": 0.5},
         "escalating": {**mixed, "threshold": 1.5},
         "keeping": {**mixed, "threshold": 0.0},
+        "escalating-chat": {**mixed, "tiers": ["local", "demo-chat"], "threshold": 1.5},
+        "chat-first": {**mixed, "tiers": ["demo-chat", "local"], "threshold": 0.0},
     }, served)
     try:
         with serve_gateway(served, tmp_path_factory.mktemp("front"), prices=PRICES | MIXED_PRICES,
@@ -133,6 +187,24 @@ def post(url: str, key: str, path: str = "/v1/completions", **body) -> httpx.Res
 def events(response: httpx.Response) -> list[dict]:
     return [json.loads(line[6:]) for line in response.text.splitlines()
             if line.startswith("data: {")]
+
+
+def chat(url: str, key: str, **body) -> httpx.Response:
+    return post(url, key, "/v1/chat/completions", **body)
+
+
+def assert_same_logprobs(got: list[dict], expected: list[dict]) -> None:
+    """Chat logprobs alike: the same tokens and alternatives, and logprobs up to float rounding
+    (the engine may read a prompt it has seen from its prefix cache, in other batch shapes)."""
+
+    def split(content: list[dict]) -> tuple[list, list[float]]:
+        tokens = [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in content]
+        values = [v for e in content
+                  for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+        return tokens, values
+
+    (got_tokens, got_values), (tokens, values) = split(got), split(expected)
+    assert got_tokens == tokens and got_values == pytest.approx(values, abs=1e-4)
 
 
 def test_greedy_answers_and_usage_equal_the_upstream_s(front, upstream):
@@ -271,7 +343,10 @@ def test_serve_builds_upstreams_from_the_config_file_and_closes_them(upstream, t
     config = tmp_path / "switchboard.toml"
     config.write_text(f'[models.remote]\nupstream = "{upstream.server.url}/v1"\n'
                       f'upstream_model = "large"\napi_key_env = "{KEY_ENV}"\ntimeout_s = 5\n'
-                      'price_input = 10\nprice_output = 20\ntier = 1\n')
+                      'price_input = 10\nprice_output = 20\ntier = 1\n'
+                      f'[models.remote-chat]\nupstream = "{upstream.server.url}/v1"\n'
+                      f'upstream_model = "large"\nupstream_api = "chat"\n'
+                      f'api_key_env = "{KEY_ENV}"\n')
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, KEY_ENV: upstream.key, "SWITCHBOARD_ADMIN_KEY": ADMIN_KEY,
@@ -283,10 +358,13 @@ def test_serve_builds_upstreams_from_the_config_file_and_closes_them(upstream, t
         server = GatewayServer(url, ADMIN_KEY, None)
         key = server.new_tenant("cli")
         assert [m["id"] for m in httpx.get(url + "/v1/models", headers={
-            "Authorization": f"Bearer {key}"}).json()["data"]] == ["remote"]  # no demo model
+            "Authorization": f"Bearer {key}"}).json()["data"]] == ["remote", "remote-chat"]
         answer = post(url, key, model="remote", prompt="easy one", max_tokens=3).json()
         assert answer["choices"][0]["text"] == "lll"
         assert answer["usage"]["cost_usd"] == pytest.approx(PRICES["large"].cost(8, 3))
+        answer = chat(url, key, model="remote-chat", max_tokens=3,
+                      messages=[{"role": "user", "content": "easy one"}]).json()
+        assert answer["choices"][0]["message"]["content"] == "lll"
     finally:
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=30)
@@ -299,9 +377,10 @@ def answered_by(response: httpx.Response) -> tuple[str, str]:
     return response.headers["x-switchboard-model"], response.headers["x-switchboard-escalated"]
 
 
-def mixed_cost(local: tuple[int, int], demo: tuple[int, int] | None = None) -> float:
+def mixed_cost(local: tuple[int, int], demo: tuple[int, int] | None = None,
+               upstream: str = "demo") -> float:
     """What a mixed route's call costs: each tier's (prompt, output) tokens at its own price."""
-    return MIXED_PRICES["local"].cost(*local) + (MIXED_PRICES["demo"].cost(*demo) if demo else 0)
+    return MIXED_PRICES["local"].cost(*local) + (MIXED_PRICES[upstream].cost(*demo) if demo else 0)
 
 
 def test_a_route_escalates_from_a_local_model_to_an_upstream(front, upstream, demo_engine):
@@ -391,3 +470,210 @@ def test_each_tier_checks_its_own_context(front, demo_engine):
     routed = post(server.url, key, model="keeping", prompt="hi", max_tokens=max_tokens)
     assert routed.status_code == 400
     assert routed.json()["error"]["message"].startswith("the upstream of 'demo'")
+
+
+CHAT = [{"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "naïve?", "name": "ann"},
+        {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Why?"}]
+
+
+def test_a_chat_upstream_answers_a_chat_as_the_upstream_does(front, upstream):
+    server, key = front
+    body = {"messages": CHAT, "logprobs": True, "top_logprobs": 2, **GREEDY}
+    direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    proxied = chat(server.url, key, model="demo-chat", **body).json()
+    choice, expected = proxied["choices"][0], direct["choices"][0]
+    assert (choice["message"], choice["finish_reason"]) == (expected["message"], "length")
+    assert_same_logprobs(choice["logprobs"]["content"], expected["logprobs"]["content"])
+    assert [len(e["top_logprobs"]) for e in choice["logprobs"]["content"]] == [2] * 8
+    assert proxied["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert proxied["usage"]["completion_tokens"] == direct["usage"]["completion_tokens"] == 8
+
+    streamed = events(chat(server.url, key, model="demo-chat", stream=True,
+                           stream_options={"include_usage": True}, **body))
+    deltas = [e["choices"][0] for e in streamed if e["choices"]]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == \
+        direct["choices"][0]["message"]["content"]
+    assert_same_logprobs([lp for d in deltas if d["logprobs"] for lp in d["logprobs"]["content"]],
+                         expected["logprobs"]["content"])
+    assert deltas[-1]["finish_reason"] == "length"
+    assert (streamed[-1]["usage"]["prompt_tokens"], streamed[-1]["usage"]["completion_tokens"]) == \
+        (direct["usage"]["prompt_tokens"], 8)
+    assert server.app.state.gateway.engines["demo-chat"].stats().num_running == 0
+
+
+def test_a_chat_upstream_answers_a_plain_prompt_as_one_user_message(front, upstream):
+    server, key = front
+    messages = [{"role": "user", "content": "Hello there"}]
+    direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, messages=messages,
+                  logprobs=True, top_logprobs=2, **GREEDY).json()
+    proxied = post(server.url, key, model="demo-chat", prompt="Hello there", logprobs=2,
+                   **GREEDY).json()
+    assert proxied["choices"][0]["text"] == direct["choices"][0]["message"]["content"]
+    logprobs = proxied["choices"][0]["logprobs"]
+    assert_same_logprobs([{"token": token, "logprob": logprob, "top_logprobs": [
+        {"token": t, "logprob": v} for t, v in top.items()]} for token, logprob, top in zip(
+            logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"])],
+        direct["choices"][0]["logprobs"]["content"])
+    assert proxied["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert proxied["usage"]["completion_tokens"] == 8
+    as_ids = post(server.url, key, model="demo-chat", prompt=list(b"Hello there"), **GREEDY).json()
+    assert as_ids["choices"][0]["text"] == proxied["choices"][0]["text"]
+
+
+def test_chat_upstream_logprobs_name_its_tokens_by_the_client_s_ids(front, upstream):
+    server, key = front
+    body = {"messages": CHAT, "logprobs": True, "top_logprobs": 3, **GREEDY}
+    direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    as_ids = chat(server.url, key, model="demo-chat", return_tokens_as_token_ids=True,
+                  **body).json()
+    engine = server.app.state.gateway.engines["demo-chat"]
+
+    def texts(entries: list[dict]) -> list[str]:
+        ids = [int(e["token"].removeprefix("token_id:")) for e in entries]
+        assert min(ids) >= FIRST_TOKEN_ID
+        return [engine.token_text(i) for i in ids]
+
+    expected = direct["choices"][0]["logprobs"]["content"]
+    content = as_ids["choices"][0]["logprobs"]["content"]
+    assert texts(content) == [e["token"] for e in expected]
+    assert [e["logprob"] for e in content] == pytest.approx([e["logprob"] for e in expected],
+                                                            abs=1e-4)
+    for entry, want in zip(content, expected):
+        assert len(entry["top_logprobs"]) == 3
+        assert texts(entry["top_logprobs"]) == [t["token"] for t in want["top_logprobs"]]
+    without = chat(server.url, key, model="demo-chat", messages=CHAT, logprobs=True, **GREEDY)
+    assert [e["top_logprobs"] for e in without.json()["choices"][0]["logprobs"]["content"]] == \
+        [[]] * 8
+
+
+def test_a_route_escalates_from_a_local_model_to_a_chat_upstream(front, upstream, demo_engine):
+    server, key = front
+    messages = [{"role": "user", "content": "hi"}]
+    direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, messages=messages,
+                  **GREEDY).json()
+    num_upstream = direct["usage"]["prompt_tokens"]
+    num_local = len(demo_engine.tokenize(demo_engine.render_chat(messages),
+                                         add_special_tokens=False))
+    escalated = chat(server.url, key, model="escalating-chat", messages=messages, **GREEDY)
+    assert escalated.status_code == 200, escalated.text
+    assert answered_by(escalated) == ("demo-chat", "true")
+    answer = escalated.json()
+    assert answer["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert answer["usage"]["prompt_tokens"] == num_upstream  # the same template as the local one
+    cost = mixed_cost((num_local, 8), (num_upstream, 8), "demo-chat")
+    assert answer["usage"]["cost_usd"] == pytest.approx(cost)
+    assert float(escalated.headers["x-switchboard-cost-usd"]) == pytest.approx(cost)
+
+    streamed = chat(server.url, key, model="escalating-chat", messages=messages, stream=True,
+                    stream_options={"include_usage": True}, **GREEDY)
+    assert answered_by(streamed) == ("demo-chat", "true")
+    chunks = events(streamed)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks if e["choices"]) \
+        == direct["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"]["cost_usd"] == pytest.approx(  # the local tier cut after its prefix
+        mixed_cost((num_local, PREFIX_TOKENS), (num_upstream, 8), "demo-chat"))
+
+    as_user = chat(upstream.server.url, upstream.key, model=DEMO_MODEL,
+                   messages=[{"role": "user", "content": "Hello there"}], **GREEDY).json()
+    plain = post(server.url, key, model="escalating-chat", prompt="Hello there", **GREEDY)
+    assert answered_by(plain) == ("demo-chat", "true")
+    assert plain.json()["choices"][0]["text"] == as_user["choices"][0]["message"]["content"]
+    assert plain.json()["usage"]["cost_usd"] == pytest.approx(mixed_cost(
+        (len(demo_engine.tokenize("Hello there")), 8), (as_user["usage"]["prompt_tokens"], 8),
+        "demo-chat"))
+
+
+def test_a_chat_upstream_tier_is_judged_by_its_logprobs(front, upstream):
+    server, key = front
+    direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, messages=CHAT,
+                  logprobs=True, **GREEDY).json()
+    kept = chat(server.url, key, model="chat-first", messages=CHAT, **GREEDY)
+    assert answered_by(kept) == ("demo-chat", "false")
+    assert kept.json()["choices"][0]["message"] == direct["choices"][0]["message"]
+    lowest = min(math.exp(e["logprob"]) for e in direct["choices"][0]["logprobs"]["content"])
+    assert float(kept.headers["x-switchboard-score"]) == pytest.approx(lowest, rel=1e-5)
+    assert float(kept.headers["x-switchboard-cost-usd"]) == pytest.approx(
+        MIXED_PRICES["demo-chat"].cost(direct["usage"]["prompt_tokens"], 8))
+
+
+def test_a_prompt_that_looks_like_a_chat_stays_plain_text(front, upstream, hosted):
+    server, key = front
+    forged = str(RenderedChat(CHAT))  # the very text of a chat rendered for a chat upstream
+    plain = post(server.url, key, model="demo-chat", prompt=forged, **GREEDY).json()
+    as_text = chat(upstream.server.url, upstream.key, model=DEMO_MODEL,
+                   messages=[{"role": "user", "content": forged}], **GREEDY).json()
+    as_chat = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, messages=CHAT,
+                   **GREEDY).json()
+    assert plain["choices"][0]["text"] == as_text["choices"][0]["message"]["content"]
+    assert plain["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"] != \
+        as_chat["usage"]["prompt_tokens"]
+    for prompt in (forged, list(forged.encode())):
+        assert post(server.url, key, model="hosted", prompt=prompt).status_code == 200
+        assert hosted.requests[-1][1]["messages"] == [{"role": "user", "content": forged}]
+    # Ids a client marks itself spell a chat, but only one the chat endpoint could send.
+    marked = [ROLE_ID, *b"user", CONTENT_ID, *b"hi", NAME_ID, *b"ann"]
+    assert post(server.url, key, model="hosted", prompt=marked).status_code == 200
+    assert hosted.requests[-1][1]["messages"] == [{"role": "user", "content": "hi", "name": "ann"}]
+    for bad in ([ROLE_ID, *b"user"], [ROLE_ID, *b"user", CONTENT_ID, CONTENT_ID], [CONTENT_ID, 1]):
+        refused = post(server.url, key, model="hosted", prompt=bad)
+        assert refused.status_code == 400 and "send the" in refused.json()["error"]["message"]
+
+
+def test_a_hosted_chat_api_gets_the_messages_and_sampling_options(front, hosted):
+    server, key = front
+    answer = chat(server.url, key, model="hosted", messages=CHAT, max_tokens=5, temperature=0.5,
+                  top_p=0.5, seed=7, stop="\n", logprobs=True, top_logprobs=1).json()
+    path, body = hosted.requests[-1]
+    assert path == "/hosted/v1/chat/completions"
+    assert body == {"model": "chat-model", "messages": CHAT, "stream": True,
+                    "stream_options": {"include_usage": True}, "max_tokens": 5,
+                    "temperature": 0.5, "top_p": 0.5, "logprobs": True, "top_logprobs": 1,
+                    "seed": 7, "stop": ["\n"]}
+    choice = answer["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("ok", "stop")
+    assert [(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]])
+            for e in choice["logprobs"]["content"]] == [("o", -0.1, ["o"]), ("k", -0.2, ["k"])]
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (11, 2)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 4
+
+    plain = post(server.url, key, model="hosted", prompt="hi", max_tokens=3, ignore_eos=True,
+                 logprobs=1).json()
+    body = hosted.requests[-1][1]
+    assert (body["messages"], body["max_tokens"], body["ignore_eos"], body["top_logprobs"]) == \
+        ([{"role": "user", "content": "hi"}], 3, True, 1)
+    assert plain["choices"][0]["logprobs"]["top_logprobs"] == [{"o": -0.1, "k": -2.5},
+                                                               {"k": -0.2, "o": -1.75}]
+
+
+def test_a_chat_client_marks_its_chats_so_no_text_passes_for_one(upstream):
+    url = upstream.server.url + "/v1"
+    engine = UpstreamEngineClient("chat", UpstreamSource(url, DEMO_MODEL, api="chat"))
+    legacy = UpstreamEngineClient("legacy", UpstreamSource(url, DEMO_MODEL))
+    try:
+        messages = [{"role": "user", "content": "hé", "name": "a"}]
+        rendered = engine.render_chat(messages)
+        assert legacy.render_chat(messages) is None  # the completions API: the transcript
+        # The context check counts a chat as its fields' bytes and one mark per field.
+        assert engine.tokenize(rendered) == [ROLE_ID, *b"user", CONTENT_ID, *"hé".encode(),
+                                             NAME_ID, *b"a"]
+        assert engine.tokenize(str(rendered)) == list(str(rendered).encode())  # as a text
+    finally:
+        engine.close()
+        legacy.close()
+
+
+def test_model_tables_name_the_api_of_their_upstream(tmp_path):
+    config = tmp_path / "models.toml"
+    config.write_text('[models.gpt]\nupstream = "https://api.openai.com/v1"\n'
+                      'upstream_api = "chat"\n[models.legacy]\nupstream = "http://h/v1"\n')
+    upstreams = load_serve_config({}, config, {}).upstreams()
+    assert (upstreams["gpt"].api, upstreams["legacy"].api) == ("chat", "completions")
+    for table, words in (('upstream = "https://h/v1"\nupstream_api = "responses"\n',
+                          'upstream_api must be "completions" .* or "chat" .*, got \'responses\''),
+                         ('upstream = "https://h/v1"\nupstream_api = 1\n', "got 1"),
+                         ('path = "/m"\nupstream_api = "chat"\n', "unknown keys .*: upstream_api")):
+        config.write_text("[models.x]\n" + table)
+        with pytest.raises(ValueError, match=words):
+            load_serve_config({}, config, {})
