@@ -31,7 +31,7 @@ from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
 from routing.routes import Route as ModelRoute
 from store import open_store
-from store.blobs import BlobStore
+from store.blobs import BlobStore, collect_garbage
 from store.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,11 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
             created = await ensure_admin_key(gateway.store, admin_key)
             if created is not None:
                 announce_admin_key(created)
+            # Files of adapters deleted through other gateways (or while this one was down).
+            removed = await collect_garbage(blobs, gateway.store)
+            if removed:
+                logger.info("removed the files of %d deleted adapters from %s", len(removed),
+                            blobs.root)
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
                                   load_tokenizer, engines.setdefault)

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(serve)
     serve.add_argument("--adapter-dir", type=Path,
                        help="folder of uploaded adapter files (default DATA_DIR/adapters; "
-                            "gateways sharing a store must share it)")
+                            "with a Redis store, a cache of the files kept in Redis)")
     serve.add_argument("--max-upload-size", type=parse_size, metavar="SIZE",
                        help="largest adapter upload accepted, e.g. 512MiB (default 1GiB)")
     serve.add_argument("--redis", metavar="URL",

@@ -50,13 +50,16 @@ def tenant_key(gateways) -> str:
 
 @pytest.fixture
 def adapter(tmp_path) -> Path:
+    return demo_adapter(tmp_path / "adapter")
+
+
+def demo_adapter(folder: Path) -> Path:
     """A PEFT adapter for the demo model, with files no other test uploads."""
     from engine.demo import demo_config
 
     demo_dims = {name: getattr(demo_config(), name) for name in TINY_DIMS}
-    save_peft_adapter(tmp_path / "adapter", seed=next(_seeds), model_overrides=demo_dims, r=4,
-                      lora_alpha=8)
-    return tmp_path / "adapter"
+    save_peft_adapter(folder, seed=next(_seeds), model_overrides=demo_dims, r=4, lora_alpha=8)
+    return folder
 
 
 def auth(key: str) -> dict[str, str]:
@@ -178,6 +181,22 @@ def test_deleting_an_adapter_removes_its_redis_copy(gateways, adapter, client):
     assert local_blobs(b).path(digest) is None  # the deleting gateway's own copy goes too
     reply = completion(a, key, "second")
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_gateway_drops_copies_of_adapters_deleted_elsewhere_when_it_starts(
+        gateways, adapter, demo_engine, redis_server, tmp_path):
+    a, b = gateways
+    key = a.new_tenant(f"t{next(_seeds)}")
+    digest, kept = upload(a, key, "gone", adapter), upload(a, key, "kept", demo_adapter(tmp_path / "kept"))
+    greedy_ids(b, key, "gone"), greedy_ids(b, key, "kept")  # B caches both
+    assert httpx.delete(a.url + "/v1/adapters/gone", headers=auth(key)).status_code == 200
+    assert local_blobs(b).path(digest) is not None  # B did not see the delete
+
+    # B's folder again, under a gateway starting now (as B would after a restart).
+    with gateway_server(demo_engine, local_blobs(b).root.parent, redis_server) as restarted:
+        assert local_blobs(restarted).path(digest) is None
+        assert local_blobs(restarted).path(kept) is not None  # still referenced: kept
+        assert greedy_ids(restarted, key, "kept") == greedy_ids(a, key, "kept")
 
 
 def test_deleting_a_tenant_removes_its_adapters_redis_copies(gateways, adapter, client):
