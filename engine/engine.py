@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,8 @@ class LLMEngine:
                              f"{self.max_model_len - 1}; shorten the prompt")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model folder has none")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            self._check_vocabulary(ids, f"{name} has token ids")
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                           priority=priority, tenant=tenant,
                           adapter_id=lora.adapter_id if lora else None)
@@ -221,10 +224,13 @@ class LLMEngine:
                 raise ValueError("this model folder has no tokenizer: send token ids, not text")
             return self.tokenizer.encode(prompt)
         token_ids = [int(t) for t in prompt]
+        self._check_vocabulary(token_ids, "token ids")
+        return token_ids
+
+    def _check_vocabulary(self, token_ids: Iterable[int], what: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.spec.vocab_size})")
-        return token_ids
+            raise ValueError(f"{what} outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
 
     def _num_kv_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         config = self.config

@@ -31,10 +31,18 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs. k >= 0: the sampled token's logprob plus the top-k alternatives."""
     repetition_penalty: float = 1.0
+    """CTRL's, on prompt and output tokens: positive logits divided by it, negative ones times it."""
+    presence_penalty: float = 0.0
+    """OpenAI's, on output tokens (as vLLM): subtracted once from the logit of every token generated so far."""
+    frequency_penalty: float = 0.0
+    """OpenAI's, on output tokens: subtracted from a token's logit once per time it was generated."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """OpenAI's: token id -> added to its logit before sampling (greedy too); -100 all but bans it."""
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         checks = [
@@ -48,6 +56,13 @@ class SamplingParams:
              f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
+            (all(token >= 0 for token in self.logit_bias), "logit_bias token ids must be >= 0"),
             (all(self.stop), "stop strings must be non-empty"),
         ]
         for ok, message in checks:
@@ -57,6 +72,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling changes the model's logits before choosing (penalties, biases)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
 
 class RequestStatus(enum.Enum):

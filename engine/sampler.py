@@ -1,4 +1,5 @@
-"""Per-request sampling from next-token logits: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""Per-request sampling from next-token logits: penalties and logit biases, greedy, temperature,
+top-k, top-p, seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             # NOTE: logprobs describe the model's own distribution, before penalties and temperature.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_repetition_penalty(logits, requests)
+        logits = self._adjust(logits, requests)
         token_ids = torch.argmax(logits, dim=-1)  # [num_requests]
         for i, request in enumerate(requests):
             if not request.sampling_params.is_greedy:
@@ -51,18 +52,29 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=generator)[0]
 
     @staticmethod
-    def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+    def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The logits after each request's penalties and biases (a copy if any has one), in
+        vLLM's order: repetition (multiplicative), then presence and frequency, then logit_bias."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits]
         if not rows:
             return logits
         logits = logits.clone()
         for i in rows:
-            request = requests[i]
-            penalty = request.sampling_params.repetition_penalty
-            seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device)
-            values = logits[i, seen]
-            # As in CTRL and transformers: shrink positive logits, push negative ones further down.
-            logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            request, row = requests[i], logits[i]
+            params = request.sampling_params
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device)
+                values = row[seen]
+                # As in CTRL and transformers: shrink positive logits, push negative ones further down.
+                row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                        values * params.repetition_penalty)
+            if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
+                ids, counts = torch.tensor(request.output_token_ids, device=logits.device).unique(
+                    return_counts=True)
+                row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), device=logits.device)
+                row[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
         return logits
 
     @staticmethod

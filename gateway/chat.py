@@ -28,7 +28,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await decode_body(request, ChatCompletionRequest)
     target = await resolve_target(state, tenant, body.model)
     request.state.model = body.model
-    refuse_unsupported(body)
+    refuse_unsupported(body, target)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
     turns = [_turn(m, i) for i, m in enumerate(body.messages)]

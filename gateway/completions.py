@@ -25,7 +25,7 @@ async def create_completion(request: Request) -> Response:
     body = await decode_body(request, CompletionRequest)
     target = await resolve_target(state, tenant, body.model)
     request.state.model = body.model
-    refuse_unsupported(body)
+    refuse_unsupported(body, target)
     ask = Ask(_prompts(target, body.prompt), sampling_options(body, body.logprobs),
               body.max_tokens or 16)
     call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,

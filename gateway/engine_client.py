@@ -27,6 +27,9 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0
     logprobs: int | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

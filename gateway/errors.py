@@ -78,7 +78,8 @@ def from_validation_error(error: msgspec.ValidationError | msgspec.DecodeError) 
         missing = _MSGSPEC_MISSING.search(text)
         param = missing.group(1) if missing else None
         return invalid_request(f"invalid request body: {text}", param=param)
-    param = match.group(1) or None
+    # A dict's value is at "field[...]" (msgspec does not say which key): the field is the param.
+    param = match.group(1).replace("[...]", "") or None
     return invalid_request(f"invalid value for '{param}': {text[:match.start()]}", param=param)
 
 

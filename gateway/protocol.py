@@ -20,6 +20,8 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 Penalty = Annotated[float, Meta(gt=0)]
+OpenAIPenalty = Annotated[float, Meta(ge=-2, le=2)]
+LogitBias = Annotated[float, Meta(ge=-100, le=100)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -45,16 +47,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     return_tokens_as_token_ids: bool | None = False
     """Logprob tokens as "token_id:<id>" instead of text (vLLM's extra; exact for any bytes)."""
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: OpenAIPenalty | None = None
+    frequency_penalty: OpenAIPenalty | None = None
+    logit_bias: dict[str, LogitBias] | None = None
+    """Token id (a decimal string, as JSON keys are) -> bias added to its logit."""
 
     def unsupported_field(self) -> str | None:
         """The first OpenAI field set to something this gateway cannot honour, if any: better a
-        400 than a reply that silently ignored it."""
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty" if self.presence_penalty else "frequency_penalty"
-        return "logit_bias" if self.logit_bias else None
+        400 than a reply that silently ignored it. The shared sampling fields are all honoured;
+        each endpoint's body adds its own."""
+        return None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -45,12 +45,20 @@ async def decode_body(request: Request, body_type: type[T]) -> T:
         raise from_validation_error(error) from None
 
 
-def refuse_unsupported(body: SamplingFields) -> None:
-    """400 for a known OpenAI field set to something this server cannot honour."""
+def refuse_unsupported(body: SamplingFields, target: Target) -> None:
+    """400 for a known OpenAI field set to something this server cannot honour, and for fields
+    that name token ids (stop_token_ids, logit_bias) on a route whose models read text with
+    different tokenizers: there an id means a different token to each model."""
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise invalid_request(f"'{unsupported}' is not supported by this server; leave it out",
                               param=unsupported, code="unsupported_parameter")
+    named = "stop_token_ids" if body.stop_token_ids else "logit_bias" if body.logit_bias else None
+    if named is not None and not target.shares_tokenizer:
+        raise invalid_request(
+            f"'{named}' names token ids, but the models of route {target.route.name!r} read text with "
+            "different tokenizers, so an id means a different token to each; leave it out, or name "
+            f"one of the route's models ({', '.join(t.model for t in target.tiers)})", param=named)
 
 
 @dataclass(frozen=True)
@@ -121,13 +129,26 @@ def sampling_options(body: SamplingFields, logprobs: int | None) -> SamplingOpti
     sets: see Ask); None means the engine's default."""
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     fields = dict(logprobs=logprobs, stop=tuple(stop),
-                  stop_token_ids=tuple(body.stop_token_ids or ()))
+                  stop_token_ids=tuple(body.stop_token_ids or ()),
+                  logit_bias=_logit_bias(body.logit_bias or {}))
     for name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos",
-                 "repetition_penalty", "include_stop_str_in_output"):
+                 "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "include_stop_str_in_output"):
         value = getattr(body, name)
         if value is not None:
             fields[name] = value
     return SamplingOptions(**fields)
+
+
+def _logit_bias(biases: dict[str, float]) -> dict[int, float]:
+    """logit_bias with its keys read as token ids; 400 for a key that is not one."""
+    by_id = {}
+    for token, bias in biases.items():
+        if not token.isascii() or not token.isdigit():
+            raise invalid_request(f"logit_bias keys must be token ids (integers as strings), got "
+                                  f"{token!r}", param="logit_bias")
+        by_id[int(token)] = bias
+    return by_id
 
 
 def token_namer(engine: EngineClient, as_ids: bool | None) -> Callable[[int], str]:

@@ -29,7 +29,8 @@ alike (text, tokens, logprobs, usage):
   through the upstream's own template.
 
 Sampling options the OpenAI APIs lack (vLLM's extras) are sent only when set, so an upstream that
-does not know one refuses the request rather than ignoring it. A prompt sent as token ids is read
+does not know one refuses the request rather than ignoring it. Token ids in sampling options
+(`stop_token_ids`, `logit_bias`) are passed as they are: they name the upstream's own tokens. A prompt sent as token ids is read
 as above: ids with the marks spell a chat, read strictly (each message a role and a content, maybe
 a name: what the chat endpoint passes on), so they reach nothing the chat endpoint does not.
 
@@ -305,6 +306,9 @@ class UpstreamEngineClient:
             body["seed"] = options.seed
         if options.stop:
             body["stop"] = options.stop
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if value := getattr(options, name):  # sent only when set, like the extras below
+                body[name] = value
         return msgspec.json.encode(body | _vllm_extras(options))
 
     async def _relay(self, body: bytes, request_id: str, num_prompt_bytes: int,

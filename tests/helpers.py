@@ -45,12 +45,15 @@ def save_hf_model(model, folder: Path) -> Path:
     return folder
 
 
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' own greedy continuation of one prompt and the logits of every generated step."""
+def hf_greedy(model, prompt: list[int], num_tokens: int, **options) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy continuation of one prompt and the raw logits of every generated
+    step; `options` go to generate (logits processors, penalties)."""
+    input_ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens,
+        # NOTE: an explicit mask: without one, generate reads every pad_token_id in the prompt as padding.
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens,
                              min_new_tokens=num_tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+                             return_dict_in_generate=True, pad_token_id=0, **options)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()  # [n, vocab]
 
 

@@ -40,9 +40,11 @@ def setup(tmp_path_factory):
 
 
 def _peft_greedy(model, prompt):
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS,
-                             min_new_tokens=NUM_NEW_TOKENS, do_sample=False, pad_token_id=0)
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():  # an explicit mask, or generate reads a 0 in the prompt as padding
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

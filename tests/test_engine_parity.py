@@ -6,6 +6,7 @@ identical and every step's distribution must match transformers' logits within 1
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -118,3 +119,46 @@ def test_raw_logits_of_a_mixed_batch_match_transformers(family):
     torch.testing.assert_close(logits[0], references[0][1][1], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1], references[2][1][0], atol=1e-4, rtol=0)
 
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties, written out for transformers: the reference."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+@pytest.mark.parametrize("sampling, hf_options", [
+    (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
+    (dict(logit_bias={7: 4.0, 11: -3.0, 99: 2.5}, presence_penalty=0.8, frequency_penalty=0.6),
+     dict(sequence_bias={(7,): 4.0, (11,): -3.0, (99,): 2.5}, presence=0.8, frequency=0.6)),
+])
+def test_penalties_and_logit_bias_match_transformers(tmp_path, sampling, hf_options):
+    """Greedy tokens with penalties and biases, in one batch with plain requests, equal
+    transformers' own processors (repetition_penalty, sequence_bias) and the OpenAI formula."""
+    model = make_hf_model("llama", vocab_size=128)
+    folder = save_hf_model(model, tmp_path)
+    prompts = random_prompts([5, 23, 2], 128, seed=3)
+    hf_options = dict(hf_options)
+    presence, frequency = hf_options.pop("presence", 0.0), hf_options.pop("frequency", 0.0)
+    engine = LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"adjusted-{i}", prompt, SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0,
+                                                                    ignore_eos=True, **sampling))
+        engine.add_request(f"plain-{i}", prompt, SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0,
+                                                                 ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    for i, prompt in enumerate(prompts):
+        processors = LogitsProcessorList([OpenAIPenalties(len(prompt), presence, frequency)])
+        expected, _ = hf_greedy(model, prompt, NUM_NEW_TOKENS, logits_processor=processors, **hf_options)
+        assert tokens[f"adjusted-{i}"] == expected, i
+        assert tokens[f"plain-{i}"] == hf_greedy(model, prompt, NUM_NEW_TOKENS)[0]
+    assert any(tokens[f"adjusted-{i}"] != tokens[f"plain-{i}"] for i in range(len(prompts)))

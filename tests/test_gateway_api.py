@@ -192,8 +192,7 @@ def test_invalid_values_are_bad_requests_naming_the_field(client, kwargs, param)
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"65": 5}}, "logit_bias"),
+    ({"suffix": "and then"}, "suffix"),
     ({"echo": True}, "echo"),
     ({"best_of": 3}, "best_of"),
 ])
@@ -201,6 +200,43 @@ def test_known_but_unsupported_fields_are_refused(client, extra, param):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=DEMO_MODEL, prompt="x", max_tokens=1, extra_body=extra)
     assert (raised.value.body["param"], raised.value.body["code"]) == (param, "unsupported_parameter")
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, offline):
+    """Each answer equals the offline engine's with the same options, and differs from plain greedy."""
+    plain = offline_greedy(offline, PROMPT, 16, ignore_eos=True).output_token_ids
+    assert len(set(plain)) < len(plain)  # greedy repeats itself here, so the penalties have work
+    banned = {token: -100.0 for token in plain[:2]}
+    for fields in [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                   dict(logit_bias=banned, presence_penalty=-0.5)]:
+        expected = offline_greedy(offline, PROMPT, 16, ignore_eos=True, **fields).output_token_ids
+        body = {**fields, "logit_bias": {str(t): b for t, b in fields.get("logit_bias", {}).items()}}
+        completion = client.completions.create(
+            model=DEMO_MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **body})
+        got = ids(completion.choices[0].logprobs.tokens)
+        assert got == expected != plain, fields
+        assert not set(got) & set(banned) if "logit_bias" in fields else True
+    chat = client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logit_bias={str(plain[0]): 100}, logprobs=True,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert ids([t.token for t in chat.choices[0].logprobs.content]) == [plain[0]] * 4
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty", "frequency_penalty"),
+    ({"logit_bias": {"65": 101}}, "logit_bias", "logit_bias"),
+    ({"logit_bias": {"sixty-five": 1}}, "logit_bias", "must be token ids"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", "must be token ids"),
+    ({"logit_bias": {"1000000": 1}}, None, "logit_bias has token ids outside the vocabulary"),
+    ({"stop_token_ids": [1000000]}, None, "stop_token_ids has token ids outside the vocabulary"),
+])
+def test_bad_penalties_and_biases_are_bad_requests(client, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt="x", max_tokens=1, extra_body=extra)
+    assert raised.value.body["param"] == param
+    assert words in raised.value.body["message"]
 
 
 def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):

@@ -6,10 +6,12 @@ No torch here: the scripted engine is what a remote worker would be, the protoco
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected, SamplingOptions)
+from gateway.worker_api import GenerateBody
 from tests.conftest import serve_gateway
 from tests.helpers import IdleEngineParts
 
@@ -23,6 +25,7 @@ class ScriptedEngine(IdleEngineParts):
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
+        self.options: list[SamplingOptions] = []
         self.fail_after: int | None = None
         self.refuse: str | None = None
 
@@ -44,6 +47,7 @@ class ScriptedEngine(IdleEngineParts):
                        request_id: str, tenant: str | None = None,
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         self.prompts.append(prompt_token_ids)
+        self.options.append(options)
         if self.refuse is not None:
             raise RequestRejected(self.refuse)
         for i in range(options.max_tokens):
@@ -119,3 +123,17 @@ def test_usage_counts_each_prompt_once_and_every_choice(scripted):
     assert body["usage"] == {"prompt_tokens": 3 + 4, "completion_tokens": 12,
                              "total_tokens": 19, "prompt_tokens_details": {"cached_tokens": 0},
                              "cost_usd": 0.0}
+
+
+def test_sampling_fields_reach_the_engine_and_cross_to_a_worker_intact(scripted, engine):
+    fields = dict(temperature=0.5, top_p=0.9, top_k=5, seed=3, min_tokens=1, repetition_penalty=1.2,
+                  presence_penalty=-0.5, frequency_penalty=1.25, stop=["\n"], stop_token_ids=[2])
+    response = post(scripted, "/v1/completions", prompt="x", logit_bias={"65": -100, "7": 2.5}, **fields)
+    assert response.status_code == 200
+    options = engine.options[-1]
+    assert options == SamplingOptions(
+        max_tokens=4, logprobs=None, logit_bias={65: -100.0, 7: 2.5},
+        **{**fields, "stop": ("\n",), "stop_token_ids": (2,)})
+    # A worker gets the options as JSON, whose keys are strings: the ids come back as ints.
+    body = GenerateBody(model=MODEL, prompt_token_ids=[1], options=options, request_id="r")
+    assert msgspec.json.decode(msgspec.json.encode(body), type=GenerateBody) == body

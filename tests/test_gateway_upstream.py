@@ -461,6 +461,31 @@ def test_token_ids_reach_only_routes_whose_tiers_share_a_tokenizer(front):
     assert shared.status_code == 200 and shared.json()["choices"][0]["text"] == "ssss"
 
 
+def test_token_ids_in_sampling_options_reach_only_routes_whose_tiers_share_a_tokenizer(front):
+    server, key = front
+    for options in ({"logit_bias": {"115": 5}}, {"stop_token_ids": [115]}):
+        mixed = post(server.url, key, model="escalating", prompt="Hello", max_tokens=2, **options)
+        assert mixed.status_code == 400
+        error = mixed.json()["error"]
+        assert error["param"] == next(iter(options)) and "different tokenizers" in error["message"]
+    # One upstream serves both tiers of 'auto' (scripted models, which answer alike whatever the bias).
+    shared = post(server.url, key, model="auto", prompt="easy one", max_tokens=4, logit_bias={"115": 5})
+    assert shared.status_code == 200 and shared.json()["choices"][0]["text"] == "ssss"
+
+
+def test_penalties_and_logit_bias_reach_the_upstream_as_they_are(front, upstream, hosted):
+    server, key = front
+    options = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"7": -100, "9": 3}}
+    body = {"prompt": "Hello there", "logprobs": 0, **GREEDY, **options}
+    direct = post(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    plain = post(upstream.server.url, upstream.key, model=DEMO_MODEL, prompt="Hello there", **GREEDY).json()
+    proxied = post(server.url, key, model="demo", **body).json()
+    assert proxied["choices"][0]["text"] == direct["choices"][0]["text"] != plain["choices"][0]["text"]
+    post(server.url, key, model="hosted", prompt="hi", max_tokens=2, **options)
+    sent = hosted.requests[-1][1]
+    assert {name: sent[name] for name in options} == options
+
+
 def test_each_tier_checks_its_own_context(front, demo_engine):
     server, key = front
     max_tokens = demo_engine.max_model_len  # too many for the local model, not for 'demo''s

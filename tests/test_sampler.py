@@ -1,4 +1,4 @@
-"""Sampling: greedy, seeds, top-k, top-p, repetition penalty and logprobs on hand-made logits."""
+"""Sampling: greedy, seeds, top-k, top-p, penalties, logit biases and logprobs on hand-made logits."""
 
 import pytest
 import torch
@@ -62,6 +62,45 @@ def test_repetition_penalty_discourages_seen_tokens():
     assert [t.token_id for t in sampler.sample(logits.repeat(2, 1), [plain, penalized])] == [0, 1]
 
 
+def with_output(params: SamplingParams, output: list[int], prompt=(2,)) -> Request:
+    request = make(params, prompt=prompt)
+    request.output_token_ids = list(output)
+    return request
+
+
+def test_presence_and_frequency_penalties_follow_openai_on_output_tokens():
+    """logit[j] -= frequency * count[j] + presence * (count[j] > 0), counting generated tokens only."""
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[3.0, 2.6, 2.0, 1.0]])
+    output = [0, 0, 1]  # token 0 twice, token 1 once; token 2 is only in the prompt
+    frequency = with_output(SamplingParams(temperature=0, frequency_penalty=0.5), output, prompt=(2, 2))
+    presence = with_output(SamplingParams(temperature=0, presence_penalty=0.7), output, prompt=(2, 2))
+    both = with_output(SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.5), output)
+    adjusted = Sampler._adjust(logits.repeat(3, 1), [frequency, presence, both])
+    torch.testing.assert_close(adjusted, torch.tensor([[2.0, 2.1, 2.0, 1.0], [2.3, 1.9, 2.0, 1.0],
+                                                       [1.3, 1.4, 2.0, 1.0]]))
+    tokens = [t.token_id for t in sampler.sample(logits.repeat(3, 1), [frequency, presence, both])]
+    assert tokens == [1, 0, 2]
+    # A negative penalty encourages repeats; nothing generated yet means nothing to penalise.
+    fresh = make(SamplingParams(temperature=0, presence_penalty=2.0), prompt=[0])
+    repeat = with_output(SamplingParams(temperature=0, presence_penalty=-2.0), [2])
+    assert [t.token_id for t in sampler.sample(logits.repeat(2, 1), [fresh, repeat])] == [0, 2]
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[5.0, 1.0, 0.0, -2.0]])
+    assert sampler.sample(logits, [make(SamplingParams(temperature=0, logit_bias={2: 5.5}))])[0].token_id == 2
+    banned = make(SamplingParams(temperature=0, logit_bias={0: -100}))
+    assert sampler.sample(logits, [banned])[0].token_id == 1
+    forced = make(SamplingParams(temperature=1.0, logit_bias={3: 100}))
+    assert {sampler.sample(logits, [forced])[0].token_id for _ in range(50)} == {3}
+    # The other rows of the batch keep their logits, and the caller's tensor is not changed.
+    plain = make(SamplingParams(temperature=0))
+    assert [t.token_id for t in sampler.sample(logits.repeat(2, 1), [banned, plain])] == [1, 0]
+    assert logits.tolist() == [[5.0, 1.0, 0.0, -2.0]]
+
+
 def test_logprobs_report_the_raw_distribution():
     sampler = Sampler(0, torch.device("cpu"))
     logits = torch.tensor([[1.0, 2.0, 3.0]])
@@ -77,6 +116,8 @@ def test_logprobs_report_the_raw_distribution():
     ("max_tokens", 0, "max_tokens"), ("temperature", -1, "temperature"), ("top_p", 0, "top_p"),
     ("top_k", -2, "top_k"), ("logprobs", 21, "logprobs"), ("min_tokens", 99, "min_tokens"),
     ("repetition_penalty", 0, "repetition_penalty"), ("stop", [""], "stop"),
+    ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
+    ("logit_bias", {5: 101}, "logit_bias values"), ("logit_bias", {-1: 1}, "logit_bias token ids"),
 ])
 def test_invalid_params_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):

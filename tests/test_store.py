@@ -455,14 +455,16 @@ async def test_sqlite_wal_is_checkpointed_under_steady_writes(tmp_path: Path) ->
     try:
         acme = await make_tenant(store, monthly_token_budget=10**9)
         largest = 0
-        for _ in range(2000):
+        for _ in range(3000):
             held = await store.reserve_tokens(acme, 10, now=T0)
             await store.settle(held, tokens_in=5, tokens_out=5, spend_usd=0.0)
             largest = max(largest, (tmp_path / "store.db-wal").stat().st_size)
-        assert (await store.get_usage("acme", now=T0)).requests == 2000
+        assert (await store.get_usage("acme", now=T0)).requests == 3000
     finally:
         await store.close()
-    assert largest < 24 << 20  # never checkpointed, these 4000 commits grow it to ~55 MiB
+    # Never checkpointed, these 6000 commits grow it to ~82 MiB; checkpointed, it stays near 16 MiB.
+    # The bound leaves room for a checkpoint whose fsyncs wait on a busy disk while writes go on.
+    assert largest < 40 << 20
 
 
 async def test_sqlite_auth_cache_follows_revocations(tmp_path: Path) -> None:
