@@ -44,6 +44,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With SamplingParams.prompt_logprobs, on a request's first output: prompt tokens 1.. (the
+    first has none, as it follows nothing)."""
 
 
 @dataclass
@@ -73,6 +76,7 @@ class EngineMetrics:
 class _OutputState:
     detokenizer: IncrementalDetokenizer | None
     num_logprobs_sent: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 class LLMEngine:
@@ -198,6 +202,10 @@ class LLMEngine:
             del self._outputs[request.request_id]
         new_logprobs = request.output_logprobs[state.num_logprobs_sent:]
         state.num_logprobs_sent = len(request.output_logprobs)
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None and not state.sent_prompt_logprobs:
+            # The first output follows the step that computed the prompt's last token: all there.
+            prompt_logprobs, state.sent_prompt_logprobs = list(request.prompt_logprobs), True
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[last],
@@ -209,6 +217,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _error_output(self, request: Request) -> RequestOutput:

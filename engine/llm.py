@@ -24,6 +24,7 @@ class CompletionOutput:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with SamplingParams.prompt_logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
@@ -32,6 +33,8 @@ class CompletionOutput:
         self.output_token_ids.extend(output.new_token_ids)
         self.text += output.new_text
         self.logprobs.extend(output.new_logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.finish_reason = output.finish_reason
         self.stop_reason = output.stop_reason
         self.num_cached_tokens = output.num_cached_tokens

@@ -30,6 +30,9 @@ class SamplingParams:
     """Stop tokens and EOS are not honoured before this many tokens were generated."""
     logprobs: int | None = None
     """None: no logprobs. k >= 0: the sampled token's logprob plus the top-k alternatives."""
+    prompt_logprobs: int | None = None
+    """Like `logprobs`, for each prompt token after the first (vLLM's): what the model gave it
+    from the tokens before. The whole prompt is computed for them: no prefix-cache hits."""
     repetition_penalty: float = 1.0
     """CTRL's, on prompt and output tokens: positive logits divided by it, negative ones times it."""
     presence_penalty: float = 0.0
@@ -54,6 +57,8 @@ class SamplingParams:
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (self.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2,
@@ -128,6 +133,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Entry j is prompt token j + 1's, as predicted at position j (with `prompt_logprobs`)."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -157,6 +164,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are still to be computed."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """The positions among [start, end) whose logits give prompt logprobs not yet recorded
+        (a chunk computed again after a preemption records nothing twice)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, self.num_prompt_tokens - 1))
 
     @property
     def all_token_ids(self) -> list[int]:

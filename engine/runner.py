@@ -13,6 +13,7 @@ from engine.lora import LoraBatch
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import ForwardBatch, LlamaModel
 from engine.model.spec import ModelSpec
+from engine.request import TokenLogprobs
 from engine.sampler import Sampler
 from engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -48,10 +49,23 @@ class ModelRunner:
             self.adapter_cache.wait_page_ins()
         logits = self.model.forward(batch, self.k_caches, self.v_caches)
         sampling = [item.request for item in items if item.samples]
-        if not sampling:
-            return RunnerOutput({})
-        tokens = self.sampler.sample(logits, sampling)
-        return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)})
+        tokens = self.sampler.sample(logits[:len(sampling)], sampling) if sampling else []
+        return RunnerOutput({r.request_id: t for r, t in zip(sampling, tokens)},
+                            self._prompt_logprobs(items, logits[len(sampling):]))
+
+    def _prompt_logprobs(self, items: list[ScheduledRequest],
+                         logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Split the prompt rows' logits (after the sampling rows, in item order) by request."""
+        by_request, row = {}, 0
+        for item in items:
+            request, positions = item.request, item.prompt_logprob_positions
+            if positions:
+                rows = logits[row:row + len(positions)]
+                next_tokens = request.prompt_token_ids[positions.start + 1:positions.stop + 1]
+                by_request[request.request_id] = self.sampler.prompt_logprobs(
+                    rows, next_tokens, request.sampling_params.prompt_logprobs)
+                row += len(positions)
+        return by_request
 
     @staticmethod
     def batch_order(output: SchedulerOutput) -> list[ScheduledRequest]:
@@ -73,6 +87,13 @@ class ModelRunner:
             block_tables.append(request.block_ids)
             if item.samples:
                 logits_rows.append(len(input_ids) - 1)
+        # Then the rows prompt logprobs are read from (NOTE: [rows, vocab] float32 logits: a
+        # chunk's worth at most, which max_num_batched_tokens bounds).
+        offset = 0
+        for item in items:
+            start = item.request.num_computed_tokens
+            logits_rows.extend(offset + p - start for p in item.prompt_logprob_positions)
+            offset += item.num_tokens
         attention = AttentionMetadata.build(query_lens, context_lens, block_tables, self.block_size,
                                             self.model.spec.sliding_window, self.device)
         lora = None

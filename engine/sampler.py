@@ -78,6 +78,17 @@ class Sampler:
         return logits
 
     @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TokenLogprobs]:
+        """logits: [n, vocab], row i read at the position before next_tokens[i]: each token's
+        logprob there and the top-k alternatives (the model's own distribution, like `logprobs`)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(next_tokens, device=logits.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top_values, top_ids = torch.topk(logprobs, k) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        return [TokenLogprobs(token, value, list(zip(ids, values)))
+                for token, value, ids, values in zip(next_tokens, chosen, top_ids.tolist(), top_values.tolist())]
+
+    @staticmethod
     def _logprobs(row: torch.Tensor, token: int, request: Request) -> TokenLogprobs:
         k = request.sampling_params.logprobs
         top = []

@@ -37,6 +37,12 @@ class ScheduledRequest:
         """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
         return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The positions of this chunk whose logits give prompt logprobs still to record."""
+        start = self.request.num_computed_tokens
+        return self.request.prompt_logprob_positions(start, start + self.num_tokens)
+
 
 @dataclass
 class SchedulerOutput:
@@ -63,6 +69,8 @@ class RunnerOutput:
     """What one forward pass produced: one sampled token per request whose chunk reached its end."""
 
     sampled: dict[str, SampledToken]
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """Per request, the prompt logprobs of the positions its chunk computed, in order."""
 
 
 @dataclass
@@ -144,7 +152,8 @@ class Scheduler:
                 slot_blocked = True
                 index += 1
                 continue
-            hits = self.kv.get_computed_blocks(request)
+            # Cached blocks would skip the positions whose logits prompt logprobs come from.
+            hits = [] if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - len(hits) * self.kv.block_size, budget)
             if not self.kv.can_allocate(request, num_new, hits):
                 break
@@ -196,6 +205,7 @@ class Scheduler:
             self.stats.num_prompt_tokens_computed += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
             self.kv.cache_full_blocks(request)
+            request.prompt_logprobs += runner_output.prompt_logprobs.get(request.request_id, [])
             sampled = runner_output.sampled.get(request.request_id)
             if sampled is None:
                 continue

@@ -6,7 +6,7 @@ identical and every step's distribution must match transformers' logits within 1
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -119,6 +119,53 @@ def test_raw_logits_of_a_mixed_batch_match_transformers(family):
     torch.testing.assert_close(logits[0], references[0][1][1], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1], references[2][1][0], atol=1e-4, rtol=0)
 
+
+
+def hf_prompt_logprobs(folder, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-distribution at each prompt position but the last: [len - 1, vocab]."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("case", ["chunked prefill next to prefix-cache hits", "preemption"])
+def test_prompt_logprobs_match_transformers(family, case):
+    """Every prompt token's logprob and top alternatives, whatever chunks the prompt was computed
+    in, recomputed after a preemption, or cached for another request."""
+    folder, prompts, references = family
+    preempting = case == "preemption"
+    config = dict(num_kv_blocks=24, block_size=8, max_num_batched_tokens=64) if preempting else \
+        dict(block_size=8, max_num_batched_tokens=64)
+    engine = LLMEngine(EngineConfig(model=str(folder), **config), show_progress=False)
+    plain = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    asking = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    arrivals = {} if preempting else {0: [(f"plain-{i}", p, plain) for i, p in enumerate(prompts)]}
+    arrivals.setdefault(0 if preempting else 20, []).extend((str(i), p, asking) for i, p in enumerate(prompts))
+    outputs: dict[str, list] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        step += 1
+    if preempting:
+        assert engine.metrics().num_preemptions > 0
+    else:
+        assert engine.metrics().prefix_cache_hit_tokens == 0  # the asking requests computed all
+    for i, prompt in enumerate(prompts):
+        first, *rest = outputs[str(i)]
+        assert all(o.prompt_logprobs is None for o in rest)
+        assert [t for o in outputs[str(i)] for t in o.new_token_ids] == references[i][0]
+        expected = hf_prompt_logprobs(folder, prompt)
+        got = first.prompt_logprobs
+        assert [entry.token_id for entry in got] == prompt[1:]
+        for position, entry in enumerate(got):
+            assert abs(entry.logprob - expected[position, entry.token_id].item()) < 1e-4
+            assert [t for t, _ in entry.top] == torch.topk(expected[position], 3).indices.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in entry.top]),
+                                       torch.topk(expected[position], 3).values, atol=1e-4, rtol=0)
 
 
 class OpenAIPenalties(LogitsProcessor):

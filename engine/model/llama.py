@@ -36,7 +36,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attention: AttentionMetadata
-    logits_rows: torch.Tensor  # [num_sampled] rows whose next-token logits are wanted
+    logits_rows: torch.Tensor  # [num_rows] rows whose next-token logits are wanted (sampled, then prompt logprobs)
     lora: LoraBatch | None = None  # None when no token of the step uses an adapter
 
 
@@ -73,7 +73,7 @@ class LlamaModel:
             mlp_in = rms_norm(hidden, layer.post_attention_norm, eps)
             hidden = hidden + self._mlp(layer, mlp_in, lora)
         last = rms_norm(hidden[batch.logits_rows], self.norm, eps)
-        return self.lm_head(last).float()  # [num_sampled, vocab]
+        return self.lm_head(last).float()  # [num_rows, vocab]
 
     def _attention(self, layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, lora: "_LayerLora") -> torch.Tensor:
