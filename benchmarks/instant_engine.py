@@ -44,6 +44,9 @@ class InstantEngine:
     def token_text(self, token_id: int) -> str:
         return bytes([token_id]).decode(errors="replace")
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
     @property
     def supports_adapters(self) -> bool:
         return False

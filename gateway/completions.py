@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import msgspec
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,26 +29,75 @@ async def create_completion(request: Request) -> Response:
     target = await resolve_target(state, tenant, body.model)
     request.state.model = body.model
     refuse_unsupported(body, target)
-    ask = Ask(_prompts(target, body.prompt), sampling_options(body, body.logprobs),
-              body.max_tokens or 16)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and not body.echo:
+        raise invalid_request("max_tokens must be at least 1; 0 is only for echo, to get the prompt "
+                              "back (scored, with logprobs)", param="max_tokens")
+    options = sampling_options(body, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        options = msgspec.structs.replace(options, prompt_logprobs=body.logprobs)
+    prompts = _prompts(target, body.prompt)
+    # NOTE: max_tokens 0 runs one token, as the engine always samples one; echo leaves it out.
+    ask = Ask(prompts, options, max(max_tokens, 1))
     call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,
                             streamed=bool(body.stream),
                             prompt_text=body.prompt if isinstance(body.prompt, str) else None)
     name = token_namer(call.engine, body.return_tokens_as_token_ids) \
         if body.logprobs is not None else None
+    echo = Echo.of(call, ask, drop_output=max_tokens == 0) if body.echo else None
     stream = None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(call, name, include_usage)
+        stream = _stream(call, name, include_usage, echo)
 
     def whole() -> Completion:
-        choices = [CompletionChoice(c.index, c.text, name and _logprobs(name, c.logprobs, 0),
-                                    c.finish_reason)
-                   for c in call.generation.choices]
+        choices = []
+        for c in call.generation.choices:
+            text, entries = c.text, _entries(c.logprobs)
+            if echo is not None:
+                text, entries = echo.apply(c.prompt_index, c.prompt_logprobs, text, entries)
+            choices.append(CompletionChoice(c.index, text, name and _logprobs(name, entries, 0),
+                                            c.finish_reason))
         return Completion(id=call.id, created=call.created, model=call.model, choices=choices,
                           usage=call.usage())
 
     return await respond(request, call, stream, whole)
+
+
+# A logprob entry: (token id, its logprob, the top alternatives); None for an echoed prompt's
+# first token, which follows nothing.
+Entry = tuple[int, float | None, list[tuple[int, float]] | None]
+
+
+def _entries(logprobs: list[TokenLogprob]) -> list[Entry]:
+    return [(lp.token_id, lp.logprob, lp.top) for lp in logprobs]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` puts before each choice: its prompt as text and, for logprobs, as the
+    answering model's tokens with their logprobs. With max_tokens 0 it is all a choice says."""
+
+    texts: list[str]  # per prompt: as sent, or the text of its tokens when sent as ids
+    token_ids: list[list[int]]  # per prompt, as the answering model read it
+    drop_output: bool
+
+    @classmethod
+    def of(cls, call: Call, ask: Ask, drop_output: bool) -> Echo:
+        token_ids = [p.tokens(call.engine) for p in ask.prompts]
+        texts = [p.render(call.engine)[0] if p.token_ids is None
+                 else call.engine.detokenize(ids)
+                 for p, ids in zip(ask.prompts, token_ids)]
+        return cls(texts, token_ids, drop_output)
+
+    def apply(self, prompt_index: int, prompt_logprobs: list[TokenLogprob] | None, text: str,
+              entries: list[Entry]) -> tuple[str, list[Entry]]:
+        """A choice's text and logprob entries with its prompt in front."""
+        if self.drop_output:
+            text, entries = "", []
+        ids = self.token_ids[prompt_index]
+        prompt_entries = [(ids[0], None, None), *_entries(prompt_logprobs or [])]
+        return self.texts[prompt_index] + text, prompt_entries + entries
 
 
 def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
@@ -70,19 +122,29 @@ def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
     return [Prompt(token_ids=p) for p in prompt]
 
 
-async def _stream(call: Call, name: Callable[[int], str] | None,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """One event per engine chunk that carries text, logprobs or the finish reason."""
+async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: bool,
+                  echo: Echo | None) -> AsyncIterator[bytes]:
+    """One event per engine chunk that carries text, logprobs or the finish reason; with echo,
+    each choice's first event starts with its prompt."""
     offsets = [0] * len(call.generation.choices)
+    echoed: set[int] = set()
     try:
         async for index, chunk in call.generation:
-            if not (chunk.text or chunk.finished or (name and chunk.logprobs)):
+            text, entries = chunk.text, _entries(chunk.logprobs)
+            if echo is not None:
+                if index not in echoed:
+                    echoed.add(index)
+                    prompt_index = call.generation.choices[index].prompt_index
+                    text, entries = echo.apply(prompt_index, chunk.prompt_logprobs, text, entries)
+                elif echo.drop_output:
+                    text, entries = "", []
+            if not (text or chunk.finished or (name and entries)):
                 continue
             logprobs = None
             if name is not None:
-                logprobs = _logprobs(name, chunk.logprobs, offsets[index])
+                logprobs = _logprobs(name, entries, offsets[index])
                 offsets[index] += sum(len(t) for t in logprobs.tokens)
-            choice = CompletionChoice(index, chunk.text, logprobs, chunk.finish_reason)
+            choice = CompletionChoice(index, text, logprobs, chunk.finish_reason)
             yield event(Completion(id=call.id, created=call.created, model=call.model,
                                    choices=[choice]))
     except EngineFailure as error:
@@ -94,12 +156,12 @@ async def _stream(call: Call, name: Callable[[int], str] | None,
     yield DONE
 
 
-def _logprobs(name: Callable[[int], str], logprobs: list[TokenLogprob],
-              start_offset: int) -> CompletionLogprobs:
-    tokens = [name(lp.token_id) for lp in logprobs]
+def _logprobs(name: Callable[[int], str], entries: list[Entry], start_offset: int) -> CompletionLogprobs:
+    tokens = [name(token_id) for token_id, _, _ in entries]
     offsets, offset = [], start_offset
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    top = [{name(t): v for t, v in lp.top} for lp in logprobs]
-    return CompletionLogprobs(tokens, [lp.logprob for lp in logprobs], top, offsets)
+    top = [None if alternatives is None else {name(t): v for t, v in alternatives}
+           for _, _, alternatives in entries]
+    return CompletionLogprobs(tokens, [logprob for _, logprob, _ in entries], top, offsets)

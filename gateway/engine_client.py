@@ -26,6 +26,7 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,6 +52,9 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # With SamplingOptions.prompt_logprobs, on the first chunk: prompt tokens 1.. (the first
+    # follows nothing).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class AdapterRef(msgspec.Struct, frozen=True):
@@ -100,6 +104,9 @@ class EngineClient(Protocol):
 
     def token_text(self, token_id: int) -> str:
         """How one token reads on its own (for logprobs)."""
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """How a run of tokens reads (for echo: a character may span several tokens)."""
 
     @property
     def supports_adapters(self) -> bool:

@@ -144,6 +144,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for, from the first chunk
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -153,6 +154,8 @@ class Choice:
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
         self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.finish_reason = chunk.finish_reason
         self.num_prompt_tokens = chunk.num_prompt_tokens
         self.num_cached_tokens = chunk.num_cached_tokens

@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
 from engine.lora import LoraRequest
-from engine.request import SamplingParams
+from engine.request import SamplingParams, TokenLogprobs
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
@@ -118,10 +118,15 @@ def _chunk(output: RequestOutput) -> GenerationChunk:
     return GenerationChunk(
         token_ids=output.new_token_ids,
         text=output.new_text,
-        logprobs=[TokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in output.new_logprobs],
+        logprobs=_logprobs(output.new_logprobs),
         finished=output.finished,
         finish_reason=output.finish_reason,
         num_prompt_tokens=output.num_prompt_tokens,
         num_output_tokens=output.num_output_tokens,
         num_cached_tokens=output.num_cached_tokens,
+        prompt_logprobs=None if output.prompt_logprobs is None else _logprobs(output.prompt_logprobs),
     )
+
+
+def _logprobs(logprobs: list[TokenLogprobs]) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in logprobs]

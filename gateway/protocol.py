@@ -63,15 +63,16 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of ids."""
 
     prompt: str | list[str | int | list[int]]
-    max_tokens: PositiveInt | None = 16
+    max_tokens: NonNegativeInt | None = 16
+    """0 only with echo: the prompt alone, scored (with logprobs)."""
     logprobs: NumLogprobs | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
 
     def unsupported_field(self) -> str | None:
-        if self.echo or self.suffix or (self.best_of or 1) > (self.n or 1):
-            return "echo" if self.echo else "suffix" if self.suffix else "best_of"
+        if self.suffix or (self.best_of or 1) > (self.n or 1):
+            return "suffix" if self.suffix else "best_of"
         return super().unsupported_field()
 
 
@@ -122,8 +123,8 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -32,3 +32,8 @@ class TextCodec:
         if self._tokenizer is None:
             return f"token_id:{token_id}"
         return self._tokenizer.decode([token_id])
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self._tokenizer is None:
+            return "".join(map(self.token_text, token_ids))
+        return self._tokenizer.decode(token_ids)

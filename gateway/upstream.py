@@ -226,6 +226,9 @@ class UpstreamEngineClient:
         reach the upstream's template (the gateway's transcript is sent)."""
         return RenderedChat(messages) if self._source.api == "chat" else None
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < TEXT_PIECE_ID).decode(errors="replace")
+
     def token_text(self, token_id: int) -> str:
         if 0 <= token_id < TEXT_PIECE_ID:
             return bytes([token_id]).decode(errors="replace")
@@ -245,6 +248,9 @@ class UpstreamEngineClient:
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         if adapter is not None:
             raise RequestRejected(f"{self._where} serves no adapters from this gateway")
+        if options.prompt_logprobs is not None:
+            raise RequestRejected(f"{self._where} returns no logprobs of the prompt through this "
+                                  "gateway; leave out echo with logprobs, or call a local model")
         body = self._request_body(prompt_token_ids, options)
         if self._is_closed:
             raise EngineFailure(f"{self._where}: the gateway has closed its connections")

@@ -193,7 +193,6 @@ def test_invalid_values_are_bad_requests_naming_the_field(client, kwargs, param)
 
 @pytest.mark.parametrize("extra, param", [
     ({"suffix": "and then"}, "suffix"),
-    ({"echo": True}, "echo"),
     ({"best_of": 3}, "best_of"),
 ])
 def test_known_but_unsupported_fields_are_refused(client, extra, param):
@@ -221,6 +220,57 @@ def test_penalties_and_logit_bias_reach_the_engine(client, offline):
                                           logit_bias={str(plain[0]): 100}, logprobs=True,
                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     assert ids([t.token for t in chat.choices[0].logprobs.content]) == [plain[0]] * 4
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
+    expected = offline_greedy(offline, PROMPT, 3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    prompt_ids = expected.prompt_token_ids
+    completion = client.completions.create(
+        model=DEMO_MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    choice = completion.choices[0]
+    assert choice.text == PROMPT + expected.text
+    logprobs = choice.logprobs
+    assert ids(logprobs.tokens) == prompt_ids + expected.output_token_ids
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    reference = expected.prompt_logprobs + expected.logprobs  # prompt tokens 1.., then the output
+    assert logprobs.token_logprobs[1:] == pytest.approx([lp.logprob for lp in reference], abs=1e-4)
+    assert [ids(top) for top in logprobs.top_logprobs[1:]] == [[t for t, _ in lp.top] for lp in reference]
+    assert logprobs.text_offset[0] == 0 and len(logprobs.text_offset) == len(logprobs.tokens)
+    assert completion.usage.prompt_tokens == len(prompt_ids)
+
+    # max_tokens 0: the prompt alone, scored (how evaluation harnesses score a text).
+    scored = client.completions.create(model=DEMO_MODEL, prompt=PROMPT, max_tokens=0, echo=True,
+                                       logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    assert scored.choices[0].text == PROMPT
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(prompt_ids), 1)
+    assert ids(scored.choices[0].logprobs.tokens) == prompt_ids
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        [lp.logprob for lp in expected.prompt_logprobs], abs=1e-4)
+
+    # Streamed: the first event starts with the prompt; together they say what the whole reply does.
+    events = list(client.completions.create(
+        model=DEMO_MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}))
+    assert events[0].choices[0].text.startswith(PROMPT)
+    assert "".join(e.choices[0].text for e in events) == choice.text
+    assert [t for e in events for t in e.choices[0].logprobs.tokens] == logprobs.tokens
+    assert [o for e in events for o in e.choices[0].logprobs.text_offset] == logprobs.text_offset
+    streamed_zero = list(client.completions.create(model=DEMO_MODEL, prompt=PROMPT, max_tokens=0,
+                                                   echo=True, stream=True))
+    assert "".join(e.choices[0].text for e in streamed_zero) == PROMPT
+
+    # Without logprobs, and for a prompt sent as token ids (its text is its tokens' text).
+    plain = client.completions.create(model=DEMO_MODEL, prompt=[prompt_ids, prompt_ids[:3]], max_tokens=2,
+                                      temperature=0, echo=True, n=2, extra_body={"ignore_eos": True})
+    first, second = offline_greedy(offline, prompt_ids, 2, ignore_eos=True), \
+        offline_greedy(offline, prompt_ids[:3], 2, ignore_eos=True)
+    decode = offline.engine.tokenizer.decode
+    assert [c.text for c in sorted(plain.choices, key=lambda c: c.index)] == \
+        [decode(prompt_ids) + first.text] * 2 + [decode(prompt_ids[:3]) + second.text] * 2
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt=PROMPT, max_tokens=0)
+    assert raised.value.body["param"] == "max_tokens" and "echo" in raised.value.body["message"]
 
 
 @pytest.mark.parametrize("extra, param, words", [

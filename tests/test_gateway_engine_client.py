@@ -38,6 +38,9 @@ class ScriptedEngine(IdleEngineParts):
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(map(chr, token_ids))
+
     supports_adapters = False
 
     async def check_adapter(self, folder: str) -> AdapterInfo:

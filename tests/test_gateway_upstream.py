@@ -486,6 +486,26 @@ def test_penalties_and_logit_bias_reach_the_upstream_as_they_are(front, upstream
     assert {name: sent[name] for name in options} == options
 
 
+def test_echo_through_an_upstream_puts_the_prompt_first_but_has_no_prompt_logprobs(front, upstream):
+    server, key = front
+    direct = post(upstream.server.url, upstream.key, model=DEMO_MODEL, prompt="Hello there", **GREEDY).json()
+    echoed = post(server.url, key, model="demo", prompt="Hello there", echo=True, **GREEDY).json()
+    assert echoed["choices"][0]["text"] == "Hello there" + direct["choices"][0]["text"]
+    refused = post(server.url, key, model="demo", prompt="Hello there", echo=True, logprobs=1, **GREEDY)
+    assert refused.status_code == 400 and "echo with logprobs" in refused.json()["error"]["message"]
+    # A route echoes the prompt as the model that answers read it.
+    kept = post(server.url, key, model="keeping", prompt="Hello there", echo=True, logprobs=0, **GREEDY).json()
+    local = post(server.url, key, model="local", prompt="Hello there", echo=True, logprobs=0, **GREEDY).json()
+    assert kept["choices"][0]["text"] == local["choices"][0]["text"]
+    kept_logprobs, local_logprobs = kept["choices"][0]["logprobs"], local["choices"][0]["logprobs"]
+    assert kept_logprobs["tokens"] == local_logprobs["tokens"]
+    assert kept_logprobs["token_logprobs"][0] is None
+    assert kept_logprobs["token_logprobs"][1:] == pytest.approx(local_logprobs["token_logprobs"][1:], abs=1e-4)
+    # A tier that cannot score the prompt refuses, so a route that escalates to it does too.
+    escalated = post(server.url, key, model="escalating", prompt="Hello there", echo=True, logprobs=0, **GREEDY)
+    assert escalated.status_code == 400 and "echo with logprobs" in escalated.json()["error"]["message"]
+
+
 def test_each_tier_checks_its_own_context(front, demo_engine):
     server, key = front
     max_tokens = demo_engine.max_model_len  # too many for the local model, not for 'demo''s
