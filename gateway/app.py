@@ -25,7 +25,7 @@ from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessLog
 from gateway.openapi import openapi_json
-from gateway.ops import health, list_models, metrics
+from gateway.ops import health, list_models, metrics, retrieve_model
 from gateway.remote import WorkerPool
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
+    # NOTE: {model:path}, as base:adapter names and upstream model names may hold '/' and ':'.
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     *adapter_api.ROUTES,

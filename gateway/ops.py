@@ -1,4 +1,4 @@
-"""Model listing, health and Prometheus metrics."""
+"""Model listing and lookup, health and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant
-from gateway.errors import STORE_UNAVAILABLE_MESSAGE
+from gateway.errors import STORE_UNAVAILABLE_MESSAGE, model_not_found
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
@@ -24,6 +24,21 @@ class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 async def list_models(request: Request) -> Response:
     """The models the caller's tenant may use: base models, routes, then its own adapters."""
+    cards = await _model_cards(request)
+    return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One model of those the caller's tenant may use; 404 for any other (another tenant's
+    adapter included: its name is not even confirmed)."""
+    model = request.path_params["model"]
+    card = next((c for c in await _model_cards(request) if c.id == model), None)
+    if card is None:
+        raise model_not_found(model)
+    return Response(msgspec.json.encode(card), media_type="application/json")
+
+
+async def _model_cards(request: Request) -> list[ModelCard]:
     state = gateway_state(request)
     store = state.require_store()
     tenant = await authenticate_tenant(request, store)
@@ -38,7 +53,7 @@ async def list_models(request: Request) -> Response:
                         max_model_len=state.engines[a.base_model].max_model_len,
                         parent=a.base_model)
               for a in await visible_adapters(store, tenant, state.engines)]
-    return Response(msgspec.json.encode(ModelList(data=cards)), media_type="application/json")
+    return cards
 
 
 async def health(request: Request) -> Response:

@@ -238,6 +238,8 @@ def test_tenant_b_can_never_reach_tenant_a_adapters(server, adapters):
     # List: neither /v1/adapters nor /v1/models shows it to B.
     assert httpx.get(server.url + "/v1/adapters", headers=auth(key_b)).json()["data"] == []
     assert "private" not in models_of(server, key_b)
+    assert httpx.get(server.url + "/v1/models/private", headers=auth(key_b)).status_code == 404
+    assert httpx.get(server.url + "/v1/models/private", headers=auth(key_a)).json()["parent"] == DEMO_MODEL
     # Get: unknown to B.
     assert httpx.get(server.url + "/v1/adapters/private", headers=auth(key_b)).status_code == 404
     # Use, by name and by base:adapter.

@@ -44,6 +44,14 @@ def test_models_lists_the_served_model(client):
     assert models[0].object == "model" and models[0].owned_by == "switchboard"
 
 
+def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404(client):
+    model = client.models.retrieve(DEMO_MODEL)
+    assert (model.id, model.object, model.owned_by) == (DEMO_MODEL, "model", "switchboard")
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no/such:model")
+    assert (raised.value.body["code"], raised.value.body["param"]) == ("model_not_found", "model")
+
+
 def test_greedy_completion_equals_offline_engine(client, offline):
     expected = offline_greedy(offline, PROMPT, 12, ignore_eos=True, logprobs=1)
     completion = client.completions.create(
