@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   GenerationChunk, RequestRejected, SamplingOptions)
-from gateway.worker_api import GenerateBody
+                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
+from gateway.worker_api import GenerateBody, StreamLine
 from tests.conftest import serve_gateway
 from tests.helpers import IdleEngineParts
 
@@ -140,3 +140,9 @@ def test_sampling_fields_reach_the_engine_and_cross_to_a_worker_intact(scripted,
     # A worker gets the options as JSON, whose keys are strings: the ids come back as ints.
     body = GenerateBody(model=MODEL, prompt_token_ids=[1], options=options, request_id="r")
     assert msgspec.json.decode(msgspec.json.encode(body), type=GenerateBody) == body
+    # And its chunks come back with the prompt's logprobs (for echo) as they were.
+    line = StreamLine(chunk=GenerationChunk(
+        token_ids=[5], text="x", logprobs=[TokenLogprob(5, -0.5, [(5, -0.5)])], finished=True,
+        finish_reason="length", num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=0,
+        prompt_logprobs=[TokenLogprob(7, -1.5, [(2, -0.25)]), TokenLogprob(9, -3.0, [])]))
+    assert msgspec.json.decode(msgspec.json.encode(line), type=StreamLine) == line
