@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
-
 from starlette.requests import Request
 from starlette.responses import Response
 

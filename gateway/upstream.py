@@ -30,9 +30,11 @@ alike (text, tokens, logprobs, usage):
 
 Sampling options the OpenAI APIs lack (vLLM's extras) are sent only when set, so an upstream that
 does not know one refuses the request rather than ignoring it. Token ids in sampling options
-(`stop_token_ids`, `logit_bias`) are passed as they are: they name the upstream's own tokens. A prompt sent as token ids is read
-as above: ids with the marks spell a chat, read strictly (each message a role and a content, maybe
-a name: what the chat endpoint passes on), so they reach nothing the chat endpoint does not.
+(`stop_token_ids`, `logit_bias`) are passed as they are: they name the upstream's own tokens.
+Prompt logprobs (for echo) are refused: the client cannot ask the upstream for them. A prompt
+sent as token ids is read as above: ids with the marks spell a chat, read strictly (each message a
+role and a content, maybe a name: what the chat endpoint passes on), so they reach nothing the chat
+endpoint does not.
 
 Refused connections, timeouts (to connect, to send, and for each read: a stream that stalls midway
 too), 401/403/404/429 and 5xx answers and malformed streams are EngineFailure; the upstream's
