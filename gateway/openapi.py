@@ -6,6 +6,7 @@ get JSON schemas generated from their msgspec Structs, so the document cannot dr
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -25,6 +26,7 @@ _REQUEST_BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
 }
 _PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 _REF_TEMPLATE = "#/components/schemas/{name}"
+_CONVERTOR = re.compile(r"{(\w+):\w+}")
 
 
 def openapi_document(routes: list[BaseRoute], version: str) -> dict[str, Any]:
@@ -50,7 +52,7 @@ def openapi_document(routes: list[BaseRoute], version: str) -> dict[str, Any]:
                     "required": True,
                     "content": {"multipart/form-data": {"schema": UPLOAD_FORM_SCHEMA}},
                 }
-            paths.setdefault(route.path, {})[method.lower()] = operation
+            paths.setdefault(openapi_path(route.path), {})[method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": "Switchboard", "version": version,
@@ -61,6 +63,11 @@ def openapi_document(routes: list[BaseRoute], version: str) -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+def openapi_path(path: str) -> str:
+    """A route's path as an OpenAPI template: "{model:path}" is "{model}" there."""
+    return _CONVERTOR.sub(r"{\1}", path)
 
 
 def _operation(route: Route, method: str) -> dict[str, Any]:

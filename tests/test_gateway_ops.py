@@ -6,6 +6,7 @@ import sys
 import httpx
 
 from gateway.app import ROUTES
+from gateway.openapi import openapi_path
 from tests.conftest import DEMO_MODEL
 
 
@@ -19,9 +20,10 @@ def test_openapi_lists_every_route_and_method(server):
     document = httpx.get(server.url + "/openapi.json").json()
     assert document["openapi"].startswith("3.")
     listed = {(method.upper(), path) for path, ops in document["paths"].items() for method in ops}
-    routed = {(method, route.path) for route in ROUTES for method in route.methods - {"HEAD"}}
+    routed = {(method, openapi_path(route.path)) for route in ROUTES for method in route.methods - {"HEAD"}}
     assert listed == routed
-    assert len(routed) == 20
+    assert len(routed) == 21
+    assert document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
     operation_ids = [op["operationId"] for ops in document["paths"].values() for op in ops.values()]
     assert len(operation_ids) == len(set(operation_ids))
     upload = document["paths"]["/v1/adapters"]["post"]["requestBody"]["content"]
