@@ -14,8 +14,8 @@ from gateway.engine_client import EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
 from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
-from gateway.serving import (Call, Target, decode_body, refuse_unsupported, resolve_target,
-                             respond, sampling_options, start_call, token_namer)
+from gateway.serving import (Call, Target, decode_body, refuse_token_ids, refuse_unsupported,
+                             resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
 
@@ -112,12 +112,7 @@ def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
     elif not all(isinstance(p, list) and p for p in prompt):
         raise invalid_request("prompt must be a string, a list of strings, a list of token ids "
                               "or a list of non-empty lists of token ids", param="prompt")
-    if not target.shares_tokenizer:
-        raise invalid_request(
-            f"the models of route {target.route.name!r} read text with different tokenizers, so "
-            "token ids cannot mean the same to all of them; send the prompt as text, or name one "
-            f"of its models ({', '.join(t.model for t in target.tiers)}) instead of the route",
-            param="prompt")
+    refuse_token_ids(target, "prompt", "send the prompt as text")
     return [Prompt(token_ids=p) for p in prompt]
 
 

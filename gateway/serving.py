@@ -53,12 +53,20 @@ def refuse_unsupported(body: SamplingFields, target: Target) -> None:
     if unsupported is not None:
         raise invalid_request(f"'{unsupported}' is not supported by this server; leave it out",
                               param=unsupported, code="unsupported_parameter")
-    named = "stop_token_ids" if body.stop_token_ids else "logit_bias" if body.logit_bias else None
-    if named is not None and not target.shares_tokenizer:
+    for name in ("stop_token_ids", "logit_bias"):
+        if getattr(body, name):
+            refuse_token_ids(target, name, "leave it out")
+
+
+def refuse_token_ids(target: Target, param: str, remedy: str) -> None:
+    """400 for token ids in `param` when `target` is a route whose models read text with different
+    tokenizers: there an id means a different token to each model."""
+    if not target.shares_tokenizer:
         raise invalid_request(
-            f"'{named}' names token ids, but the models of route {target.route.name!r} read text with "
-            "different tokenizers, so an id means a different token to each; leave it out, or name "
-            f"one of the route's models ({', '.join(t.model for t in target.tiers)})", param=named)
+            f"the models of route {target.route.name!r} read text with different tokenizers, so "
+            f"the token ids in '{param}' cannot mean the same to all of them; {remedy}, or name one "
+            f"of its models ({', '.join(t.model for t in target.tiers)}) instead of the route",
+            param=param)
 
 
 @dataclass(frozen=True)
