@@ -30,12 +30,12 @@ CPU path reads in place. `max_seg_len`, the longest segment, is a host-side hint
 grid; None means num_tokens (correct, but launches idle programs for decode batches).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
 
-from kernels.sgmv_cpu import RankViews, add_lora_cpu
+from kernels.sgmv_cpu import RankViews, SegmentPlans, add_lora_cpu
 from kernels.sgmv_torch import sgmv_expand_torch, sgmv_shrink_torch
 
 
@@ -47,6 +47,10 @@ class Segments:
     slots: torch.Tensor  # [num_segs] int32, -1 = no adapter
     lens: list[int]  # [num_segs] tokens per segment
     slot_list: list[int]  # [num_segs] slots, as in `slots`
+    cpu: SegmentPlans = field(init=False, repr=False, compare=False)  # the CPU path's per-step split
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cpu", SegmentPlans(self.lens, self.slot_list))
 
     @classmethod
     def build(cls, lens: list[int], slots: list[int], device: torch.device) -> "Segments":
@@ -126,7 +130,7 @@ def add_lora(
         if rank_views is None:
             offsets = [0, out.shape[1]] if slice_offsets is None else slice_offsets.tolist()
             rank_views = RankViews(lora_a, lora_b, offsets)
-        add_lora_cpu(x, rank_views, segments.lens, segments.slot_list, slot_ranks, slot_scalings, out)
+        add_lora_cpu(x, rank_views, segments.cpu, slot_ranks, slot_scalings, out)
         return
     num_slices, _, max_rank, _ = lora_a.shape
     buffer = torch.empty(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)

@@ -4,8 +4,9 @@ The torch twins run a few small torch ops per segment from Python, and on CPU th
 than the math: a decode step with 22 adapters spent most of its time dispatching ~1,400 tiny
 matmuls. Here the (segment, slice) matmuls of decode segments all run in two `torch._foreach_mm`
 calls (a C++ loop over pairs of views), and long prefill segments add their products straight into
-the output with addmm_. The views of each slot's first `rank` rows are made once per (slot, rank)
-and kept (`RankViews`); everything runs on the calling thread only (`_one_thread`). No weight is
+the output with addmm_. How a step's segments split between the two ways is worked out once per
+step (`SegmentPlans`), and the views of each slot's first `rank` rows once per (slot, rank), kept
+across steps (`RankViews`); the decode matmuls run on the calling thread only (`_one_thread`). No weight is
 copied or padded: each matmul reads a slot's real rank rows in place (B is stored rank-major,
 adapters/slots.py), so a decode step reads each active adapter once, and never the padding past
 its rank.
@@ -16,6 +17,7 @@ compares this path with the twins, so a change in it shows up there.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -24,10 +26,6 @@ import torch
 # length amortises, and add their products straight into out (_add_long). Shorter ones (decode)
 # are batched in _foreach_mm, whose cost per (segment, slice) is a step of a C++ loop (_add_short).
 LONG_SEGMENT = 16
-
-# (rows of x, A^T [d_in, r], B [r, w], destination rows [n, w], slot) of one (segment, slice)
-Pair = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
-
 
 class RankViews:
     """One layer's slot weights cut at each slot's real rank: per slice, A^T [d_in, r] and
@@ -53,11 +51,57 @@ class RankViews:
         return views
 
 
+class SegmentPlans:
+    """One step's segments, and how a call splits them between the long and the short way.
+
+    Built once per step (kernels.sgmv.Segments holds one). The split depends on the ranks and
+    scalings of the step's slots, which are per (layer, target), so it is computed once per distinct
+    set of them and reused: usually once a step, where each call used to redo it (a few hundred
+    microseconds of Python, times every LoRA linear of every layer).
+    """
+
+    def __init__(self, lens: list[int], slots: list[int]):
+        self.lens, self.slots = lens, slots
+        self._slots_in_use = sorted({slot for slot, n in zip(slots, lens) if slot >= 0 and n > 0})
+        self._plans: dict[tuple, CallPlan] = {}
+
+    def plan(self, ranks: list[int], scalings: list[float], float32_out: bool) -> "CallPlan":
+        in_use = self._slots_in_use
+        key = (float32_out, *(ranks[s] for s in in_use), *(scalings[s] for s in in_use))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = CallPlan.build(self.lens, self.slots, ranks, scalings, float32_out)
+        return plan
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Which segments a call adds, and how. Segments with no slot, no tokens or rank 0 are in neither list."""
+
+    long: list[int]  # prefill segments: addmm_ straight into out
+    short: list[int]  # decode segments: batched in _foreach_mm
+    short_rows: torch.Tensor  # [n] int64, the short segments' token indices, in order
+    short_row_scalings: torch.Tensor  # [n, 1] float32, each of those rows' slot scaling
+    short_lens: list[int]  # tokens of each short segment
+
+    @classmethod
+    def build(cls, lens: list[int], slots: list[int], ranks: list[int], scalings: list[float],
+              float32_out: bool) -> "CallPlan":
+        active = [i for i, slot in enumerate(slots) if slot >= 0 and lens[i] > 0 and ranks[slot] > 0]
+        # addmm_ cannot add a float32 product into a half-type out: their segments all go the short way.
+        long = [i for i in active if lens[i] >= LONG_SEGMENT and float32_out]
+        short = [i for i in active if lens[i] < LONG_SEGMENT or not float32_out]
+        starts = list(accumulate(lens, initial=0))
+        rows = [t for i in short for t in range(starts[i], starts[i + 1])]
+        row_scalings = [scalings[slots[i]] for i in short for _ in range(lens[i])]
+        return cls(long, short, torch.tensor(rows, dtype=torch.int64), torch.tensor(row_scalings)[:, None],
+                   [lens[i] for i in short])
+
+
 def add_lora_cpu(
     x: torch.Tensor,  # [num_tokens, d_in]
     weights: RankViews,  # lora_a [num_slices, num_slots, max_rank, d_in], lora_b: x.dtype
-    seg_lens: list[int],  # [num_segs] tokens per segment, summing to num_tokens
-    seg_slots: list[int],  # [num_segs] slot of each segment, -1 = no adapter
+    segments: SegmentPlans,  # the step's segments: tokens and slot (-1 = no adapter) of each
     slot_ranks: torch.Tensor,  # [num_slots] int32
     slot_scalings: torch.Tensor,  # [num_slots] float32
     out: torch.Tensor,  # [num_tokens, d_out]
@@ -68,45 +112,49 @@ def add_lora_cpu(
     slot, or whose slot has rank 0, are left untouched.
     """
     ranks, scalings = slot_ranks.tolist(), slot_scalings.tolist()
-    active = [i for i, slot in enumerate(seg_slots) if slot >= 0 and seg_lens[i] > 0 and ranks[slot] > 0]
-    # addmm_ cannot add a float32 product into a half-type out: their segments all go the short way.
-    long = [i for i in active if seg_lens[i] >= LONG_SEGMENT and out.dtype == torch.float32]
-    short = [i for i in active if seg_lens[i] < LONG_SEGMENT or out.dtype != torch.float32]
-    views = {slot: weights.get(slot, ranks[slot]) for slot in {seg_slots[i] for i in active}}
-    outs = [out[:, lo:hi].split(seg_lens) for lo, hi in weights.slices]  # [slice][segment]
-
-    def pairs(segments: list[int], rows: dict[int, torch.Tensor]) -> list[Pair]:
-        """Every (segment, slice) of `segments`, reading its rows from `rows`."""
-        return [(rows[i], a_t, b, dst[i], seg_slots[i])
-                for i in segments for a_t, b, dst in zip(*views[seg_slots[i]], outs)]
-
-    with _one_thread():
-        if long:
-            # NOTE: row-major x: the row-blocked Linear (engine/model/linear.py) returns column-major
-            # outputs, and MKL multiplies a column-major x by a rank-8 A^T about 10x slower.
-            _add_long(pairs(long, dict(enumerate(x.contiguous().split(seg_lens)))), scalings)
-        if short:
-            _add_short(pairs(short, _scaled_rows(x, seg_lens, seg_slots, short, scalings)))
-
-
-def _add_long(pairs: list[Pair], scalings: list[float]) -> None:
-    """Float32 prefill segments: each product added straight into out's rows by addmm_."""
-    for rows, a_t, b, dst, slot in pairs:
-        dst.addmm_(rows @ a_t, b, alpha=scalings[slot])
+    plan = segments.plan(ranks, scalings, out.dtype == torch.float32)
+    if not plan.long and not plan.short:
+        return
+    slots = segments.slots
+    outs = [out[:, lo:hi].split_with_sizes(segments.lens) for lo, hi in weights.slices]  # [slice][segment]
+    if plan.long:
+        # NOTE: row-major x: the row-blocked Linear (engine/model/linear.py) returns column-major
+        # outputs, and MKL multiplies a column-major x by a rank-8 A^T about 10x slower. These
+        # matmuls are compute-bound (tens of rows each) and few, so they keep every thread.
+        rows = x.contiguous().split_with_sizes(segments.lens)
+        for i in plan.long:
+            slot = slots[i]
+            for a_t, b, dst in zip(*weights.get(slot, ranks[slot]), outs):
+                dst[i].addmm_(rows[i] @ a_t, b, alpha=scalings[slot])
+    if plan.short:
+        # The rows in float32, each times its slot's scaling (LoRA is linear, so this scales the
+        # delta with one op however many segments): one gathered copy, row-major whatever x's
+        # layout, that reads no row of the other segments (a prefill's).
+        scaled = x.index_select(0, plan.short_rows).float().mul_(plan.short_row_scalings)
+        with _one_thread():
+            _add_short(scaled.split_with_sizes(plan.short_lens), plan.short, slots, ranks, weights, outs)
 
 
-def _add_short(pairs: list[Pair]) -> None:
+def _add_short(rows: list[torch.Tensor], short: list[int], slots: list[int], ranks: list[int],
+               weights: RankViews, outs: list[list[torch.Tensor]]) -> None:
     """Decode segments, rows already scaled: all the shrinks in one _foreach_mm, all the expands in
     another, all the adds in one _foreach_add_."""
-    rows, a_t, b, dst, _ = (list(column) for column in zip(*pairs))
-    torch._foreach_add_(dst, torch._foreach_mm(torch._foreach_mm(rows, _float(a_t)), _float(b)))
+    xs, a_ts, bs, dsts = [], [], [], []
+    for i, segment_rows in zip(short, rows):
+        slot = slots[i]
+        a_t, b = weights.get(slot, ranks[slot])
+        xs += [segment_rows] * len(a_t)
+        a_ts += a_t
+        bs += b
+        dsts += [dst[i] for dst in outs]
+    torch._foreach_add_(dsts, torch._foreach_mm(torch._foreach_mm(xs, _float(a_ts)), _float(bs)))
 
 
 @contextmanager
 def _one_thread() -> Iterator[None]:
-    """Run the LoRA matmuls on the calling thread only. They are small (rank-wide), so a second
-    thread gains them little, and on a busy machine every op split across threads can wait
-    milliseconds for a descheduled one: a decode step runs thousands of them.
+    """Run the decode segments' matmuls on the calling thread only. They are small (a row or two
+    times a rank-wide block), so a second thread gains them little, and on a busy machine every op
+    split across threads can wait milliseconds for a descheduled one: a decode step runs thousands.
 
     NOTE: called on a process's main thread, torch.set_num_threads also sets the count that other
     threads take at their first torch op: one that starts torch work inside this window keeps one
@@ -117,18 +165,6 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(num_threads)
-
-
-def _scaled_rows(x: torch.Tensor, seg_lens: list[int], seg_slots: list[int], segments: list[int],
-                 scalings: list[float]) -> dict[int, torch.Tensor]:
-    """The rows of `segments`, in float32 and each times its slot's scaling (LoRA is linear, so this
-    scales the delta with one op however many segments), by segment. One gathered copy: row-major
-    whatever x's layout, and no pass over the rows of the other segments (a prefill's)."""
-    starts = list(accumulate(seg_lens, initial=0))
-    tokens = [t for i in segments for t in range(starts[i], starts[i + 1])]
-    row_scalings = [scalings[seg_slots[i]] for i in segments for _ in range(seg_lens[i])]
-    rows = x.index_select(0, torch.tensor(tokens)).float().mul_(torch.tensor(row_scalings)[:, None])
-    return dict(zip(segments, rows.split([seg_lens[i] for i in segments])))
 
 
 def _float(views: list[torch.Tensor]) -> list[torch.Tensor]:

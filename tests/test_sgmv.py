@@ -345,16 +345,19 @@ def test_add_lora_zero_scaling_leaves_base_bitwise(monkeypatch, long_segment):
 @CPU_PATHS
 def test_rank_views_follow_a_refilled_slot(monkeypatch, long_segment):
     # Views kept across calls read the buffers' current contents, and a new rank gets its own views.
+    # The segments are kept too: their split, worked out once, must follow the new ranks and scalings.
     monkeypatch.setattr(sgmv_cpu, "LONG_SEGMENT", long_segment)
     b = rank_major(make_batch(**EDGE, slice_widths=SLICE_WIDTHS[1], seed=13))
     views = RankViews(b.lora_a, b.lora_b, b.slice_offsets.tolist())
-    for refill in range(2):
+    segments = b.segments()
+    for refill in range(3):
         out = b.base.clone()
-        add_lora(b.x, b.lora_a, b.lora_b, b.segments(), b.slot_ranks, b.slot_scalings, out, b.slice_offsets, views)
+        add_lora(b.x, b.lora_a, b.lora_b, segments, b.slot_ranks, b.slot_scalings, out, b.slice_offsets, views)
         assert_expand_matches(out, run_twins(b), b)
-        new = make_batch(**{**EDGE, "slot_ranks": [1, 5, 8, 0, 16]}, max_rank=64, slice_widths=SLICE_WIDTHS[1],
-                         seed=14)
+        new = make_batch(**{**EDGE, "slot_ranks": [[1, 5, 8, 0, 16], [0, 3, 0, 64, 2]][refill % 2]}, max_rank=64,
+                         slice_widths=SLICE_WIDTHS[1], seed=14 + refill)
         b.lora_a.copy_(new.lora_a), b.lora_b.copy_(new.lora_b), b.slot_ranks.copy_(new.slot_ranks)
+        b.slot_scalings.mul_(1.5)
 
 
 def test_segments_build():
