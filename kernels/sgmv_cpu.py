@@ -6,10 +6,10 @@ matmuls. Here the (segment, slice) matmuls of decode segments all run in two `to
 calls (a C++ loop over pairs of views), and long prefill segments add their products straight into
 the output with addmm_. How a step's segments split between the two ways is worked out once per
 step (`SegmentPlans`), and the views of each slot's first `rank` rows once per (slot, rank), kept
-across steps (`RankViews`); the decode matmuls run on the calling thread only (`_one_thread`). No weight is
-copied or padded: each matmul reads a slot's real rank rows in place (B is stored rank-major,
-adapters/slots.py), so a decode step reads each active adapter once, and never the padding past
-its rank.
+across steps (`RankViews`); the decode matmuls run on the calling thread only (`_one_thread`).
+No weight is copied or padded: each matmul reads a slot's real rank rows in place (B is stored
+rank-major, adapters/slots.py), so a decode step reads each active adapter once, and never the
+padding past its rank.
 
 NOTE: `torch._foreach_mm` is a private op. torch is pinned (pyproject.toml), and tests/test_sgmv.py
 compares this path with the twins, so a change in it shows up there.
