@@ -117,12 +117,20 @@ class AdapterCache:
             self._refcounts[adapter_id] = count - 1
 
     def prefetch(self, adapter_ids: Iterable[str]) -> None:
-        """Warm the tiers for adapters that waiting requests need: start loading those not in the
-        host tier, page those that are into unused slots. Never evicts and never blocks on storage;
-        load errors surface later in can_acquire or acquire."""
-        for adapter_id in adapter_ids:
-            if adapter_id in self._resident:
-                continue
+        """Warm the tiers for adapters that waiting requests need, most urgent first: start loading
+        those not in the host tier, page those that are into unused slots. Never evicts a device
+        slot and never blocks on storage; load errors surface later in can_acquire or acquire.
+
+        Only as many adapters as the host tier holds are warmed, and those already in it are made
+        the most recent (the most urgent last): loading more would evict the first ones for the
+        last ones, and reload them the next step, every step, while the queue stands still.
+        """
+        wanted = [a for a in adapter_ids if a not in self._resident][:self.config.max_cpu_adapters]
+        with self._lock:
+            for adapter_id in reversed(wanted):
+                if adapter_id in self._host:
+                    self._host.move_to_end(adapter_id)
+        for adapter_id in wanted:
             packed = self._poll(adapter_id)
             if packed is not None and self._unused_slots:
                 self._page_in(adapter_id, self._unused_slots.pop(), packed, wait_for_compute=False)
@@ -153,6 +161,10 @@ class AdapterCache:
     def resident_ids(self) -> list[str]:
         """Adapters in device slots, least recently acquired first."""
         return list(self._resident)
+
+    def in_use(self) -> dict[str, int]:
+        """Adapters that requests hold (acquired, not yet released), with how many hold each."""
+        return dict(self._refcounts)
 
     def host_ids(self) -> list[str]:
         """Adapters in the host tier, least recently used first."""

@@ -154,6 +154,21 @@ def test_prefetch_fills_unused_slots_and_never_evicts(blobs):
     assert cache.stats.num_loads == 3
 
 
+def test_prefetch_warms_no_more_adapters_than_the_host_tier_holds(blobs):
+    """More adapters waiting than host entries: prefetch keeps the most urgent ones loaded rather
+    than loading every one each step, each evicting one loaded the step before."""
+    store, (a, b, c, d, e, f) = blobs
+    cache = make_cache(store, max_gpu_adapters=1, max_cpu_adapters=3)
+    use(cache, a)
+    use(cache, b)  # the only slot now holds b; a is an idle host entry
+    waiting = [c, d, e, f]  # most urgent first
+    for _ in range(5):  # the queue does not move for five steps
+        cache.prefetch(waiting)
+    assert cache.host_ids() == [e, d, c]  # a and b made room; c is evicted last
+    assert cache.stats.num_loads == 2 + 3
+    assert cache.can_acquire(c) and cache.acquire(c) == 0 and cache.stats.num_loads == 5
+
+
 def test_prefetch_loads_in_background(blobs):
     store, (a, *_) = blobs
     gate = threading.Event()
