@@ -54,7 +54,8 @@ async def create_completion(request: Request) -> Response:
         for c in call.generation.choices:
             text, entries = c.text, _entries(c.logprobs)
             if echo is not None:
-                text, entries = echo.apply(c.prompt_index, c.prompt_logprobs, text, entries)
+                text, entries = echo.apply(c.prompt_index, call.generation.prompt_logprobs(c.prompt_index),
+                                           text, entries)
             choices.append(CompletionChoice(c.index, text, name and _logprobs(name, entries, 0),
                                             c.finish_reason))
         return Completion(id=call.id, created=call.created, model=call.model, choices=choices,
@@ -129,7 +130,8 @@ async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: 
                 if index not in echoed:
                     echoed.add(index)
                     prompt_index = call.generation.choices[index].prompt_index
-                    text, entries = echo.apply(prompt_index, chunk.prompt_logprobs, text, entries)
+                    text, entries = echo.apply(prompt_index, call.generation.prompt_logprobs(prompt_index),
+                                               text, entries)
                 elif echo.drop_output:
                     text, entries = "", []
             if not (text or chunk.finished or (name and entries)):

@@ -144,7 +144,6 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for, from the first chunk
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -154,8 +153,6 @@ class Choice:
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
         self.logprobs.extend(chunk.logprobs)
-        if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = chunk.prompt_logprobs
         self.finish_reason = chunk.finish_reason
         self.num_prompt_tokens = chunk.num_prompt_tokens
         self.num_cached_tokens = chunk.num_cached_tokens
@@ -170,6 +167,7 @@ class Generation:
     def __init__(self, streams: list[AsyncIterator[GenerationChunk]], prompt_indices: list[int],
                  latency: LatencyMetrics, arrived_at: float):
         self.choices = [Choice(i, p) for i, p in enumerate(prompt_indices)]
+        self._prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         self._latency = latency
         self._arrived_at = arrived_at  # time.monotonic() when the HTTP request came in
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -187,6 +185,7 @@ class Generation:
                 self.close()
                 raise item
             waiting.discard(index)
+            self._keep_prompt_logprobs(index, item)
             self._buffer.append((index, item, at))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
@@ -205,6 +204,11 @@ class Generation:
         """Abort the requests still running (a no-op for finished ones)."""
         for task in self._tasks:
             task.cancel()
+
+    def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob] | None:
+        """The logprobs of a prompt's tokens 1.., when asked for (SamplingOptions.prompt_logprobs):
+        one choice per prompt scores it, and they are known once `start` has returned."""
+        return self._prompt_logprobs.get(prompt_index)
 
     @property
     def is_done(self) -> bool:
@@ -226,8 +230,13 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
+    def _keep_prompt_logprobs(self, index: int, chunk: GenerationChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs[self.choices[index].prompt_index] = chunk.prompt_logprobs
+
     def _record(self, index: int, chunk: GenerationChunk, now: float) -> GenerationChunk:
         choice = self.choices[index]
+        self._keep_prompt_logprobs(index, chunk)
         if choice.last_chunk_at is None:
             self._latency.time_to_first_token.observe(now - self._arrived_at)
         elif chunk.token_ids:

@@ -346,8 +346,12 @@ def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):
         for j in range(n):
             # Seeded choices differ from each other but stay reproducible (vLLM does the same).
             seed = None if options.seed is None else options.seed + j
-            streams.append(ask.generate(tier, prompt, msgspec.structs.replace(options, seed=seed),
-                                        request_id=f"{call_id}-{len(streams)}", tenant=tenant))
+            # The prompt's logprobs are the same for every choice: the first one scores it
+            # (Generation.prompt_logprobs), and the others may start from cached prefix blocks.
+            prompt_logprobs = options.prompt_logprobs if j == 0 else None
+            streams.append(ask.generate(tier, prompt, msgspec.structs.replace(
+                options, seed=seed, prompt_logprobs=prompt_logprobs),
+                request_id=f"{call_id}-{len(streams)}", tenant=tenant))
             prompt_indices.append(p)
     return streams, prompt_indices
 

@@ -268,6 +268,25 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
                                                    echo=True, stream=True))
     assert "".join(e.choices[0].text for e in streamed_zero) == PROMPT
 
+    # n > 1 and several prompts: one choice of each prompt scores it, and every choice echoes it.
+    short = offline_greedy(offline, prompt_ids[:4], 3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    for stream in (False, True):
+        reply = client.completions.create(
+            model=DEMO_MODEL, prompt=[prompt_ids, prompt_ids[:4]], max_tokens=3, temperature=0,
+            logprobs=2, echo=True, n=2, stream=stream,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        tokens, token_logprobs = {}, {}
+        for part in reply if stream else [reply]:
+            for c in part.choices:
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+                token_logprobs.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+        assert sorted(tokens) == [0, 1, 2, 3], stream
+        for index, reference in [(0, expected), (1, expected), (2, short), (3, short)]:
+            assert ids(tokens[index]) == reference.prompt_token_ids + reference.output_token_ids
+            assert token_logprobs[index][0] is None
+            scored_tokens = reference.prompt_logprobs + reference.logprobs
+            assert token_logprobs[index][1:] == pytest.approx([lp.logprob for lp in scored_tokens], abs=1e-4)
+
     # Without logprobs, and for a prompt sent as token ids (its text is its tokens' text).
     plain = client.completions.create(model=DEMO_MODEL, prompt=[prompt_ids, prompt_ids[:3]], max_tokens=2,
                                       temperature=0, echo=True, n=2, extra_body={"ignore_eos": True})
