@@ -118,9 +118,9 @@ def add_lora_cpu(
     slots = segments.slots
     outs = [out[:, lo:hi].split_with_sizes(segments.lens) for lo, hi in weights.slices]  # [slice][segment]
     if plan.long:
-        # NOTE: row-major x: the row-blocked Linear (engine/model/linear.py) returns column-major
-        # outputs, and MKL multiplies a column-major x by a rank-8 A^T about 10x slower. These
-        # matmuls are compute-bound (tens of rows each) and few, so they keep every thread.
+        # NOTE: row-major x: MKL multiplies a column-major x by a rank-8 A^T about 10x slower.
+        # Activations of tens of rows are row-major already (engine/model/linear.py), and then
+        # this copies nothing. These matmuls are compute-bound and few, so they keep every thread.
         rows = x.contiguous().split_with_sizes(segments.lens)
         for i in plan.long:
             slot = slots[i]
