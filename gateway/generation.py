@@ -231,12 +231,12 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
     def _keep_prompt_logprobs(self, index: int, chunk: GenerationChunk) -> None:
+        """Engines send a prompt's logprobs on a request's first chunk, which `start` sees."""
         if chunk.prompt_logprobs is not None:
             self._prompt_logprobs[self.choices[index].prompt_index] = chunk.prompt_logprobs
 
     def _record(self, index: int, chunk: GenerationChunk, now: float) -> GenerationChunk:
         choice = self.choices[index]
-        self._keep_prompt_logprobs(index, chunk)
         if choice.last_chunk_at is None:
             self._latency.time_to_first_token.observe(now - self._arrived_at)
         elif chunk.token_ids:

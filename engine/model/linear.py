@@ -33,9 +33,9 @@ class Linear:
       bmm of the row blocks against x^T puts every thread on its own block, which streams the
       weights at about copy bandwidth. The view shares W's memory (tied embeddings stay shared).
     - Three rows or more (batched decode, prefill): W is reordered once at load into oneDNN's
-      blocked layout, and oneDNN's matmul reads it as it is: 1.5-2.5x the bmm's speed at 4-64 rows
-      and about 1.2x at prefill sizes, for a float32 weight (benchmarks/README.md). Below three rows
-      oneDNN is slower than the row blocks.
+      blocked layout, and oneDNN's matmul reads it as it is: 1.2-2.5x the bmm's speed at 4-64 rows
+      and 0.9-1.3x at prefill sizes, for a float32 weight on two threads (benchmarks/README.md).
+      Below three rows oneDNN is slower than the row blocks.
     The packed copy is a second copy of W: a float32 model's linear weights take twice their size
     in host memory. CUDA keeps cuBLAS's F.linear.
 
