@@ -1,4 +1,4 @@
-"""engine.model.linear.Linear against F.linear on every path: row blocks, packed oneDNN, CUDA."""
+"""engine.model.linear.Linear on CPU against F.linear on both of its paths: row blocks and packed oneDNN."""
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ def test_linear_matches_f_linear_at_every_row_count(num_rows, with_bias):
     torch.testing.assert_close(linear(wide), F.linear(wide, weight, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_float32_weights_are_packed_once_and_other_dtypes_are_not():
+def test_float32_weights_are_packed_and_other_dtypes_are_not():
     weight = torch.randn(64, 32)
     linear = Linear(weight)
     if torch.backends.mkldnn.is_available():
