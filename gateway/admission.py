@@ -17,16 +17,35 @@ from store import Reservation, Store, Tenant
 logger = logging.getLogger(__name__)
 
 
+# A hold lapses this long after its last renewal, so the budget a gateway that died mid-call held
+# comes back by then; a live call renews its hold every third of it, however long it runs.
+HOLD_TTL_S = 600.0
+
+
 class Admission:
     """A call let in under its tenant's limits; `settle` once with the real counts."""
 
-    def __init__(self, store: Store, reservation: Reservation):
+    def __init__(self, store: Store, reservation: Reservation, hold_ttl_s: float = HOLD_TTL_S):
         self._store = store
         self._reservation = reservation
+        self._renewal = asyncio.create_task(self._keep_held(hold_ttl_s))
+
+    async def _keep_held(self, ttl_s: float) -> None:
+        """Renew the hold until the call settles: a stream longer than the hold's ttl must not
+        free its budget for other calls while it still generates."""
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            try:
+                if not await self._store.extend_hold(self._reservation, ttl_s=ttl_s):
+                    return  # settled meanwhile, or lapsed (the store was unreachable for long)
+            except Exception:  # the next try may reach the store
+                logger.warning("could not renew the budget hold of tenant %s", self._reservation.tenant,
+                               exc_info=True)
 
     async def settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
         """Bill the real counts and release the hold. Runs as its own task, so a cancelled caller
         (a client that disconnected) still bills what was generated."""
+        self._renewal.cancel()
         task = asyncio.create_task(self._settle(tokens_in, tokens_out, spend_usd))
         _pending.add(task)
         task.add_done_callback(_pending.discard)
@@ -48,7 +67,7 @@ _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they
 
 
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
-                estimated_spend_usd: float = 0.0) -> Admission:
+                estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S) -> Admission:
     """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send."""
     if tenant.tpm is not None and estimated_tokens > tenant.tpm:
         raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
@@ -65,7 +84,7 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                        type="rate_limit_error", code="rate_limit_exceeded",
                        headers={"Retry-After": str(wait)})
     reservation = await store.reserve_tokens(tenant, estimated_tokens,
-                                             spend_usd=estimated_spend_usd)
+                                             spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
     if reservation is None:
         raise ApiError(429, f"tenant {tenant.name!r} has used its monthly budget (tokens: "
                        f"{_or_unlimited(tenant.monthly_token_budget)}, spend: "
@@ -74,4 +93,4 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                        "ask your administrator to raise it",
                        type="insufficient_quota", code="insufficient_quota",
                        headers={"x-should-retry": "false"})
-    return Admission(store, reservation)
+    return Admission(store, reservation, hold_ttl_s)

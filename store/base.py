@@ -121,6 +121,12 @@ class Store(Protocol):
         """Atomically hold `tokens` (and `spend_usd`) of this month's budgets, or None if they do
         not cover it. The hold lapses after `ttl_s` unless settled first."""
 
+    async def extend_hold(
+        self, reservation: Reservation, *, ttl_s: float = 600.0, now: float | None = None
+    ) -> bool:
+        """Make a live hold lapse `ttl_s` from now instead (a request still running keeps its
+        hold); False if it was settled or had lapsed already."""
+
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
     ) -> None:

@@ -88,6 +88,7 @@ class RedisStore:
         self._keys = RedisKeys(prefix)
         self._rate_script = client.register_script(redis_lua.RATE)
         self._reserve_script = client.register_script(redis_lua.RESERVE)
+        self._extend_hold_script = client.register_script(redis_lua.EXTEND_HOLD)
         # NOTE: its own client, with decode_responses=False: adapter files are bytes.
         self.shared_blobs = RedisBlobs(blob_client, self._keys)
 
@@ -324,6 +325,14 @@ class RedisStore:
         args += [tokens, repr(float(spend_usd)), r.id, repr(r.expires_at), int(ttl_s) + 1]
         keys = [self._keys.usage(r.tenant, r.month), self._keys.holds(r.tenant, r.month)]
         return r if await self._reserve_script(keys=keys, args=args) else None
+
+    async def extend_hold(
+        self, reservation: Reservation, *, ttl_s: float = 600.0, now: float | None = None
+    ) -> bool:
+        now = now_or(now)
+        args = [reservation.id, repr(now), repr(now + ttl_s), int(ttl_s) + 1]
+        keys = [self._keys.holds(reservation.tenant, reservation.month)]
+        return bool(await self._extend_hold_script(keys=keys, args=args))
 
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float

@@ -67,3 +67,20 @@ if redis.call('TTL', KEYS[2]) < tonumber(ARGV[8]) then
 end
 return 1
 """
+
+# KEYS[1]: a month's holds hash. ARGV: hold id, now, new expires_at, key_ttl_s. Returns 1 and moves
+# the hold's expiry if it is still live, else 0 (a lapsed one is dropped, as RESERVE would).
+EXTEND_HOLD = """
+local hold = redis.call('HGET', KEYS[1], ARGV[1])
+if not hold then return 0 end
+local tokens, spend, expires_at = string.match(hold, '^(%S+) (%S+) (%S+)$')
+if tonumber(expires_at) <= tonumber(ARGV[2]) then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], tokens .. ' ' .. spend .. ' ' .. ARGV[3])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+end
+return 1
+"""

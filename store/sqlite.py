@@ -417,6 +417,19 @@ class SqliteStore:
 
         return await self._write(reserve)
 
+    async def extend_hold(
+        self, reservation: Reservation, *, ttl_s: float = 600.0, now: float | None = None
+    ) -> bool:
+        now = now_or(now)
+
+        def extend(conn: sqlite3.Connection) -> bool:
+            return conn.execute(
+                "UPDATE reservations SET expires_at = ? WHERE id = ? AND expires_at > ?",
+                (now + ttl_s, reservation.id, now),
+            ).rowcount == 1
+
+        return await self._write(extend)
+
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
     ) -> None:

@@ -30,6 +30,7 @@ from store import (
     Tenant,
     open_store,
 )
+from gateway.admission import admit
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
@@ -322,6 +323,32 @@ async def test_unsettled_reservation_lapses(store: Store) -> None:
     assert await store.reserve_tokens(acme, 1, now=T0 + 9) is None
     assert (await store.get_usage("acme", now=T0 + 11)).reserved_tokens == 0
     assert await store.reserve_tokens(acme, 100, now=T0 + 11) is not None
+
+
+async def test_an_extended_hold_outlives_its_first_ttl_and_a_settled_one_stays_gone(store: Store) -> None:
+    acme = await make_tenant(store, monthly_token_budget=100)
+    held = await store.reserve_tokens(acme, 100, now=T0, ttl_s=10)
+    assert await store.extend_hold(held, ttl_s=10, now=T0 + 9)
+    assert await store.reserve_tokens(acme, 1, now=T0 + 15) is None  # still held at 15 (lapses at 19)
+    assert (await store.get_usage("acme", now=T0 + 15)).reserved_tokens == 100
+    assert not await store.extend_hold(held, ttl_s=10, now=T0 + 20)  # lapsed at 19: not revived
+    assert await store.reserve_tokens(acme, 100, now=T0 + 20) is not None
+    other = await store.reserve_tokens(acme, 0, now=T0 + 20)
+    await store.settle(other, tokens_in=0, tokens_out=0, spend_usd=0.0)
+    assert not await store.extend_hold(other, ttl_s=10, now=T0 + 21)
+    assert (await store.get_usage("acme", now=T0 + 21)).reserved_tokens == 100
+
+
+async def test_an_admitted_call_keeps_its_hold_past_the_ttl_until_it_settles(store: Store) -> None:
+    acme = await make_tenant(store, monthly_token_budget=100)
+    admission = await admit(store, acme, 100, hold_ttl_s=0.6)
+    await asyncio.sleep(2.0)  # over three ttls: only the renewals keep it
+    assert (await store.get_usage("acme")).reserved_tokens == 100
+    assert await store.reserve_tokens(acme, 1) is None
+    await admission.settle(10, 20, 0.0)
+    await asyncio.sleep(0.3)  # a renewal would be due: nothing revives a settled hold
+    usage = await store.get_usage("acme")
+    assert (usage.reserved_tokens, usage.tokens_in, usage.tokens_out) == (0, 10, 20)
 
 
 async def test_usage_is_per_month(store: Store) -> None:
