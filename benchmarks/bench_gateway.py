@@ -351,7 +351,8 @@ async def check_accounting(port: int, admin_key: str, key: str, runs: list[LoadR
     """Every request was counted in /metrics, billed in the tenant's usage, and (at info) logged."""
     num_ok = 1 + sum(r.num_ok_total for r in runs)  # 1: the reply check
     connection = await Connection.open(HOST, port)
-    _, metrics = await connection.send(encode_request("GET", "/metrics", HOST))
+    _, metrics = await connection.send(encode_request(
+        "GET", "/metrics", HOST, headers={"Authorization": f"Bearer {admin_key}"}))
     _, detail = await connection.send(encode_request(
         "GET", f"/admin/tenants/{TENANT}", HOST, headers={"Authorization": f"Bearer {admin_key}"}))
     await connection.close()

@@ -32,6 +32,7 @@ from routing.pricing import Price
 from routing.routes import Route as ModelRoute
 from store import open_store
 from store.blobs import BlobStore, collect_garbage
+from store.keys import hash_key
 from store.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
 
 
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
-               admin_key: str | None = None, adapter_dir: Path | None = None,
+               admin_key: str | None = None, metrics_key: str | None = None,
+               adapter_dir: Path | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                prices: dict[str, Price] | None = None,
                routes: dict[str, ModelRoute] | None = None, default_route: str | None = None,
@@ -79,7 +81,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
 
     On startup it opens the store (`store_url`, see store.open_store; SQLite in `data_dir` when
     None) and sets the admin key to `admin_key`; with none given and none stored, it creates one
-    and hands its plaintext to `announce_admin_key`, once. Uploaded adapter files live in
+    and hands its plaintext to `announce_admin_key`, once. /metrics answers the admin key and
+    `metrics_key` (when given), nothing else. Uploaded adapter files live in
     `adapter_dir` (default `data_dir`/adapters); with a Redis store also in Redis, from which
     gateways fetch what their own `adapter_dir` lacks.
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
@@ -95,7 +98,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
                            max_upload_bytes=max_upload_bytes, prices=prices or {},
-                           routes=routes, default_route=default_route)
+                           routes=routes, default_route=default_route,
+                           metrics_key_hash=hash_key(metrics_key) if metrics_key else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -53,6 +53,21 @@ async def require_admin(request: Request, store: Store) -> None:
     raise _unauthenticated("invalid admin key")
 
 
+async def require_metrics_reader(request: Request, store: Store, metrics_key_hash: str | None) -> None:
+    """Pass for the metrics key (when one is set) and the admin key; 403 for a tenant key, 401
+    for anything else. The series name every tenant and adapter, which no tenant may see."""
+    key = bearer_key(request)
+    if metrics_key_hash is not None and verify_key(key, metrics_key_hash):
+        return
+    if await _is_admin_key(store, key):
+        return
+    if await store.authenticate(key) is not None:
+        raise ApiError(403, "/metrics needs the metrics key or the admin key: its series name every "
+                       "tenant", type="permission_error", code="metrics_key_required")
+    raise _unauthenticated("invalid key for /metrics: send the metrics key (serve --metrics-key) "
+                           "or the admin key")
+
+
 async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:
     """Make the store's admin key `admin_key` (when given); on a store with none, make one.
 

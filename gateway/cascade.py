@@ -97,9 +97,12 @@ async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | Non
 
 def _used(chunks: list[GenerationChunk]) -> tuple[int, int]:
     """The prompt and output tokens an answer has used, by the chunks it produced: its prompt
-    counts once the engine read it (the first chunk came)."""
-    return (chunks[-1].num_prompt_tokens if chunks else 0,
-            sum(len(chunk.token_ids) for chunk in chunks))
+    counts once the engine read it (the first chunk came). Output: the engine's own count when it
+    is the larger (an upstream may send several tokens as one piece; see Choice.num_output_tokens)."""
+    if not chunks:
+        return 0, 0
+    return (chunks[-1].num_prompt_tokens,
+            max(sum(len(chunk.token_ids) for chunk in chunks), chunks[-1].num_output_tokens))
 
 
 async def _replay(chunks: list[GenerationChunk],

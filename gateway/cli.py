@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: SQLite in the data folder)")
     serve.add_argument("--admin-key", help="admin key (default $SWITCHBOARD_ADMIN_KEY, else the "
                                            "stored one, else a new one printed once)")
+    serve.add_argument("--metrics-key", help="a key that may read /metrics only, for a Prometheus "
+                                             "scraper (default $SWITCHBOARD_METRICS_KEY; the admin "
+                                             "key reads /metrics too)")
     _add_engine_options(serve)
     serve.add_argument("--adapter-dir", type=Path,
                        help="folder of uploaded adapter files (default DATA_DIR/adapters; "
@@ -229,7 +232,8 @@ def serve(config: ServeConfig) -> int:
             engines.update(load_engines({name: path}, **config.engine_options_of(name)))
         try:
             app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
-                             admin_key=config.admin_key, adapter_dir=config.adapter_dir,
+                             admin_key=config.admin_key, metrics_key=config.metrics_key,
+                             adapter_dir=config.adapter_dir,
                              max_upload_bytes=config.max_upload_size, prices=prices,
                              routes=routes, default_route=config.default_route,
                              workers_url=config.redis, load_tokenizer=_load_tokenizer,

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 DEFAULT_DATA_DIR = Path("data")
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
-_ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY"}
+_ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
+        "metrics_key": "SWITCHBOARD_METRICS_KEY"}
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
 _UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "timeout_s",
                   "max_model_len"}
@@ -107,6 +108,9 @@ class ServeConfig:
     """Store URL (sqlite:///file.db or redis://host:port/0); None: SQLite in data_dir."""
     admin_key: str | None = None
     """The admin key to use; None keeps the stored one, or creates and prints one on first start."""
+    metrics_key: str | None = None
+    """A key that reads /metrics and nothing else (for a Prometheus scraper); the admin key reads
+    it too. The series name tenants and their adapters, so /metrics is never open to any caller."""
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int | None = None

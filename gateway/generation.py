@@ -117,17 +117,27 @@ class Ask:
                                                                 max_tokens=max_tokens)))
         return readings
 
-    async def generate(self, tier: Tier, prompt: list[int], options: SamplingOptions, *,
-                       request_id: str, tenant: str | None) -> AsyncIterator[GenerationChunk]:
-        """The stream of one answer on `tier` (a reading of `read`); like the engine's own, its
-        first iteration raises RequestRejected if the request cannot run there."""
+    def context_error(self, tier: Tier, prompt: list[int], options: SamplingOptions
+                      ) -> ContextExceeded | None:
+        """Why one answer (a reading of `read`) cannot fit `tier`'s context, if it cannot.
+
+        NOTE: a prompt that alone fills the context is the engine's to refuse (its message says so)."""
         max_model_len, num_tokens = tier.engine.max_model_len, len(prompt) + options.max_tokens
         if len(prompt) < max_model_len < num_tokens:
-            raise ContextExceeded(
+            return ContextExceeded(
                 f"this model's maximum context length is {max_model_len} tokens, but you asked "
                 f"for {num_tokens} ({len(prompt)} in the prompt, {options.max_tokens} for the "
                 f"output); lower {self.max_tokens_param} or shorten the prompt",
                 self.max_tokens_param)
+        return None
+
+    async def generate(self, tier: Tier, prompt: list[int], options: SamplingOptions, *,
+                       request_id: str, tenant: str | None) -> AsyncIterator[GenerationChunk]:
+        """The stream of one answer on `tier` (a reading of `read`); like the engine's own, its
+        first iteration raises RequestRejected if the request cannot run there."""
+        error = self.context_error(tier, prompt, options)
+        if error is not None:
+            raise error
         async with contextlib.aclosing(tier.engine.generate(
                 prompt, options, request_id=request_id, tenant=tenant,
                 adapter=tier.adapter)) as stream:  # closing it aborts the engine request
@@ -147,6 +157,7 @@ class Choice:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_engine_output_tokens: int = 0  # the engine's own count, as its last chunk said
     last_chunk_at: float | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
@@ -156,6 +167,14 @@ class Choice:
         self.finish_reason = chunk.finish_reason
         self.num_prompt_tokens = chunk.num_prompt_tokens
         self.num_cached_tokens = chunk.num_cached_tokens
+        self.num_engine_output_tokens = chunk.num_output_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The tokens this choice used: its token ids, or the engine's count when that is larger.
+        An upstream that sends no logprobs gives one id per piece of text, and a piece may hold
+        several of its tokens; its usage, on the last chunk, counts them all."""
+        return max(len(self.token_ids), self.num_engine_output_tokens)
 
 
 class Generation:
@@ -228,7 +247,7 @@ class Generation:
 
     @property
     def num_output_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(c.num_output_tokens for c in self.choices)
 
     def _keep_prompt_logprobs(self, index: int, chunk: GenerationChunk) -> None:
         """Engines send a prompt's logprobs on a request's first chunk, which `start` sees."""

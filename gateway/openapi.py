@@ -24,7 +24,7 @@ _REQUEST_BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
     ("POST", "/admin/tenants"): TenantCreate,
 }
-_PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
+_PUBLIC_PATHS = {"/health", "/openapi.json"}
 _REF_TEMPLATE = "#/components/schemas/{name}"
 _CONVERTOR = re.compile(r"{(\w+):\w+}")
 

@@ -6,7 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth import authenticate_tenant
+from gateway.auth import authenticate_tenant, require_metrics_reader
 from gateway.errors import STORE_UNAVAILABLE_MESSAGE, model_not_found
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
@@ -76,6 +76,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """Prometheus metrics in the text exposition format (no key needed)."""
+    """Prometheus metrics in the text exposition format, for the metrics key or the admin key."""
     state = gateway_state(request)
+    await require_metrics_reader(request, state.require_store(), state.metrics_key_hash)
     return Response(state.metrics.render(state.engines), media_type=CONTENT_TYPE)

@@ -17,9 +17,14 @@ TopP = Annotated[float, Meta(gt=0, le=1)]
 TopK = Annotated[int, Meta(ge=-1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
+# Bounded so that a call's token estimate stays a 64-bit integer (what stores keep); far above any
+# model's context, which each model checks on its own.
+MaxTokens = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+PositiveMaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # a 64-bit integer, as torch seeds are
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
-Penalty = Annotated[float, Meta(gt=0)]
+Penalty = Annotated[float, Meta(ge=0.01, le=100)]  # wider ones make float32 logits overflow
 OpenAIPenalty = Annotated[float, Meta(ge=-2, le=2)]
 LogitBias = Annotated[float, Meta(ge=-100, le=100)]
 
@@ -35,7 +40,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     n: NumChoices | None = 1
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -63,7 +68,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of ids."""
 
     prompt: str | list[str | int | list[int]]
-    max_tokens: NonNegativeInt | None = 16
+    max_tokens: MaxTokens | None = 16
     """0 only with echo: the prompt alone, scored (with logprobs)."""
     logprobs: NumLogprobs | None = None
     echo: bool | None = False
@@ -91,16 +96,25 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions. `max_completion_tokens` wins over the older `max_tokens`."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: PositiveMaxTokens | None = None
+    max_completion_tokens: PositiveMaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = None
     tools: list[dict] | None = None
+    functions: list[dict] | None = None  # tools' predecessor
+    function_call: str | dict | None = None
     response_format: dict | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
 
     def unsupported_field(self) -> str | None:
-        if self.tools:
-            return "tools"
+        for name in ("tools", "functions", "audio"):
+            if getattr(self, name):
+                return name
+        if self.function_call not in (None, "none"):
+            return "function_call"
+        if any(modality != "text" for modality in self.modalities or ()):
+            return "modalities"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
         return super().unsupported_field()

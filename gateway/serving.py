@@ -284,10 +284,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         readings = [ask.read(tier) for tier in target.tiers]
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.prompt_param) from None
-    # NOTE: the hold is the dearest tier's (a cascade may end there), each in its own tokens.
-    estimates = [_estimate(reading, n) for reading in readings]
-    spend = max(state.price_of(t.model).cost(*e) for t, e in zip(target.tiers, estimates))
-    admission = await admit(state.require_store(), tenant, max(map(sum, estimates)), spend)
+    admission = await admit(state.require_store(), tenant, *_hold(state, target, ask, readings, n))
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:
@@ -334,6 +331,32 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     return call
 
 
+def _hold(state: GatewayState, target: Target, ask: Ask,
+          readings: list[list[tuple[list[int], SamplingOptions]]], n: int) -> tuple[int, float]:
+    """The tokens and spend to hold before a call runs: the most its tiers may use, each in its
+    own tokens and at its own price.
+
+    A tier whose context cannot fit the call never runs it (a cascade escalates past it), so it
+    holds nothing, and when no tier fits, the call is a 400 before anything is held. A cascade may
+    run, and bill, every tier: it holds their sum. A model, or a learned route, runs one tier: the
+    dearest one's.
+    """
+    holds, refusal = [], None
+    for tier, reading in zip(target.tiers, readings):
+        error = next(filter(None, (ask.context_error(tier, p, o) for p, o in reading)), None)
+        if error is None:
+            tokens = _estimate(reading, n)
+            holds.append((sum(tokens), state.price_of(tier.model).cost(*tokens)))
+        else:
+            refusal = refusal or error
+    if not holds:
+        raise invalid_request(str(refusal), param=refusal.param)
+    tokens, spend = zip(*holds)
+    if isinstance(target.route, CascadeRoute):
+        return sum(tokens), sum(spend)
+    return max(tokens), max(spend)
+
+
 def _estimate(reading: list[tuple[list[int], SamplingOptions]], n: int) -> tuple[int, int]:
     """The prompt tokens of one tier's reading of a call, and the most its answers may use."""
     return sum(len(p) for p, _ in reading), n * sum(o.max_tokens for _, o in reading)
@@ -345,7 +368,7 @@ def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):
     for p, (prompt, options) in enumerate(ask.read(tier)):
         for j in range(n):
             # Seeded choices differ from each other but stay reproducible (vLLM does the same).
-            seed = None if options.seed is None else options.seed + j
+            seed = None if options.seed is None else _wrap_int64(options.seed + j)
             # The prompt's logprobs are the same for every choice: the first one scores it
             # (Generation.prompt_logprobs), and the others may start from cached prefix blocks.
             prompt_logprobs = options.prompt_logprobs if j == 0 else None
@@ -354,6 +377,11 @@ def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):
                 request_id=f"{call_id}-{len(streams)}", tenant=tenant))
             prompt_indices.append(p)
     return streams, prompt_indices
+
+
+def _wrap_int64(value: int) -> int:
+    """`value` wrapped into a signed 64-bit integer (what a seed must be)."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -33,6 +33,7 @@ class GatewayState:
     prices: dict[str, Price] = field(default_factory=dict)  # by base model name; unlisted: free
     routes: dict[str, Route] = field(default_factory=dict)
     default_route: str | None = None  # what `auto` means for tenants without a default of their own
+    metrics_key_hash: str | None = None  # of the key that may read /metrics (the admin key may too)
     learned: LearnedRouting = field(default_factory=LearnedRouting)
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     # by digest: held while that blob is fetched from the store (gateway.serving.adapter_folder)

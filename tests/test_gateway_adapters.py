@@ -158,7 +158,7 @@ def test_uploaded_adapters_answer_as_peft_does(server, tenant, adapters):
     assert greedy_ids(server, key, "attn") == expected["attn-r4"]
     assert greedy_ids(server, key, DEMO_MODEL) == expected["base"]
     assert expected["all-r8"] != expected["base"] != expected["attn-r4"]
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = server.admin("GET", "/metrics").text
     misses = [line for line in metrics.splitlines()
               if line.startswith("switchboard_adapter_cache_misses{")]
     assert misses and float(misses[0].split()[-1]) >= 1  # both adapters were paged in

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from gateway.prometheus import Counter, Gauge, Histogram, render
-from tests.conftest import DEMO_MODEL
+from tests.conftest import DEMO_MODEL, gateway_server
 
 
 def test_counter_gauge_and_histogram_render_the_text_format():
@@ -62,7 +62,7 @@ def test_metrics_after_traffic(server):
         assert response.status_code == 200
     assert httpx.post(server.url + "/v1/completions", json={**body, "model": "nope"},
                       headers=headers).status_code == 404
-    text = httpx.get(server.url + "/metrics").text
+    text = server.admin("GET", "/metrics").text
     assert sample(text, "switchboard_requests_total", tenant="metered", model=DEMO_MODEL,
                   status=200) == 2
     assert sample(text, "switchboard_requests_total", tenant="metered", model="-",
@@ -82,3 +82,21 @@ def test_metrics_after_traffic(server):
     assert sample(text, "switchboard_kv_cache_blocks_total", model=DEMO_MODEL) == \
         engine.kv_blocks_total
     assert "# TYPE switchboard_time_to_first_token_seconds histogram" in text
+
+
+def test_metrics_need_the_metrics_key_or_the_admin_key(demo_engine, tmp_path):
+    """The series name tenants and their adapters: no tenant, and no caller without a key, reads them."""
+    with gateway_server(demo_engine, tmp_path, metrics_key="scrape-me") as server:
+        tenant_key = server.new_tenant("curious")
+
+        def scrape(key: str | None) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.get(server.url + "/metrics", headers=headers, timeout=30)
+
+        for key in ("scrape-me", server.admin_key):
+            answer = scrape(key)
+            assert answer.status_code == 200 and "switchboard_requests_total" in answer.text
+        for key, status in ((None, 401), ("wrong", 401), (tenant_key, 403)):
+            answer = scrape(key)
+            assert answer.status_code == status and "switchboard_" not in answer.text
+            assert answer.json()["error"]["message"]

@@ -318,6 +318,34 @@ def test_the_spend_budget_stops_a_tenant(routed):
     assert spend(routed, name)["spend_usd"] == pytest.approx(cost("large", 8, 4))
 
 
+def test_a_cascade_holds_what_all_its_tiers_may_use_so_no_budget_is_overspent(routed):
+    """"hard" escalates: both tiers run and are billed (8 + 4 tokens each), so a call needs 24."""
+    name, key = new_tenant(routed, monthly_token_budget=20)
+    refused = complete(routed, key, "hard one")  # one tier's 12 fit 20; both tiers' 24 do not
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+    assert spend(routed, name)["tokens_in"] == 0
+    name, key = new_tenant(routed, monthly_token_budget=36)
+    assert complete(routed, key, "hard one").headers["x-switchboard-escalated"] == "true"
+    assert complete(routed, key, "hard one").status_code == 429  # 24 used, 12 left
+    assert (spend(routed, name)["tokens_in"], spend(routed, name)["tokens_out"]) == (16, 8)
+    both = cost("small", 8, 4) + cost("large", 8, 4)
+    name, key = new_tenant(routed, monthly_spend_budget_usd=both * 0.99)
+    assert complete(routed, key, "hard one").status_code == 429
+    assert spend(routed, name)["spend_usd"] == 0
+
+
+@pytest.mark.parametrize("max_tokens", [300, 2**31 - 1, 2**63 - 1])
+def test_a_call_that_cannot_fit_the_context_is_a_400_before_any_budget_is_held(routed, max_tokens):
+    name, key = new_tenant(routed, monthly_token_budget=1000)
+    for model in ("small", "auto"):
+        refused = complete(routed, key, "easy one", model=model, max_tokens=max_tokens)
+        error = refused.json()["error"]
+        assert (refused.status_code, error["type"], error["param"]) == \
+            (400, "invalid_request_error", "max_tokens"), error
+    usage = spend(routed, name)
+    assert (usage["reserved_tokens"], usage["tokens_in"]) == (0, 0)
+
+
 def test_routes_are_checked_at_startup(tmp_path):
     engines = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
     routes = parse_routes({"auto": {"tiers": ["small", "large"], "threshold": 0.5}}, engines)
@@ -390,5 +418,5 @@ def test_routes_are_counted_per_route_and_tier(routed):
     # The escalated call is charged whole (its small attempt too) under the model that answered.
     assert metrics.spend.value(tenant=name, model="large") == \
         pytest.approx(cost("small", 8, 4) + cost("large", 8, 4))
-    text = httpx.get(routed.url + "/metrics").text
+    text = routed.admin("GET", "/metrics").text
     assert 'switchboard_routed_requests_total{route="auto",model="large",escalated="true"}' in text

@@ -107,6 +107,7 @@ class HostedChat:
 
     def __init__(self):
         self.requests: list[tuple[str, dict]] = []
+        self.events = HOSTED_EVENTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body, more = b"", True
@@ -117,7 +118,7 @@ class HostedChat:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
         await send({"type": "http.response.body", "body": b"".join(
-            f"data: {json.dumps(e)}\n\n".encode() for e in HOSTED_EVENTS) + b"data: [DONE]\n\n"})
+            f"data: {json.dumps(e)}\n\n".encode() for e in self.events) + b"data: [DONE]\n\n"})
 
 
 @pytest.fixture(scope="module")
@@ -693,6 +694,28 @@ def test_a_hosted_chat_api_gets_the_messages_and_sampling_options(front, hosted)
         ([{"role": "user", "content": "hi"}], 3, True, 1)
     assert plain["choices"][0]["logprobs"]["top_logprobs"] == [{"o": -0.1, "k": -2.5},
                                                                {"k": -0.2, "o": -1.75}]
+
+
+def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_count(front, hosted):
+    """Without logprobs a piece of text counts as one token until the usage says how many it held."""
+    server, _ = front
+    key = server.new_tenant("pieces")
+    pieces = [{"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+              for text in ("Hello the", "re, world")]
+    hosted.events = [*pieces, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+                     {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 10,
+                                               "total_tokens": 19}}]
+    try:
+        answer = chat(server.url, key, model="hosted", messages=CHAT, max_tokens=10).json()
+        streamed = events(post(server.url, key, "/v1/chat/completions", model="hosted", messages=CHAT,
+                               max_tokens=10, stream=True, stream_options={"include_usage": True}))
+    finally:
+        hosted.events = HOSTED_EVENTS
+    assert answer["choices"][0]["message"]["content"] == "Hello there, world"
+    assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (9, 10)
+    assert streamed[-1]["usage"]["completion_tokens"] == 10
+    usage = server.admin("GET", "/admin/tenants/pieces").json()["usage"]
+    assert (usage["tokens_in"], usage["tokens_out"]) == (18, 20)
 
 
 def test_a_chat_client_marks_its_chats_so_no_text_passes_for_one(upstream):
