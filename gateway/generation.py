@@ -220,9 +220,20 @@ class Generation:
             yield index, self._record(index, item, at)
 
     def close(self) -> None:
-        """Abort the requests still running (a no-op for finished ones)."""
+        """Abort the requests still running (a no-op for finished ones). What they produced
+        before is added to `choices` even if nobody read it, since it is billed: the chunks
+        `start` kept and those still queued (the client left, or another choice failed)."""
         for task in self._tasks:
             task.cancel()
+        unread = [(index, chunk) for index, chunk, _ in self._buffer]
+        self._buffer.clear()
+        while not self._queue.empty():
+            index, item, _ = self._queue.get_nowait()
+            if not isinstance(item, BaseException):
+                unread.append((index, item))
+        for index, chunk in unread:
+            self.choices[index].add(chunk)
+            self._num_finished += chunk.finished
 
     def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob] | None:
         """The logprobs of a prompt's tokens 1.., when asked for (SamplingOptions.prompt_logprobs):
