@@ -32,12 +32,15 @@ class IncrementalDetokenizer:
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
 
-    def add_tokens(self, new_token_ids: list[int]) -> None:
-        """Decode new tokens into `self.text`; sets `stop_reason` when a stop string appears."""
+    def add_tokens(self, new_token_ids: list[int], check_stop: bool = True) -> None:
+        """Decode new tokens into `self.text`; sets `stop_reason` when a stop string appears.
+
+        With `check_stop` False (before min_tokens) their text is never searched for stop strings,
+        now or later: only a stop string that ends in text decoded while checking counts."""
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             if self.stop_reason is None:
-                self._decode_next()
+                self._decode_next(check_stop)
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet returned. Unless finished, the last characters that could still grow into a
@@ -51,7 +54,7 @@ class IncrementalDetokenizer:
         self.num_emitted_chars = end
         return delta
 
-    def _decode_next(self) -> None:
+    def _decode_next(self, check_stop: bool) -> None:
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
@@ -59,9 +62,10 @@ class IncrementalDetokenizer:
             return  # an incomplete character: wait for the bytes that finish it
         new_text = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        search_from = max(0, len(self.text) - self.holdback)
+        num_old_chars = len(self.text)
         self.text += new_text
-        self._check_stop(search_from)
+        if check_stop:
+            self._check_stop(num_old_chars)
 
     def _flush(self) -> None:
         """At the end, bytes that never formed a character are shown as U+FFFD."""
@@ -72,8 +76,13 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self.read_offset = len(self.token_ids)
 
-    def _check_stop(self, search_from: int) -> None:
-        found = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) != -1]
+    def _check_stop(self, num_old_chars: int) -> None:
+        """Find the earliest stop string that ends in the text after `num_old_chars`.
+
+        NOTE: it starts at most `holdback` characters back, which take_delta has not emitted yet,
+        so cutting the text there never takes back streamed text."""
+        found = [(i, stop) for stop in self.stop
+                 if (i := self.text.find(stop, max(0, num_old_chars - len(stop) + 1))) != -1]
         if found:
             index, stop = min(found)
             self.stop_reason = stop

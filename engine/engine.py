@@ -184,19 +184,20 @@ class LLMEngine:
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._outputs[request.request_id]
         detokenizer = state.detokenizer
-        stop_reason = None
-        if detokenizer is not None:
-            detokenizer.add_tokens(request.output_token_ids[-1:])
-            stop_reason = detokenizer.stop_reason
-            if stop_reason is not None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        # NOTE: stopped here means the scheduler stopped it on `last` (EOS or a stop token id);
+        # as in vLLM, that token's text is left out unless include_stop_str_in_output.
+        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        stop_reason = last if stopped_by_token and last in params.stop_token_ids else None
+        if detokenizer is not None and (not stopped_by_token or params.include_stop_str_in_output):
+            detokenizer.add_tokens([last], check_stop=request.can_stop and not stopped_by_token)
+            if detokenizer.stop_reason is not None:
+                stop_reason = detokenizer.stop_reason
                 if not request.is_finished:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 # NOTE: a stop string completed by the last allowed token is still a stop.
                 request.status = RequestStatus.FINISHED_STOPPED
-        last = request.output_token_ids[-1]
-        if stop_reason is None and request.status == RequestStatus.FINISHED_STOPPED \
-                and last in request.sampling_params.stop_token_ids:
-            stop_reason = last
         finished = request.is_finished
         if finished:
             del self._outputs[request.request_id]

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below this sample greedily (as vLLM): dividing logits by them overflows float32.
+_GREEDY_TEMPERATURE = 1e-5
+# Repetition penalties within these keep float32 logits finite (the gateway's HTTP bound is the same).
+_MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 0.01, 100
+
 
 @dataclass
 class SamplingParams:
@@ -16,7 +21,7 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 (or anything below 1e-5) means greedy."""
     top_k: int = 0
     """0 (or -1) disables top-k."""
     top_p: float = 1.0
@@ -27,14 +32,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
-    """Stop tokens and EOS are not honoured before this many tokens were generated."""
+    """No stop condition (EOS, stop token, stop string) is honoured before this many tokens were
+    generated; a stop string that appears earlier stays in the text and never ends the request."""
     logprobs: int | None = None
     """None: no logprobs. k >= 0: the sampled token's logprob plus the top-k alternatives."""
     prompt_logprobs: int | None = None
     """Like `logprobs`, for each prompt token after the first (vLLM's): what the model gave it
     from the tokens before. The whole prompt is computed for them: no prefix-cache hits."""
     repetition_penalty: float = 1.0
-    """CTRL's, on prompt and output tokens: positive logits divided by it, negative ones times it."""
+    """CTRL's, on prompt and output tokens: positive logits divided by it, negative ones times it.
+    In [0.01, 100]."""
     presence_penalty: float = 0.0
     """OpenAI's, on output tokens (as vLLM): subtracted once from the logit of every token generated so far."""
     frequency_penalty: float = 0.0
@@ -59,8 +66,9 @@ class SamplingParams:
              f"logprobs must be in [0, 20], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (_MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY}, {_MAX_REPETITION_PENALTY}], "
+             f"got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
@@ -76,7 +84,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_TEMPERATURE
 
     @property
     def adjusts_logits(self) -> bool:
@@ -164,6 +172,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def can_stop(self) -> bool:
+        """Whether stop conditions count yet: not before min_tokens tokens were generated."""
+        return self.num_output_tokens >= self.sampling_params.min_tokens
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -18,20 +18,25 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        """logits: [num_requests, vocab] float32, row i belongs to requests[i]."""
+        """logits: [num_requests, vocab] float32, row i belongs to requests[i]. A request whose row
+        cannot be sampled gets a SampledToken with `error` set; the other rows are unaffected."""
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             # NOTE: logprobs describe the model's own distribution, before penalties and temperature.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._adjust(logits, requests)
         token_ids = torch.argmax(logits, dim=-1)  # [num_requests]
+        errors: dict[int, str] = {}
         for i, request in enumerate(requests):
             if not request.sampling_params.is_greedy:
-                token_ids[i] = self._sample_row(logits[i], request)
+                try:
+                    token_ids[i] = self._sample_row(logits[i], request)
+                except RuntimeError as error:  # e.g. a non-finite row: fail its request, not the batch
+                    errors[i] = f"sampling failed: {error}"
         token_list = token_ids.tolist()
         return [
             SampledToken(token, self._logprobs(raw_logprobs[i], token, request)
-                         if request.sampling_params.logprobs is not None else None)
+                         if request.sampling_params.logprobs is not None else None, errors.get(i))
             for i, (token, request) in enumerate(zip(token_list, requests))
         ]
 

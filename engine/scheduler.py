@@ -62,6 +62,8 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
+    error: str | None = None
+    """Why sampling this request failed (then `token_id` means nothing): the request fails alone."""
 
 
 @dataclass
@@ -149,6 +151,8 @@ class Scheduler:
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[index]
             if request.adapter_id is not None and (slot_blocked or not self._can_get_slot(request)):
+                if request.is_finished:
+                    continue  # its adapter failed to load: it left the queue, the next is at index
                 slot_blocked = True
                 index += 1
                 continue
@@ -175,9 +179,7 @@ class Scheduler:
         try:
             return self.adapter_slots.can_acquire(request.adapter_id)
         except Exception as error:  # the adapter failed to load: fail this request, not the step
-            self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-            request.error = f"adapter {request.adapter_id} could not be loaded: {error}"
-            self.failed.append(request)
+            self._fail(request, f"adapter {request.adapter_id} could not be loaded: {error}")
             return False
 
     def _prefetch_waiting_adapters(self) -> None:
@@ -188,6 +190,12 @@ class Scheduler:
         if wanted:
             self.adapter_slots.prefetch(wanted)
 
+    def _fail(self, request: Request, error: str) -> None:
+        """Finish a request with an error; the engine reports it after the step (`take_failed`)."""
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        request.error = error
+        self.failed.append(request)
+
     def take_failed(self) -> list[Request]:
         failed, self.failed = self.failed, []
         return failed
@@ -195,7 +203,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance scheduled requests past the step; returns those that got a new token.
 
-        Requests that hit EOS, a stop token, max_tokens or max_model_len are finished and freed.
+        Requests that hit EOS, a stop token, max_tokens or max_model_len are finished and freed;
+        those whose sampling failed are finished with an error (see `take_failed`).
         """
         updated = []
         for item in output.scheduled:
@@ -208,6 +217,9 @@ class Scheduler:
             request.prompt_logprobs += runner_output.prompt_logprobs.get(request.request_id, [])
             sampled = runner_output.sampled.get(request.request_id)
             if sampled is None:
+                continue
+            if sampled.error is not None:
+                self._fail(request, sampled.error)
                 continue
             request.output_token_ids.append(sampled.token_id)
             if sampled.logprobs is not None:
@@ -241,7 +253,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if request.can_stop:
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in request.eos_token_ids:

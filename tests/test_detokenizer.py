@@ -11,13 +11,14 @@ def tokenizer():
     return build_byte_tokenizer()
 
 
-def stream(tokenizer, text: str, **kwargs) -> tuple[list[str], IncrementalDetokenizer]:
+def stream(tokenizer, text: str, min_tokens: int = 0, **kwargs) -> tuple[list[str], IncrementalDetokenizer]:
+    """Feed `text` token by token, checking stop strings from token `min_tokens` on (as the engine)."""
     prompt = tokenizer.encode("prompt: ")
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, prompt, **kwargs)
     deltas = []
     for i, token in enumerate(ids):
-        detok.add_tokens([token])
+        detok.add_tokens([token], check_stop=i + 1 >= min_tokens)
         deltas.append(detok.take_delta(finished=i == len(ids) - 1 or detok.stop_reason is not None))
         if detok.stop_reason:
             break
@@ -44,6 +45,25 @@ def test_stop_string_can_be_kept_and_earliest_wins(tokenizer):
     deltas, detok = stream(tokenizer, "a, b. c", stop=(".", ","), include_stop_str_in_output=True)
     assert "".join(deltas) == "a,"
     assert detok.stop_reason == ","
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_before_min_tokens_stay_and_never_stop_later(tokenizer, include):
+    # "." ends token 2 < min_tokens 4; "...." (never there) widens the held-back window to 3 chars.
+    deltas, detok = stream(tokenizer, "a.b.c.", min_tokens=4, stop=(".", "...."),
+                           include_stop_str_in_output=include)
+    assert "".join(deltas) == ("a.b." if include else "a.b")
+    assert detok.stop_reason == "."
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_completed_at_min_tokens_is_cut_from_held_back_text(tokenizer, include):
+    # "STOP" starts at token 4 (unchecked) and ends at token 7, the first one checked.
+    deltas, detok = stream(tokenizer, "ab STOP cd", min_tokens=7, stop=("STOP",),
+                           include_stop_str_in_output=include)
+    assert "".join(deltas) == ("ab STOP" if include else "ab ")
+    assert detok.stop_reason == "STOP"
+    assert all("S" not in d for d in deltas[:-1])
 
 
 def test_invalid_bytes_are_flushed_at_the_end(tokenizer):

@@ -140,10 +140,15 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(setup, tmp_path):
     engine.add_request("bad", prompts[0], params, lora=missing)
     engine.add_request("good", prompts[0], params, lora=adapters[0])
     outputs = {}
+    first_step = {request_id: 0 for request_id in ("bad", "good")}  # the step of each one's first output
+    step = 0
     while engine.has_unfinished_requests():
+        step += 1
         for output in engine.step():
             outputs.setdefault(output.request_id, []).append(output)
+            first_step[output.request_id] = first_step[output.request_id] or step
     assert outputs["bad"][-1].finish_reason == "error" and "could not be loaded" in outputs["bad"][-1].error
+    assert first_step == {"bad": 1, "good": 1}  # the request behind the failed one is not held back
     assert [t for o in outputs["good"] for t in o.new_token_ids] == references[0][0]
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 

@@ -112,10 +112,41 @@ def test_logprobs_report_the_raw_distribution():
     assert out.logprobs.top[1][1] == pytest.approx(expected[1].item())
 
 
+def test_a_temperature_below_1e_5_is_greedy():
+    assert SamplingParams(temperature=1e-40).is_greedy and SamplingParams(temperature=9e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[1.0, 3.0, 2.9, -1.0]])
+    for temperature in (1e-40, 1e-5):  # 1e-5 samples, but (3.0 - 2.9) / 1e-5 leaves no doubt
+        out = sampler.sample(logits, [make(SamplingParams(temperature=temperature))])[0]
+        assert (out.token_id, out.error) == (1, None)
+
+
+def test_repetition_penalty_bounds_keep_logits_finite():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[300.0, 299.0, -300.0, 1.0]])  # prompt tokens 0 and 2 are penalised
+    requests = [make(SamplingParams(temperature=1e-5, repetition_penalty=penalty), prompt=[0, 2])
+                for penalty in (0.01, 100)]
+    assert torch.isfinite(Sampler._adjust(logits.repeat(2, 1), requests)).all()
+    out = sampler.sample(logits.repeat(2, 1), requests)
+    assert [(t.token_id, t.error) for t in out] == [(0, None), (1, None)]
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 5.0, 1.0], [4.0, 0.0, 1.0]])
+    requests = [make(SamplingParams(temperature=1.0)), make(SamplingParams(temperature=1.0, top_k=1)),
+                make(SamplingParams(temperature=0))]
+    out = sampler.sample(logits, requests)
+    assert out[0].error.startswith("sampling failed: ")
+    assert [(t.token_id, t.error) for t in out[1:]] == [(1, None), (0, None)]
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("max_tokens", 0, "max_tokens"), ("temperature", -1, "temperature"), ("top_p", 0, "top_p"),
     ("top_k", -2, "top_k"), ("logprobs", 21, "logprobs"), ("min_tokens", 99, "min_tokens"),
-    ("repetition_penalty", 0, "repetition_penalty"), ("stop", [""], "stop"),
+    ("repetition_penalty", 0, "repetition_penalty"), ("repetition_penalty", 1e-300, "repetition_penalty"),
+    ("repetition_penalty", 101, "repetition_penalty"), ("stop", [""], "stop"),
     ("presence_penalty", 2.5, "presence_penalty"), ("frequency_penalty", -3, "frequency_penalty"),
     ("logit_bias", {5: 101}, "logit_bias values"), ("logit_bias", {-1: 1}, "logit_bias token ids"),
 ])

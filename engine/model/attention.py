@@ -81,6 +81,9 @@ def _pad_decodes(tables: list[torch.Tensor], lens: list[int], window: int | None
     slots = torch.zeros(len(tables), max_len, dtype=torch.long)
     for i, table in enumerate(tables):
         slots[i, : len(table)] = table
+        # NOTE: padding reads the request's own last slot, not slot 0: a masked key has weight 0,
+        # but 0 * NaN is NaN, and slot 0 may hold what another (failed) request left there.
+        slots[i, len(table):] = table[-1]
     key_pos = torch.arange(max_len)[None, :]
     lens_t = torch.tensor(lens)[:, None]
     mask = key_pos < lens_t

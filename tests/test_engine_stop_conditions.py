@@ -1,0 +1,188 @@
+"""Stop conditions and sampling failures on the real engine: min_tokens holds back stop strings and
+stop token ids, a stop token's text is left out (as vLLM), a tiny temperature is greedy, and a
+request whose sampling fails fails alone.
+
+Expected outputs come from a greedy run of the same prompt with no stop condition: the demo
+model's byte-level tokenizer makes each ASCII token exactly one character.
+"""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.request import SamplingParams
+from tests.helpers import make_hf_model, random_prompts, save_hf_model
+
+PROMPT = "World"
+NUM_TOKENS = 16
+SPACE = ord(" ")
+
+
+@dataclass
+class Result:
+    tokens: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.deltas)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple]) -> dict[str, Result]:
+    """Add every (prompt, params) at once and step until all finish; each request's outputs."""
+    results = {}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+        results[request_id] = Result()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            result = results[output.request_id]
+            assert result.finish_reason is None, "an output after the request finished"
+            result.tokens += output.new_token_ids
+            result.deltas.append(output.new_text)
+            result.finish_reason, result.stop_reason = output.finish_reason, output.stop_reason
+            result.error = output.error
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    return results
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_dir):
+    # NOTE: one intra-op thread, as the shared demo engine: the tiny model gains nothing from more.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLMEngine(EngineConfig(model=str(demo_model_dir), num_kv_blocks=64), show_progress=False)
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> tuple[list[int], str]:
+    """The greedy tokens of PROMPT with no stop condition, and their text (one char per token)."""
+    result = run(engine, {"reference": (PROMPT, greedy())})["reference"]
+    assert len(result.tokens) == NUM_TOKENS and all(t < 128 for t in result.tokens)
+    text = bytes(result.tokens).decode("ascii")
+    assert result.text == text
+    return result.tokens, text
+
+
+def first_stop(text: str, stop: str, min_tokens: int) -> int:
+    """Where vLLM finds a stop string: its first occurrence that ends in token min_tokens or later."""
+    index = text.find(stop, max(0, min_tokens - len(stop)))
+    assert index != -1
+    return index
+
+
+@pytest.mark.parametrize("stops,min_tokens", [
+    ((" ",), 0),
+    ((" ",), 8),  # the bug report's case: spaces before token 8 stopped it after 4 tokens
+    (("& ",), 5),  # "& " ends at token 4 and again at token 6
+    (("& ",), 6),  # the second "& " starts before token 6 and ends in it
+    (("& ", "never-generated"), 5),  # a longer stop string widens the held-back window
+])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_wait_for_min_tokens(engine, reference, stops, min_tokens, include):
+    tokens, text = reference
+    stop = stops[0]
+    assert all(s not in text for s in stops[1:])
+    index = first_stop(text, stop, min_tokens)
+    num_tokens = index + len(stop)
+    if min_tokens:  # the test is about a stop string that appears before min_tokens
+        assert text.find(stop) + len(stop) < min_tokens
+    params = greedy(stop=stops, min_tokens=min_tokens, include_stop_str_in_output=include)
+    result = run(engine, {"r": (PROMPT, params)})["r"]
+    assert result.tokens == tokens[:num_tokens]
+    assert result.text == text[:num_tokens if include else index]
+    assert (result.finish_reason, result.stop_reason) == ("stop", stop)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 5])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_left_out(engine, reference, min_tokens, include):
+    tokens, text = reference
+    num_tokens = tokens.index(SPACE, max(0, min_tokens - 1)) + 1
+    assert num_tokens == (4 if min_tokens == 0 else 6)  # the text starts "&&& & "
+    params = greedy(stop_token_ids=[SPACE], min_tokens=min_tokens, include_stop_str_in_output=include)
+    result = run(engine, {"r": (PROMPT, params)})["r"]
+    assert result.tokens == tokens[:num_tokens]
+    assert result.text == text[:num_tokens if include else num_tokens - 1]
+    assert (result.finish_reason, result.stop_reason) == ("stop", SPACE)
+
+
+def test_a_tiny_temperature_is_greedy_and_spares_its_batch(engine, reference):
+    sampled = {
+        "seeded": ("Hello", greedy(temperature=1.0, seed=7)),
+        "top_p": ("A long story:", greedy(temperature=0.8, top_p=0.9, seed=3)),
+    }
+    alone = run(engine, sampled)
+    batch = run(engine, {**sampled, "tiny": (PROMPT, greedy(temperature=1e-40))})
+    assert batch["tiny"].tokens == reference[0]
+    assert batch["tiny"].finish_reason == "length"
+    for request_id in sampled:
+        assert batch[request_id].tokens == alone[request_id].tokens
+        assert batch[request_id].finish_reason == "length"
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 0.0099, 100.5])
+def test_a_repetition_penalty_that_would_overflow_is_rejected(engine, penalty):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be in \[0.01, 100\]"):
+        SamplingParams(repetition_penalty=penalty)
+    assert not engine.has_unfinished_requests()
+
+
+POISON = 7  # a token whose embedding is NaN: any prompt holding it gets NaN logits
+
+
+@pytest.fixture(scope="module")
+def poisoned_model(tmp_path_factory):
+    """A tiny random Llama that produces NaN logits for prompts containing POISON, as a model whose
+    activations overflow does, and finite ones for every other prompt."""
+    model = make_hf_model("llama")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[POISON] = float("nan")
+    return save_hf_model(model, tmp_path_factory.mktemp("poisoned"))
+
+
+def poisoned_engine(folder) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=64), show_progress=False)
+
+
+def healthy_requests() -> dict[str, tuple]:
+    """A greedy and a sampled request of different lengths that never see POISON."""
+    prompts = random_prompts([9, 40], 384, seed=5)
+    assert all(POISON not in p for p in prompts)
+    ban = {POISON: -100}  # NOTE: so they never generate it and read the NaN embedding
+    return {"greedy": (prompts[0], greedy(logit_bias=ban)),
+            "seeded": (prompts[1], greedy(temperature=1.0, seed=11, logit_bias=ban))}
+
+
+def assert_same_tokens(results: dict[str, Result], alone: dict[str, Result]) -> None:
+    for request_id, result in alone.items():
+        assert len(result.tokens) == NUM_TOKENS and result.finish_reason == "length"
+        assert (results[request_id].tokens, results[request_id].finish_reason) == (result.tokens, "length")
+
+
+def test_a_request_whose_sampling_fails_fails_alone(poisoned_model):
+    engine = poisoned_engine(poisoned_model)
+    alone = run(engine, healthy_requests())
+    batch = run(engine, {"nan": ([3, POISON, 5], greedy(temperature=1.0)), **healthy_requests()})
+    assert (batch["nan"].tokens, batch["nan"].text, batch["nan"].finish_reason) == ([], "", "error")
+    assert batch["nan"].error.startswith("sampling failed: ")
+    assert_same_tokens(batch, alone)
+
+
+def test_a_failed_request_leaves_nothing_behind_in_the_kv_cache(poisoned_model):
+    alone = run(poisoned_engine(poisoned_model), healthy_requests())
+    engine = poisoned_engine(poisoned_model)
+    # First on a fresh engine, so its NaN keys and values land in block 0 and stay there (cached).
+    assert run(engine, {"nan": ([3, POISON, 5], greedy(temperature=1.0))})["nan"].finish_reason == "error"
+    assert_same_tokens(run(engine, healthy_requests()), alone)
