@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from engine.tokenizer import byte_to_unicode
+
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "switchboard-demo"
@@ -24,20 +26,6 @@ _CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenization emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
 
 
 def build_byte_tokenizer():

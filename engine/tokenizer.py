@@ -1,9 +1,11 @@
-"""Tokenizer and end-of-sequence ids of a Hugging Face model folder."""
+"""Tokenizer, token bytes and end-of-sequence ids of a Hugging Face model folder."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -11,6 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
+# Decoders that only respell pieces (or trim the start of a whole text): each token's bytes are
+# its piece, respelled.
+_PIECE_DECODERS = frozenset({"Replace", "Metaspace", "ByteFallback", "Fuse", "Strip"})
 
 
 def has_tokenizer(folder: str | Path) -> bool:
@@ -29,6 +35,80 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase | None:
     except Exception as error:  # transformers raises many types here; all mean "cannot load"
         raise ValueError(f"could not load the tokenizer in {folder}: {error}. A tokenizer.json "
                          "(fast tokenizer) is the most portable form; add one to the folder") from error
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what ByteLevel pre-tokenization emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], bytes]:
+    """How to read one token's raw bytes from the tokenizer's vocabulary: what decoding the token
+    alone cannot show when it holds part of a multi-byte character (decode gives U+FFFD).
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen2) spells each byte as GPT-2's stand-in character;
+    sentencepiece (Llama 2, Mistral) spells a space "▁" and a byte without a piece of its own
+    "<0xC3>"; added tokens ("<s>") are their text. Tokenizers of other kinds (WordPiece...) are
+    read by decoding the token. An id past the vocabulary (a padded embedding) has no bytes.
+    """
+    added = {i: token.content.encode() for i, token in tokenizer.added_tokens_decoder.items()}
+    steps = _decoder_steps(tokenizer)
+    kinds = {step["type"] for step in steps}
+    if "ByteLevel" in kinds:
+        piece = _byte_level_piece()
+    elif kinds and kinds <= _PIECE_DECODERS:
+        piece = _sentencepiece_piece(steps)
+    else:
+        return lambda token_id: tokenizer.decode([token_id]).encode()
+
+    def read(token_id: int) -> bytes:
+        if token_id in added:
+            return added[token_id]
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        return b"" if token is None else piece(token)
+
+    return read
+
+
+def _decoder_steps(tokenizer: PreTrainedTokenizerBase) -> list[dict]:
+    """The steps of a fast tokenizer's decoder, as its JSON spells them (none: not a fast one)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = None if backend is None else backend.decoder
+    if decoder is None:
+        return []
+    state = json.loads(decoder.__getstate__())
+    return state["decoders"] if state["type"] == "Sequence" else [state]
+
+
+def _byte_level_piece() -> Callable[[str], bytes]:
+    byte_of = {char: byte for byte, char in byte_to_unicode().items()}
+    return lambda token: b"".join(bytes([byte_of[c]]) if c in byte_of else c.encode()
+                                  for c in token)
+
+
+def _sentencepiece_piece(steps: list[dict]) -> Callable[[str], bytes]:
+    respell = [(s["pattern"]["String"], s["content"]) for s in steps
+               if s["type"] == "Replace" and "String" in s["pattern"]]
+    respell += [(s["replacement"], " ") for s in steps if s["type"] == "Metaspace"]
+    byte_fallback = any(s["type"] == "ByteFallback" for s in steps)
+
+    def piece(token: str) -> bytes:
+        if byte_fallback and (byte := _BYTE_PIECE.fullmatch(token)):
+            return bytes([int(byte[1], 16)])
+        for old, new in respell:
+            token = token.replace(old, new)
+        return token.encode()
+
+    return piece
 
 
 def generation_eos_ids(folder: str | Path) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ from gateway.serving import (Call, decode_body, refuse_unsupported, resolve_targ
                              sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
+from gateway.text_codec import name_bytes
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -48,7 +49,8 @@ async def create_chat_completion(request: Request) -> Response:
 
     def whole() -> ChatCompletion:
         choices = [ChatChoice(c.index, AssistantMessage(c.text),
-                              name and _logprobs(name, c.logprobs, num_top), c.finish_reason)
+                              name and _logprobs(call.engine, name, c.logprobs, num_top),
+                              c.finish_reason)
                    for c in call.generation.choices]
         return ChatCompletion(id=call.id, created=call.created, model=call.model,
                               choices=choices, usage=call.usage())
@@ -112,7 +114,7 @@ async def _stream(call: Call, name: Callable[[int], str] | None, num_top: int | 
         async for index, out in call.generation:
             if out.text or out.finished or (name and out.logprobs):
                 delta = Delta(content=out.text) if out.text else Delta()
-                logprobs = name and _logprobs(name, out.logprobs, num_top)
+                logprobs = name and _logprobs(call.engine, name, out.logprobs, num_top)
                 yield chunk([ChatChunkChoice(index, delta, logprobs, out.finish_reason)])
     except EngineFailure as error:
         yield event(engine_failed(error).body)
@@ -123,11 +125,13 @@ async def _stream(call: Call, name: Callable[[int], str] | None, num_top: int | 
     yield DONE
 
 
-def _logprobs(name: Callable[[int], str], logprobs: list[TokenLogprob],
+def _logprobs(engine: EngineClient, name: Callable[[int], str], logprobs: list[TokenLogprob],
               num_top: int) -> ChatLogprobs:
+    """Logprobs as the chat API has them: each token named by `name`, with its own bytes whatever
+    the name (token ids included), so that a character split between tokens joins back whole."""
+
     def entry(token_id: int, logprob: float) -> TopLogprob:
-        text = name(token_id)
-        return TopLogprob(text, logprob, list(text.encode()))
+        return TopLogprob(name(token_id), logprob, list(name_bytes(engine.token_text(token_id))))
 
     content = []
     for lp in logprobs:

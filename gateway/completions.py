@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import codecs
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -10,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant
-from gateway.engine_client import EngineFailure, TokenLogprob
+from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
 from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -18,6 +19,7 @@ from gateway.serving import (Call, Target, decode_body, refuse_token_ids, refuse
                              resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
+from gateway.text_codec import name_bytes
 
 
 async def create_completion(request: Request) -> Response:
@@ -53,10 +55,12 @@ async def create_completion(request: Request) -> Response:
         choices = []
         for c in call.generation.choices:
             text, entries = c.text, _entries(c.logprobs)
+            offsets = _text_offsets(call, echo, c.prompt_index).advance(t for t, _, _ in entries)
             if echo is not None:
-                text, entries = echo.apply(c.prompt_index, call.generation.prompt_logprobs(c.prompt_index),
-                                           text, entries)
-            choices.append(CompletionChoice(c.index, text, name and _logprobs(name, entries, 0),
+                text, entries, offsets = echo.apply(
+                    c.prompt_index, call.generation.prompt_logprobs(c.prompt_index), text, entries,
+                    offsets)
+            choices.append(CompletionChoice(c.index, text, name and _logprobs(name, entries, offsets),
                                             c.finish_reason))
         return Completion(id=call.id, created=call.created, model=call.model, choices=choices,
                           usage=call.usage())
@@ -80,6 +84,7 @@ class Echo:
 
     texts: list[str]  # per prompt: as sent, or the text of its tokens when sent as ids
     token_ids: list[list[int]]  # per prompt, as the answering model read it
+    offsets: list[list[int]]  # per prompt: where each of its tokens starts in its text
     drop_output: bool
 
     @classmethod
@@ -88,16 +93,81 @@ class Echo:
         texts = [p.render(call.engine)[0] if p.token_ids is None
                  else call.engine.detokenize(ids)
                  for p, ids in zip(ask.prompts, token_ids)]
-        return cls(texts, token_ids, drop_output)
+        offsets = [_prompt_offsets(call.engine, ids, text) for ids, text in zip(token_ids, texts)]
+        return cls(texts, token_ids, offsets, drop_output)
 
     def apply(self, prompt_index: int, prompt_logprobs: list[TokenLogprob] | None, text: str,
-              entries: list[Entry]) -> tuple[str, list[Entry]]:
-        """A choice's text and logprob entries with its prompt in front."""
+              entries: list[Entry], offsets: list[int]) -> tuple[str, list[Entry], list[int]]:
+        """A choice's text, logprob entries and text offsets with its prompt in front (the
+        offsets of its own tokens already count from the prompt's end: see _text_offsets)."""
         if self.drop_output:
-            text, entries = "", []
+            text, entries, offsets = "", [], []
         ids = self.token_ids[prompt_index]
         prompt_entries = [(ids[0], None, None), *_entries(prompt_logprobs or [])]
-        return self.texts[prompt_index] + text, prompt_entries + entries
+        return (self.texts[prompt_index] + text, prompt_entries + entries,
+                self.offsets[prompt_index] + offsets)
+
+
+class TextOffsets:
+    """Where each token of a choice starts in its text, counted token after token, so that a
+    stream's chunks give the offsets of the whole reply.
+
+    A token's text is its bytes (text_codec.name_bytes of its name) read as UTF-8. A token that
+    continues a character begun before it starts where that character does; bytes that never
+    form a character read as one U+FFFD, as the engine's text shows them.
+
+    NOTE: a special token counts as its name, which the engine's text leaves out: only the
+    prompt's (see _prompt_offsets) and a last EOS are usual; offsets after one sampled midway
+    (ignore_eos) run ahead of the text.
+    """
+
+    def __init__(self, engine: EngineClient, start: int = 0):
+        self._engine = engine
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = start  # the text so far, without the bytes of a character begun
+
+    def advance(self, token_ids: Iterable[int]) -> list[int]:
+        """The offsets of the next tokens."""
+        offsets = []
+        for token_id in token_ids:
+            data = name_bytes(self._engine.token_text(token_id))
+            offsets.append(self.num_chars + self._is_broken_by(data))
+            self.num_chars += len(self._decoder.decode(data))
+        return offsets
+
+    @property
+    def num_chars_at_end(self) -> int:
+        """The text's length were it to end here (a character begun shows as one U+FFFD)."""
+        return self.num_chars + bool(self._decoder.getstate()[0])
+
+    def _is_broken_by(self, data: bytes) -> bool:
+        """Whether `data` cannot continue the character begun: that one shows as one U+FFFD
+        before the token's text."""
+        begun = self._decoder.getstate()[0]
+        if not begun or not data:
+            return False
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(begun + data[:1])
+        except UnicodeDecodeError:
+            return True
+        return False
+
+
+def _text_offsets(call: Call, echo: Echo | None, prompt_index: int) -> TextOffsets:
+    """The offsets of a choice's own tokens: after its echoed prompt, if any."""
+    return TextOffsets(call.engine, 0 if echo is None else len(echo.texts[prompt_index]))
+
+
+def _prompt_offsets(engine: EngineClient, token_ids: list[int], text: str) -> list[int]:
+    """Where each prompt token starts in the prompt's text as echoed.
+
+    The tokens may spell more than the text at its start (the special tokens a tokenizer adds,
+    sentencepiece's leading space), so their offsets are aligned to the text's end.
+    """
+    counter = TextOffsets(engine)
+    offsets = counter.advance(token_ids)
+    extra = max(0, counter.num_chars_at_end - len(text))
+    return [min(max(0, offset - extra), len(text)) for offset in offsets]
 
 
 def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
@@ -121,25 +191,24 @@ async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: 
                   echo: Echo | None) -> AsyncIterator[bytes]:
     """One event per engine chunk that carries text, logprobs or the finish reason; with echo,
     each choice's first event starts with its prompt."""
-    offsets = [0] * len(call.generation.choices)
+    counters = [_text_offsets(call, echo, c.prompt_index) for c in call.generation.choices]
     echoed: set[int] = set()
     try:
         async for index, chunk in call.generation:
             text, entries = chunk.text, _entries(chunk.logprobs)
+            offsets = counters[index].advance(t for t, _, _ in entries)
             if echo is not None:
                 if index not in echoed:
                     echoed.add(index)
                     prompt_index = call.generation.choices[index].prompt_index
-                    text, entries = echo.apply(prompt_index, call.generation.prompt_logprobs(prompt_index),
-                                               text, entries)
+                    text, entries, offsets = echo.apply(
+                        prompt_index, call.generation.prompt_logprobs(prompt_index), text, entries,
+                        offsets)
                 elif echo.drop_output:
-                    text, entries = "", []
+                    text, entries, offsets = "", [], []
             if not (text or chunk.finished or (name and entries)):
                 continue
-            logprobs = None
-            if name is not None:
-                logprobs = _logprobs(name, entries, offsets[index])
-                offsets[index] += sum(len(t) for t in logprobs.tokens)
+            logprobs = None if name is None else _logprobs(name, entries, offsets)
             choice = CompletionChoice(index, text, logprobs, chunk.finish_reason)
             yield event(Completion(id=call.id, created=call.created, model=call.model,
                                    choices=[choice]))
@@ -152,12 +221,18 @@ async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: 
     yield DONE
 
 
-def _logprobs(name: Callable[[int], str], entries: list[Entry], start_offset: int) -> CompletionLogprobs:
+def _logprobs(name: Callable[[int], str], entries: list[Entry],
+              offsets: list[int]) -> CompletionLogprobs:
     tokens = [name(token_id) for token_id, _, _ in entries]
-    offsets, offset = [], start_offset
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    top = [None if alternatives is None else {name(t): v for t, v in alternatives}
+    top = [None if alternatives is None else _top(name, alternatives)
            for _, _, alternatives in entries]
     return CompletionLogprobs(tokens, [logprob for _, logprob, _ in entries], top, offsets)
+
+
+def _top(name: Callable[[int], str], alternatives: list[tuple[int, float]]) -> dict[str, float]:
+    """The alternatives by name. Two tokens may have one name (sentencepiece's piece for a byte
+    and its "<0x41>" byte piece spell the same): the first, better one keeps it."""
+    top: dict[str, float] = {}
+    for token_id, logprob in alternatives:
+        top.setdefault(name(token_id), logprob)
+    return top

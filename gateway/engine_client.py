@@ -103,7 +103,9 @@ class EngineClient(Protocol):
         """The prompt text of a chat through the model's chat template; None if it has none."""
 
     def token_text(self, token_id: int) -> str:
-        """How one token reads on its own (for logprobs)."""
+        """How logprobs name one token: its text, or for a token that is only part of a
+        character, its bytes as OpenAI names them ("bytes:\\xe2\\x80"; see
+        gateway/text_codec.py, whose name_bytes reads the bytes back)."""
 
     def detokenize(self, token_ids: list[int]) -> str:
         """How a run of tokens reads (for echo: a character may span several tokens)."""

@@ -70,9 +70,16 @@ class LocalEngineClient(TextCodec):
                                         tenant=tenant, lora=lora)
         try:
             async for output in outputs:
+                if output.finish_reason == "error":  # this request alone failed in the engine
+                    message = output.error or "the engine failed the request"
+                    if adapter is not None:  # the folder is this server's: its path means nothing to the client
+                        message = message.replace(adapter.path, "the adapter's stored files")
+                    raise EngineFailure(message)
                 yield _chunk(output)
         except ValueError as error:  # NOTE: the engine only raises it when adding the request
             raise RequestRejected(str(error)) from None
+        except EngineFailure:
+            raise
         except RuntimeError as error:
             raise EngineFailure(str(error)) from None
         finally:

@@ -8,7 +8,9 @@ it heartbeats again. Each request is placed by routing.placement over the model'
 Failover: until a request's first chunk arrives nothing has reached the client, so a worker that
 cannot be reached, refuses for being busy or closing, or drops the connection before the first
 chunk, is passed over and the request placed again on another worker. Once chunks flow, a cut
-stream is an EngineFailure (the gateway ends the response with a clean error).
+stream is an EngineFailure (the gateway ends the response with a clean error). A worker whose
+engine failed the request (500 `engine_failure`) is not passed over: that is the request's
+EngineFailure, with the engine's reason, as from a local engine.
 """
 
 from __future__ import annotations
@@ -261,7 +263,7 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
                         adapter: AdapterRef | None) -> AsyncIterator[StreamLine]:
     """The worker's answer to one generate request, line by line (sending the adapter's files
     first if the worker lacks them). Refusals before the stream are RequestRejected (the request
-    is wrong) or _Retry."""
+    is wrong), EngineFailure (its engine failed it) or _Retry."""
     for attempt in range(2):
         async with pool.http.stream("POST", worker.url + GENERATE_PATH, content=body,
                                     headers=pool.headers()) as response:
@@ -276,6 +278,8 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
             continue
         if response.status_code == 400:
             raise RequestRejected(error.message)
+        if error.kind == "engine_failure":
+            raise EngineFailure(f"worker {worker.id} failed: {error.message}")
         raise _Retry(f"HTTP {response.status_code} {error.kind}: {error.message}")
 
 

@@ -1,11 +1,36 @@
 """TextCodec: text to token ids and back through a Hugging Face tokenizer, as the EngineClient
-protocol asks; shared by the in-process engine client and the remote-worker one."""
+protocol asks; shared by the in-process engine client and the remote-worker one.
+
+Logprobs name a token by its text, or, as OpenAI does, a token that is only part of a character
+(its bytes are not UTF-8 on their own) by its bytes: "bytes:\\xe2\\x80". `token_name` spells
+that name and `name_bytes` reads the bytes back from it.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gateway.engine_client import RequestRejected
+
+_BYTES_PREFIX = "bytes:"
+_ESCAPED_BYTES = re.compile(r"(?:\\x[0-9a-fA-F]{2})+")
+
+
+def token_name(data: bytes) -> str:
+    """How logprobs name a token of these bytes: its text, or "bytes:\\xNN..." when the bytes
+    are not whole UTF-8 characters."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return _BYTES_PREFIX + "".join(f"\\x{byte:02x}" for byte in data)
+
+
+def name_bytes(name: str) -> bytes:
+    """The bytes a token's logprob name stands for (see token_name)."""
+    if name.startswith(_BYTES_PREFIX) and _ESCAPED_BYTES.fullmatch(name, len(_BYTES_PREFIX)):
+        return bytes.fromhex(name[len(_BYTES_PREFIX):].replace("\\x", ""))
+    return name.encode()
 
 
 class TextCodec:
@@ -13,6 +38,13 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any | None):
         self._tokenizer = tokenizer
+        self._token_bytes = None
+        if tokenizer is not None:
+            # NOTE: imported here: the engine's tokenizer module imports transformers (and torch),
+            # which a tokenizer object has loaded already and the gateway alone never needs.
+            from engine.tokenizer import token_bytes_reader
+
+            self._token_bytes = token_bytes_reader(tokenizer)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._tokenizer is None:
@@ -28,10 +60,15 @@ class TextCodec:
         except Exception as error:  # templates raise jinja errors for chats they do not support
             raise RequestRejected(f"the model's chat template rejected the messages: {error}") from None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes, from the tokenizer's vocabulary (a special token's: its text;
+        with no tokenizer, its name's: "token_id:<id>")."""
+        if self._token_bytes is None:
+            return f"token_id:{token_id}".encode()
+        return self._token_bytes(token_id)
+
     def token_text(self, token_id: int) -> str:
-        if self._tokenizer is None:
-            return f"token_id:{token_id}"
-        return self._tokenizer.decode([token_id])
+        return token_name(self.token_bytes(token_id))
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:

@@ -1,0 +1,415 @@
+"""Logprobs as the OpenAI API has them, through the real server over the demo model: tokens that
+are only part of a character keep their own bytes (chat `bytes`, "bytes:\\xc3" names), completions'
+`text_offset` points into the returned text (whole, streamed, echoed), and an engine failure is an
+error, never a finish reason; plus token bytes read from byte-level and sentencepiece vocabularies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.demo import build_byte_tokenizer
+from engine.engine import RequestOutput
+from engine.tokenizer import byte_to_unicode, load_tokenizer
+from gateway.completions import TextOffsets
+from gateway.engine_client import EngineFailure, SamplingOptions
+from gateway.local_engine import LocalEngineClient
+from gateway.text_codec import TextCodec, name_bytes, token_name
+from store.workers import WorkerRegistry
+from tests.conftest import DEMO_MODEL, run_server, serve_gateway
+from tests.redis_server import start_redis_server, stop_redis_server
+
+# Greedy, and steered into "éé...": the bytes C3 A9 over and over, one token each (the penalty
+# makes the two take turns).
+E_ACUTE = {"logit_bias": {"195": 100, "169": 100}, "frequency_penalty": 2.0, "temperature": 0}
+NO_SPECIALS = {"256": -100, "257": -100}  # <s> and </s>, whose text the engine's text leaves out
+
+
+@pytest.fixture(scope="module")
+def key(server) -> str:
+    return server.new_tenant("logprobs-tests")
+
+
+@pytest.fixture(scope="module")
+def client(server, key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def events(server, key: str, path: str, **body) -> list[dict]:
+    """The data of each server-sent event of a streamed request, [DONE] aside."""
+    response = httpx.post(server.url + path, json={"model": DEMO_MODEL, "stream": True, **body},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert response.status_code == 200, response.text
+    data = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def streamed_logprobs(chunks: list[dict]) -> tuple[str, dict[str, list]]:
+    """A streamed completion's text and logprobs, joined over its chunks (one choice)."""
+    text, joined = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        text += choice["text"]
+        for field, values in joined.items():
+            values.extend(choice["logprobs"][field])
+    return text, joined
+
+
+# Token bytes and names.
+
+def byte_level_bpe():
+    """A GPT-2 style byte-level BPE: the 256 byte characters, merges into "é", " hi" and "€"'s
+    first two bytes, and one special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = byte_to_unicode()
+    vocab = {chars[b]: b for b in range(256)}
+    merges = [(chars[0xC3], chars[0xA9]), (chars[0x20], "h"), (chars[0x20] + "h", "i"),
+              (chars[0xE2], chars[0x82])]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<|endoftext|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+
+
+def sentencepiece_bpe(metaspace: bool = False):
+    """A Llama-2 style sentencepiece BPE: "▁" for spaces, "<0xE2>" byte pieces for characters
+    without a piece of their own, and a piece for "é"; with `metaspace`, a T5 style decoder
+    instead (Metaspace, no byte fallback: it reads "<0xE2>" as that text)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "H", "e", "l", "o", "w", "é", "▁H", "▁He", "ll", "▁Hell", "▁Hello", "▁w"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "H"), ("▁H", "e"), ("l", "l"), ("▁He", "ll"), ("▁Hell", "o"), ("▁", "w")]
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Metaspace() if metaspace else decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def test_token_names_spell_bytes_that_are_not_utf8_and_read_back():
+    assert token_name("é".encode()) == "é" and token_name(b" hi") == " hi"
+    assert token_name(b"\xe2\x82") == "bytes:\\xe2\\x82"
+    assert token_name(b"a\xc3") == "bytes:\\x61\\xc3"
+    for data in (b"\xe2\x82", b"\xa9", b"a\xc3", "é".encode(), b"bytes:", b"token_id:7", b""):
+        assert name_bytes(token_name(data)) == data
+    assert name_bytes("bytes:\\xE2") == b"\xe2"  # OpenAI's names, either case
+    assert name_bytes("bytes:x") == b"bytes:x" and name_bytes("token_id:7") == b"token_id:7"
+
+
+def test_token_bytes_of_the_demo_tokenizer_are_its_bytes(demo_engine):
+    codec = TextCodec(build_byte_tokenizer())
+    for engine in (codec, demo_engine):  # built here, and as saved and loaded by the engine
+        assert [engine.token_bytes(i) for i in range(256)] == [bytes([i]) for i in range(256)]
+        assert (engine.token_bytes(256), engine.token_bytes(257)) == (b"<s>", b"</s>")
+        assert [engine.token_text(i) for i in (72, 32, 195, 169, 256)] == \
+            ["H", " ", "bytes:\\xc3", "bytes:\\xa9", "<s>"]
+
+
+def test_token_bytes_of_a_byte_level_bpe_read_its_byte_characters():
+    tokenizer = byte_level_bpe()
+    codec = TextCodec(tokenizer)
+    ids = tokenizer.encode("é hi €")
+    assert [codec.token_bytes(i) for i in ids] == [b"\xc3\xa9", b" hi", b" ", b"\xe2\x82", b"\xac"]
+    assert [codec.token_text(i) for i in ids] == ["é", " hi", " ", "bytes:\\xe2\\x82", "bytes:\\xac"]
+    assert tokenizer.decode([ids[3]]) == "\ufffd"  # what naming by decoding gave
+    special = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert codec.token_text(special) == "<|endoftext|>"
+    assert codec.token_bytes(len(tokenizer) + 5) == b""  # a padded embedding's id
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_token_bytes_of_a_sentencepiece_bpe_read_spaces_and_byte_pieces(metaspace):
+    tokenizer = sentencepiece_bpe(metaspace)
+    codec = TextCodec(tokenizer)
+    ids = tokenizer.encode("Hello wé€")
+    assert tokenizer.convert_ids_to_tokens(ids) == \
+        ["▁Hello", "▁w", "é", "<0xE2>", "<0x82>", "<0xAC>"]
+    pieces = [b"<0xE2>", b"<0x82>", b"<0xAC>"] if metaspace else [b"\xe2", b"\x82", b"\xac"]
+    assert [codec.token_bytes(i) for i in ids] == [b" Hello", b" w", "é".encode(), *pieces]
+    assert [codec.token_text(i) for i in ids[:3]] == [" Hello", " w", "é"]
+    assert codec.token_text(ids[3]) == ("<0xE2>" if metaspace else "bytes:\\xe2")
+    assert codec.token_text(tokenizer.convert_tokens_to_ids("<s>")) == "<s>"
+
+
+def test_text_offsets_count_characters_across_tokens_and_chunks():
+    codec = TextCodec(build_byte_tokenizer())
+    ids = list("aé€".encode()) + [0xC3, ord("b"), 0xA9, ord("c")]  # then a broken é, a stray byte
+    whole = TextOffsets(codec).advance(ids)
+    assert whole == [0, 1, 1, 2, 2, 2, 3, 4, 5, 6]
+    counter = TextOffsets(codec, start=4)
+    assert counter.advance(ids[:2]) + counter.advance(ids[2:5]) + counter.advance(ids[5:]) == \
+        [4 + offset for offset in whole]
+    assert counter.num_chars == 4 + len(bytes(ids).decode(errors="replace"))
+
+
+# Chat: bytes.
+
+def test_chat_bytes_are_each_token_s_own_and_join_into_the_reply(client, server, key):
+    chat = client.chat.completions.create(
+        model=DEMO_MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+        logprobs=True, top_logprobs=2, **E_ACUTE)
+    choice = chat.choices[0]
+    assert choice.message.content == "éé"
+    content = choice.logprobs.content
+    assert [t.token for t in content] == ["bytes:\\xc3", "bytes:\\xa9"] * 2
+    assert [t.bytes for t in content] == [[0xC3], [0xA9]] * 2
+    assert b"".join(bytes(t.bytes) for t in content) == choice.message.content.encode()
+    for entry in content:
+        assert all(bytes(top.bytes) == name_bytes(top.token) for top in entry.top_logprobs)
+    streamed = events(server, key, "/v1/chat/completions", messages=[{"role": "user", "content": "Hello"}],
+                      max_tokens=4, logprobs=True, top_logprobs=2, **E_ACUTE)
+    entries = [e for c in streamed[1:] if c["choices"][0]["logprobs"]
+               for e in c["choices"][0]["logprobs"]["content"]]
+    assert [(e["token"], e["bytes"]) for e in entries] == [(t.token, t.bytes) for t in content]
+    as_ids = client.chat.completions.create(
+        model=DEMO_MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+        logprobs=True, extra_body={"return_tokens_as_token_ids": True}, **E_ACUTE)
+    assert [(t.token, t.bytes) for t in as_ids.choices[0].logprobs.content] == \
+        [("token_id:195", [0xC3]), ("token_id:169", [0xA9])] * 2
+
+
+# Completions: top_logprobs and text_offset.
+
+def test_top_logprobs_keep_the_chosen_token_s_logprob_and_every_alternative(client):
+    completion = client.completions.create(model=DEMO_MODEL, prompt="Hello", max_tokens=6,
+                                           temperature=0, logprobs=5)
+    logprobs = completion.choices[0].logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 5
+        assert top[token] == logprob == max(top.values())  # greedy: the chosen token is the best
+
+
+def test_top_logprobs_keep_the_better_of_two_tokens_with_one_name():
+    from gateway.completions import _logprobs
+
+    def name(token_id: int) -> str:  # a byte piece and a character's own piece spell alike
+        return "A" if token_id in (65, 300) else chr(token_id)
+
+    logprobs = _logprobs(name, [(65, -0.5, [(65, -0.5), (300, -2.0), (66, -3.0)])], [0])
+    assert logprobs.top_logprobs == [{"A": -0.5, "B": -3.0}]
+
+
+def test_text_offsets_point_into_the_text_across_multibyte_characters(client, server, key):
+    kwargs = dict(prompt="Hello", max_tokens=6, logprobs=0, **E_ACUTE)
+    choice = client.completions.create(model=DEMO_MODEL, **kwargs).choices[0]
+    assert choice.text == "ééé"
+    assert choice.logprobs.tokens == ["bytes:\\xc3", "bytes:\\xa9"] * 3
+    assert choice.logprobs.text_offset == [0, 0, 1, 1, 2, 2]
+    text, streamed = streamed_logprobs(events(server, key, "/v1/completions", **kwargs))
+    assert (text, streamed["text_offset"]) == ("ééé", [0, 0, 1, 1, 2, 2])
+
+
+def test_echoed_offsets_count_from_the_prompt_text_not_its_special_tokens(client, server, key):
+    prompt = "naïve café €5"  # <s>, then one token a byte: 2 and 3 bytes to some characters
+    kwargs = dict(prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    choice = client.completions.create(model=DEMO_MODEL, **kwargs).choices[0]
+    assert choice.text.startswith(prompt)
+    assert len(choice.logprobs.tokens) == 1 + len(prompt.encode()) + 1
+    prompt_offsets = [0] + [len(prompt.encode()[:i].decode(errors="ignore"))
+                            for i in range(len(prompt.encode()))]
+    assert choice.logprobs.text_offset == prompt_offsets + [len(prompt)]
+    assert choice.logprobs.tokens[:4] == ["<s>", "n", "a", "bytes:\\xc3"]
+    text, streamed = streamed_logprobs(events(server, key, "/v1/completions", **kwargs))
+    assert text == choice.text and streamed["text_offset"] == choice.logprobs.text_offset
+    # A prompt sent as token ids echoes as their text, <s> and broken characters included.
+    ids = [256, 0xC3, ord("A"), 0xA9, ord("B")]
+    choice = client.completions.create(model=DEMO_MODEL, prompt=ids, max_tokens=0, echo=True,
+                                       logprobs=0).choices[0]
+    assert choice.text == "<s>\ufffdA\ufffdB"
+    assert choice.logprobs.text_offset == [0, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_text_offsets_are_where_each_token_s_text_starts_whole_or_streamed(client, server, key,
+                                                                          echo):
+    """Sampled text: bytes of the random model, often broken characters."""
+    kwargs = dict(prompt="Offsets à la carte", max_tokens=24, temperature=1.0, seed=11,
+                  logprobs=2, echo=echo, logit_bias=NO_SPECIALS)
+    completion = client.completions.create(model=DEMO_MODEL, **kwargs,
+                                           extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    text, logprobs = choice.text, choice.logprobs
+    offsets = logprobs.text_offset
+    num_prompt = 1 + len(kwargs["prompt"].encode())  # <s>, then a token a byte
+    assert len(offsets) == len(logprobs.tokens) == (num_prompt + 24 if echo else 24)
+    assert offsets == sorted(offsets) and 0 <= offsets[0] and offsets[-1] <= len(text)
+    for token, offset in zip(logprobs.tokens, offsets):
+        if not token.startswith("bytes:") and token != "<s>":
+            assert text[offset:].startswith(token), (token, offset, text)
+    streamed_text, streamed = streamed_logprobs(events(
+        server, key, "/v1/completions", **kwargs, ignore_eos=True))
+    assert streamed_text == text and streamed["tokens"] == logprobs.tokens
+    assert streamed["text_offset"] == offsets
+    as_ids = client.completions.create(model=DEMO_MODEL, **kwargs, extra_body={
+        "ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert as_ids.text_offset == offsets
+
+
+# Engine failures.
+
+@pytest.fixture(scope="module")
+def adapter_files(demo_model_dir, tmp_path_factory) -> dict[str, tuple[str, bytes]]:
+    """A small PEFT adapter of the demo model (of its own: no other test loads its digest)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("adapter")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM.from_pretrained(demo_model_dir)
+    lora = LoraConfig(r=2, lora_alpha=3, target_modules=["v_proj"])
+    get_peft_model(base, lora).save_pretrained(folder)
+    return {name: (name, (folder / name).read_bytes())
+            for name in ("adapter_config.json", "adapter_model.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    process, url = start_redis_server()
+    yield url
+    stop_redis_server(process)
+
+
+def _upload(url: str, key: str, name: str, files: dict) -> str:
+    response = httpx.post(url + "/v1/adapters", data={"name": name, "base_model": DEMO_MODEL},
+                          files=files, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert response.status_code == 201, response.text
+    return response.json()["digest"]
+
+
+def _damage(folder: Path) -> None:
+    path = folder / "adapter_model.safetensors"
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def assert_engine_failure(url: str, key: str, model: str, reason: str, hidden: str) -> None:
+    """A request the engine fails is a 500 engine_failure saying why, whole or streamed, and
+    never naming `hidden` (the server's files)."""
+    for stream in (False, True):
+        response = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": stream}, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 500, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "engine_failure")
+        assert reason in error["message"] and hidden not in error["message"], error["message"]
+
+
+def test_an_adapter_that_cannot_load_is_a_500_engine_failure(server, key, adapter_files):
+    digest = _upload(server.url, key, "damaged", adapter_files)
+    folder = server.app.state.gateway.blobs.path(digest)
+    _damage(folder)
+    assert_engine_failure(server.url, key, "damaged", f"adapter {digest} could not be loaded",
+                          hidden=str(folder))
+
+
+def _worker_urls(redis_url: str) -> list[str]:
+    async def read() -> list[str]:
+        registry = WorkerRegistry.open(redis_url)
+        try:
+            return [record.url for record in await registry.workers()]
+        finally:
+            await registry.close()
+
+    return asyncio.run(read())
+
+
+def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
+        demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path):
+    from gateway.worker import Worker, create_worker_app, tokenizer_files
+    from store.blobs import BlobStore
+
+    worker = Worker(model=DEMO_MODEL, engine=demo_engine, url="", blobs=BlobStore(tmp_path / "w"),
+                    registry=WorkerRegistry.open(redis_url),
+                    tokenizer_files=tokenizer_files(demo_model_dir), heartbeat_s=0.1)
+    with run_server(create_worker_app(worker)) as url:
+        worker.url = url  # its next heartbeat tells gateways
+        deadline = time.monotonic() + 10
+        while _worker_urls(redis_url) != [url]:
+            assert time.monotonic() < deadline, "the worker did not register"
+            time.sleep(0.05)
+        with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                           load_tokenizer=load_tokenizer) as gateway:
+            key = gateway.new_tenant("acme")
+            digest = _upload(gateway.url, key, "damaged", adapter_files)
+            folder = worker.blobs.root / digest  # the worker's own copy, damaged on its disk
+            folder.mkdir()
+            for name, (_, data) in adapter_files.items():
+                (folder / name).write_bytes(data)
+            _damage(folder)
+            assert_engine_failure(gateway.url, key, "damaged",
+                                  f"adapter {digest} could not be loaded", hidden=str(folder))
+
+
+class FailingAsyncEngine:
+    """An AsyncEngine whose requests answer "Hi", then fail in the engine as engine.py reports
+    it: a last output with finish_reason "error" and the reason."""
+
+    def __init__(self):
+        self.tokenizer = build_byte_tokenizer()
+        self.engine = SimpleNamespace(max_model_len=64, config=SimpleNamespace(lora=None))
+
+    async def generate(self, prompt, params, *, request_id, tenant=None, lora=None):
+        counts = dict(stop_reason=None, num_prompt_tokens=len(prompt), num_cached_tokens=0)
+        for i, token in enumerate(b"Hi"):
+            yield RequestOutput(request_id, [token], chr(token), [], finished=False,
+                                finish_reason=None, num_output_tokens=i + 1, **counts)
+        yield RequestOutput(request_id, [], "", [], finished=True, finish_reason="error",
+                            num_output_tokens=2, error="the device lost its memory", **counts)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_an_engine_error_output_is_an_engine_failure_not_a_finish_reason():
+    engine = LocalEngineClient(FailingAsyncEngine())
+    chunks = []
+
+    async def run() -> None:
+        async for chunk in engine.generate([1, 2], SamplingOptions(max_tokens=4), request_id="r"):
+            chunks.append(chunk)
+
+    with pytest.raises(EngineFailure, match="^the device lost its memory$"):
+        asyncio.run(run())
+    assert [c.text for c in chunks] == ["H", "i"]
+    assert all(c.finish_reason is None for c in chunks)
+
+
+def test_an_engine_failure_midway_ends_a_stream_with_an_error_event(tmp_path):
+    with serve_gateway({DEMO_MODEL: LocalEngineClient(FailingAsyncEngine())}, tmp_path) as server:
+        key = server.new_tenant("acme")
+        whole = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": DEMO_MODEL, "prompt": "x", "max_tokens": 4})
+        assert whole.status_code == 500
+        assert whole.json()["error"]["code"] == "engine_failure"
+        assert whole.json()["error"]["message"] == \
+            "the engine failed on this request: the device lost its memory"
+        chunks = events(server, key, "/v1/chat/completions", max_tokens=4,
+                        messages=[{"role": "user", "content": "x"}])
+        assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]] == ["H", "i"]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert chunks[-1]["error"]["code"] == "engine_failure"
