@@ -298,8 +298,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         else:
             tier = target.tiers[0]
             if isinstance(target.route, LearnedRoute):
-                text = prompt_text if prompt_text is not None else "".join(
-                    tier.engine.token_text(t) for t in ask.prompts[0].tokens(tier.engine))
+                text = prompt_text if prompt_text is not None else \
+                    tier.engine.detokenize(ask.prompts[0].tokens(tier.engine))
                 decision = state.learned.decide(target.route, tenant, text)
                 tier = target.tiers[decision.tier]
                 attempts.append(Attempt(tier.model, decision.score, decision.threshold, 0, 0))

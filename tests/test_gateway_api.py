@@ -115,6 +115,31 @@ def test_streamed_chat_sends_role_first_content_then_usage_and_done(server, key,
     assert '"usage":null' in events[0]  # no usage chunk unless include_usage
 
 
+def test_the_largest_seed_works_for_every_choice(client):
+    """Choice j is seeded seed + j, which wraps around within 64 bits."""
+    kwargs = dict(model=DEMO_MODEL, prompt=PROMPT, max_tokens=4, n=2, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    last = client.completions.create(seed=2**63 - 1, **kwargs)
+    first = client.completions.create(seed=-2**63, **kwargs)
+    assert last.choices[1].text == first.choices[0].text  # 2**63 - 1 + 1 wrapped to -2**63
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+])
+def test_chat_fields_this_server_cannot_honour_are_refused(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=1,
+                                       extra_body=extra)
+    assert (raised.value.body["param"], raised.value.body["code"]) == (param, "unsupported_parameter")
+    fine = client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"function_call": "none", "modalities": ["text"]})
+    assert fine.choices[0].finish_reason in ("stop", "length")
+
+
 def test_n_choices_with_seeds_are_reproducible(client):
     kwargs = dict(model=DEMO_MODEL, prompt=PROMPT, max_tokens=6, n=3, seed=7, temperature=1.0,
                   extra_body={"ignore_eos": True})
@@ -188,6 +213,9 @@ def test_unknown_model_is_not_found(client):
     (dict(logprobs=21), "logprobs"),
     (dict(max_tokens=5000), "max_tokens"),  # prompt + output beyond the 2048-token context
     (dict(extra_body={"min_tokens": 9}), None),  # the engine's own check: min_tokens > max_tokens
+    (dict(extra_body={"repetition_penalty": 1e-300}), "repetition_penalty"),  # logits would overflow
+    (dict(seed=2**64), "seed"),  # not a 64-bit integer
+    (dict(max_tokens=2**63), "max_tokens"),
 ])
 def test_invalid_values_are_bad_requests_naming_the_field(client, kwargs, param):
     kwargs = {"max_tokens": 4, **kwargs}
