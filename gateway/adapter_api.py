@@ -23,6 +23,7 @@ from gateway.errors import ApiError, invalid_request, not_found
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
+from routing.routes import AUTO
 from store import AdapterRecord, InvalidName, NotFound, Store, Tenant
 from store.blobs import collect_garbage
 from store.models import is_valid_name, validate_name
@@ -98,6 +99,10 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     if uploaded.name in state.engines:
         raise invalid_request(f"{uploaded.name!r} is the name of a served base model; give the "
                               "adapter another name", param="name", code="invalid_name")
+    if uploaded.name == AUTO or uploaded.name in state.routes:
+        # `model` names a route before an adapter: one of this name could never be reached by it.
+        raise invalid_request(f"{uploaded.name!r} is the name of a route; give the adapter another "
+                              "name", param="name", code="invalid_name")
     engine = state.engines.get(uploaded.base_model)
     if engine is None or uploaded.base_model not in allowed_base_models(tenant, state.engines):
         raise invalid_request(f"unknown base model {uploaded.base_model!r}; GET /v1/models lists "

@@ -11,7 +11,11 @@ makes sure the two files arrive, complete and within the size limit.
 from __future__ import annotations
 
 import asyncio
+import bz2
 import contextlib
+import gzip
+import io
+import lzma
 import shutil
 import tarfile
 import tempfile
@@ -32,6 +36,9 @@ ARCHIVE_PART = "file"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _MAX_ARCHIVE_MEMBERS = 1000
 _COPY_CHUNK = 1 << 20
+# What a tar adds around its members' data: a 512-byte header per member (long names and pax
+# headers take more, and are counted as they are read) and the end-of-archive padding.
+_TAR_OVERHEAD = 1024 * (_MAX_ARCHIVE_MEMBERS + 20)
 _USAGE = ("send multipart/form-data with the fields 'name' and 'base_model' and either the files "
           "'adapter_config.json' and 'adapter_model.safetensors' or one 'file' with a .tar.gz of "
           "the adapter folder")
@@ -127,13 +134,15 @@ def _write_files(files: dict[str, UploadFile], folder: Path, max_bytes: int) -> 
 def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
     """Copy the adapter files out of a tar(.gz) stream; other members are skipped, never written.
 
-    Counts every member's size against `max_bytes`, so a small archive that inflates to a huge
-    one is refused before it is unpacked.
+    Counts every member's size against `max_bytes`, and every byte the archive inflates to
+    (headers included: tarfile reads a long name's or a pax header's data whole), so a small
+    archive that inflates to a huge one is refused before it is unpacked or held in memory.
     """
     found: set[str] = set()
     total = 0
     try:
-        with tarfile.open(fileobj=archive, mode="r|*") as tar:
+        inflated = _Capped(_decompressed(archive), max_bytes + _TAR_OVERHEAD, max_bytes)
+        with tarfile.open(fileobj=inflated, mode="r|") as tar:
             for count, member in enumerate(tar, 1):
                 path = PurePosixPath(member.name)
                 if path.is_absolute() or ".." in path.parts:
@@ -158,11 +167,42 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                 source = tar.extractfile(member)
                 with source, open(folder / name, "wb") as out:
                     shutil.copyfileobj(source, out, _COPY_CHUNK)
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as error:
+    except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as error:
         raise invalid_request(f"the 'file' part is not a readable .tar.gz ({error}); create it "
                               "with `tar czf adapter.tar.gz -C <adapter folder> .`",
                               code="invalid_upload") from None
     _require_both(found, "the archive")
+
+
+def _decompressed(archive: BinaryIO) -> BinaryIO:
+    """The tar stream inside `archive`: gunzipped (bz2, xz) when it is compressed, by its magic."""
+    magic = archive.read(6)
+    archive.seek(0)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(fileobj=archive, mode="rb")
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(archive)
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(archive)
+    return archive
+
+
+class _Capped(io.RawIOBase):
+    """A stream that refuses (413) to give more than `limit` bytes of `source`."""
+
+    def __init__(self, source: BinaryIO, limit: int, max_bytes: int):
+        self._source, self._limit, self._max_bytes = source, limit, max_bytes
+        self._count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._source.read(self._limit - self._count + 1 if size < 0 else size)
+        self._count += len(data)
+        if self._count > self._limit:
+            raise _too_large(self._max_bytes)
+        return data
 
 
 def _require_both(found: set[str], where: str) -> None:
