@@ -164,19 +164,41 @@ class RemoteEngineClient(TextCodec):
         return any(r.supports_adapters for r in self._records())
 
     async def check_adapter(self, folder: str) -> AdapterInfo:
-        candidates = self._pool.candidates(self.model, set())
-        if not candidates:
-            raise EngineUnavailable(self._no_worker())
-        worker = self._pool.workers[place(candidates, "check").id]
-        response = await self._pool.http.post(worker.url + CHECK_ADAPTER_PATH,
-                                              files=await _adapter_parts(folder),
-                                              headers=self._pool.headers())
-        if response.status_code == 422:
-            raise AdapterRejected(msgspec.json.decode(response.content, type=WorkerError).message)
-        if response.status_code != 200:
-            raise EngineFailure(f"worker {worker.id} could not check the adapter: "
-                                f"HTTP {response.status_code}")
-        return msgspec.json.decode(response.content, type=AdapterInfo)
+        """The adapter checked by a worker of the model; one that cannot be reached is passed
+        over for the next, as for a request."""
+        pool, tried = self._pool, set()
+        parts = await _adapter_parts(folder)
+        for _ in range(_MAX_PLACEMENTS):
+            candidates = await self._candidates(tried)
+            if not candidates:
+                break
+            worker = pool.workers[place(candidates, "check").id]
+            tried.add(worker.id)
+            try:
+                response = await pool.http.post(worker.url + CHECK_ADAPTER_PATH, files=parts,
+                                                headers=pool.headers())
+            except httpx.TransportError as error:
+                pool.mark_down(worker.id)
+                logger.warning("adapter check not done on worker %s (%s); trying another",
+                               worker.id, _describe(error))
+                continue
+            if response.status_code == 422:
+                raise AdapterRejected(msgspec.json.decode(response.content, type=WorkerError).message)
+            if response.status_code != 200:
+                raise EngineFailure(f"worker {worker.id} could not check the adapter: "
+                                    f"HTTP {response.status_code}")
+            return msgspec.json.decode(response.content, type=AdapterInfo)
+        raise EngineUnavailable(self._no_worker())
+
+    async def _candidates(self, tried: set[str]) -> list[Candidate]:
+        """The model's workers to place on, less those `tried`."""
+        candidates = self._pool.candidates(self.model, tried)
+        if not candidates and not tried:
+            # NOTE: the pool's view is up to poll_s old: a worker may have (re)joined since.
+            with contextlib.suppress(Exception):
+                await self._pool.refresh()
+            candidates = self._pool.candidates(self.model, tried)
+        return candidates
 
     async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
                        request_id: str, tenant: str | None = None,
@@ -219,12 +241,7 @@ class RemoteEngineClient(TextCodec):
         pool, tried = self._pool, set()
         digest = None if adapter is None else adapter.digest
         for _ in range(_MAX_PLACEMENTS):
-            candidates = pool.candidates(self.model, tried)
-            if not candidates and not tried:
-                # NOTE: the pool's view is up to poll_s old: a worker may have (re)joined since.
-                with contextlib.suppress(Exception):
-                    await pool.refresh()
-                candidates = pool.candidates(self.model, tried)
+            candidates = await self._candidates(tried)
             if not candidates:
                 break
             worker = pool.workers[place(candidates, digest or request_id, digest, pool.slack).id]
