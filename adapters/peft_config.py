@@ -9,20 +9,25 @@ from __future__ import annotations
 import json
 import math
 import re
-import re._parser  # NOTE: to inspect uploaded regexes before they are ever matched
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from re import _constants as _parser_constants
 
 from adapters.errors import AdapterValidationError
+from adapters.peft_regex import Regexes
 
 CONFIG_NAME = "adapter_config.json"
 ALL_LINEAR = "all-linear"
 # PEFT's default target_modules for the llama, mistral and qwen2 model types.
 DEFAULT_TARGET_MODULES = frozenset({"q_proj", "v_proj"})
 
+# How PEFT compiles each kind of regex of the config ({} is the config's text).
+_FULL_REGEX = "{}"  # target_modules, exclude_modules: re.fullmatch
+_PATTERN_KEY_REGEX = r"(.*\.)?({})$"  # rank_pattern, alpha_pattern keys: get_pattern_key's re.match
+_LAYERS_REGEX = r"(?:^|.*?\.){}\.(?P<idx>\d+)\."  # layers_pattern: re.match, idx is the layer
+_ANY_LAYER_REGEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")  # without layers_pattern
+
 # Fields that change the forward pass in ways this server does not implement: each must be unset.
-_MAX_REGEX_CHARS = 1000
 _UNSUPPORTED_FIELDS = {
     "use_dora": "DoRA adapters (use_dora) are not supported; serve a plain LoRA adapter",
     "modules_to_save": "modules_to_save (fully trained copies of base modules) is not supported: "
@@ -44,23 +49,23 @@ class LoraSettings:
     r: int
     lora_alpha: float
     use_rslora: bool  # scaling = alpha / sqrt(r) instead of alpha / r
-    target_modules: str | frozenset[str]  # a regex (full match), "all-linear", or names/suffixes
-    exclude_modules: str | frozenset[str]  # same forms; wins over target_modules
+    target_modules: str | re.Pattern | frozenset[str]  # ALL_LINEAR, a regex (full match), or names/suffixes
+    exclude_modules: re.Pattern | frozenset[str]  # a regex or names/suffixes; wins over target_modules
     layers_to_transform: frozenset[int] | None
-    layers_pattern: tuple[str, ...]
-    rank_pattern: dict[str, int]  # module pattern -> r, first match wins (PEFT's get_pattern_key)
-    alpha_pattern: dict[str, float]
+    layers_pattern: tuple[re.Pattern, ...]  # compiled _LAYERS_REGEX, one per layers_pattern name
+    rank_pattern: dict[re.Pattern, int]  # compiled _PATTERN_KEY_REGEX -> r, first match wins
+    alpha_pattern: dict[re.Pattern, float]
 
     def targets(self, key: str) -> bool:
         """Whether PEFT would put LoRA on the module named `key` (e.g. model.layers.0.mlp.up_proj)."""
         if _matches(self.exclude_modules, key):
             return False
-        if isinstance(self.target_modules, str):
-            if self.target_modules == ALL_LINEAR:
-                # NOTE: PEFT's all-linear is every Linear but the output head; in this model
-                # family that is exactly the decoder layers' projections.
-                return key.startswith("model.layers.")
-            return re.fullmatch(self.target_modules, key) is not None
+        if self.target_modules == ALL_LINEAR:
+            # NOTE: PEFT's all-linear is every Linear but the output head; in this model
+            # family that is exactly the decoder layers' projections.
+            return key.startswith("model.layers.")
+        if isinstance(self.target_modules, re.Pattern):
+            return self.target_modules.fullmatch(key) is not None
         if key in self.target_modules:
             return True  # a full module name: PEFT ignores layers_to_transform here
         if not any(key.endswith(f".{t}") for t in self.target_modules):
@@ -84,7 +89,7 @@ def read_lora_settings(folder: Path) -> LoraSettings:
             f"{folder} has no {CONFIG_NAME}: save the adapter with PEFT's save_pretrained")
     try:
         cfg = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a number of over 4300 digits, deep nesting
         raise AdapterValidationError(f"{CONFIG_NAME} is not valid JSON ({e})") from e
     if not isinstance(cfg, dict):
         raise AdapterValidationError(f"{CONFIG_NAME} must hold a JSON object")
@@ -106,61 +111,93 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
             "only bias='none' is supported")
     # NOTE: fan_in_fan_out is ignored on purpose: PEFT turns it off for nn.Linear targets (all of
     # them here), so A and B are stored [r, in] and [out, r] either way; load_adapter checks shapes.
-    target_modules = _module_set(cfg.get("target_modules"), "target_modules")
-    layers = cfg.get("layers_to_transform")
-    if isinstance(target_modules, str) and layers is not None:
+    regexes = Regexes()
+    target_modules = _field(cfg, "target_modules", _target_set, regexes)
+    if not isinstance(target_modules, frozenset) and cfg.get("layers_to_transform") is not None:
         raise AdapterValidationError(
             "layers_to_transform cannot be used when target_modules is a str (as in PEFT): "
             "list the module names instead")
     return LoraSettings(
-        r=_positive_int(cfg.get("r", 8), "r"),
-        lora_alpha=_number(cfg.get("lora_alpha", 8), "lora_alpha"),
+        r=_field(cfg, "r", _positive_int, default=8),
+        lora_alpha=_field(cfg, "lora_alpha", _number, default=8),
         use_rslora=bool(cfg.get("use_rslora", False)),
-        target_modules=DEFAULT_TARGET_MODULES if target_modules is None else target_modules,
-        exclude_modules=_module_set(cfg.get("exclude_modules"), "exclude_modules") or frozenset(),
-        layers_to_transform=_layer_set(layers),
-        layers_pattern=_str_tuple(cfg.get("layers_pattern"), "layers_pattern"),
-        rank_pattern={_regex(k, "rank_pattern"): _positive_int(v, f"rank_pattern[{k!r}]")
-                      for k, v in (cfg.get("rank_pattern") or {}).items()},
-        alpha_pattern={_regex(k, "alpha_pattern"): _number(v, f"alpha_pattern[{k!r}]")
-                       for k, v in (cfg.get("alpha_pattern") or {}).items()},
+        target_modules=target_modules,
+        exclude_modules=_field(cfg, "exclude_modules", _module_set, regexes),
+        layers_to_transform=_field(cfg, "layers_to_transform", _layer_set),
+        layers_pattern=_field(cfg, "layers_pattern", _layer_patterns, regexes),
+        rank_pattern=_field(cfg, "rank_pattern", _pattern_dict, regexes, _positive_int),
+        alpha_pattern=_field(cfg, "alpha_pattern", _pattern_dict, regexes, _number),
     )
 
 
-def _matches(modules: str | frozenset[str], key: str) -> bool:
-    if isinstance(modules, str):
-        return re.fullmatch(modules, key) is not None
+def _field(cfg: dict, field: str, parse, *args, default=None):
+    """parse(cfg[field], field, *args); an error the checks did not foresee still names the field."""
+    value = cfg.get(field, default)
+    try:
+        return parse(value, field, *args)
+    except AdapterValidationError:
+        raise
+    except (re.error, TypeError, ValueError, ArithmeticError, RecursionError) as e:
+        raise AdapterValidationError(
+            f"{CONFIG_NAME} has {field}={reprlib.repr(value)}, which cannot be used "
+            f"({type(e).__name__}: {e}); write it as PEFT's LoraConfig documents") from e
+
+
+def _matches(modules: re.Pattern | frozenset[str], key: str) -> bool:
+    if isinstance(modules, re.Pattern):
+        return modules.fullmatch(key) is not None
     return key in modules or any(key.endswith(f".{m}") for m in modules)
 
 
-def _layer_index(key: str, layers_pattern: tuple[str, ...]) -> int | None:
+def _layer_index(key: str, layers_pattern: tuple[re.Pattern, ...]) -> int | None:
     # PEFT's regexes: the first numbered path segment, or the one after a layers_pattern name.
-    patterns = [rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\." for p in layers_pattern] or [r".*?\.[^.]*\.(?P<idx>\d+)\."]
-    for pattern in patterns:
-        if match := re.match(pattern, key):
+    for pattern in layers_pattern or (_ANY_LAYER_REGEX,):
+        if match := pattern.match(key):
             return int(match["idx"])
     return None
 
 
-def _pattern_value(patterns: dict, key: str, default):
+def _pattern_value(patterns: dict[re.Pattern, float], key: str, default):
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if pattern.match(key):
             return value
     return default
 
 
-def _module_set(value, field: str) -> str | frozenset[str] | None:
+def _target_set(value, field: str, regexes: Regexes) -> str | re.Pattern | frozenset[str]:
     if value is None:
-        return None
+        return DEFAULT_TARGET_MODULES
+    if isinstance(value, str) and value.lower() == ALL_LINEAR:
+        return ALL_LINEAR
+    return _module_set(value, field, regexes)
+
+
+def _module_set(value, field: str, regexes: Regexes) -> re.Pattern | frozenset[str]:
     if isinstance(value, str):
-        return ALL_LINEAR if value.lower() == ALL_LINEAR else _regex(value, field)
+        return regexes.compile(value, field, _FULL_REGEX)
     return frozenset(_str_tuple(value, field))
 
 
-def _layer_set(value) -> frozenset[int] | None:
+def _layer_patterns(value, field: str, regexes: Regexes) -> tuple[re.Pattern, ...]:
+    return tuple(regexes.compile(name, field, _LAYERS_REGEX) for name in _str_tuple(value, field))
+
+
+def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[re.Pattern, float]:
+    """rank_pattern or alpha_pattern: {module pattern: value}, each pattern compiled as PEFT does."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise AdapterValidationError(
+            f"{field} must be a JSON object mapping module name patterns to values, e.g. "
+            f'{{"v_proj": 8}}, got {reprlib.repr(value)}')
+    return {regexes.compile(k, f"{field} key", _PATTERN_KEY_REGEX): parse_value(v, f"{field}[{k!r}]")
+            for k, v in value.items()}
+
+
+def _layer_set(value, field: str) -> frozenset[int] | None:
     values = [value] if _is_int(value) else value
     if value is not None and not (isinstance(values, list) and all(map(_is_int, values))):
-        raise AdapterValidationError(f"layers_to_transform must be an int or a list of ints, got {value!r}")
+        raise AdapterValidationError(f"{field} must be an int or a list of ints, got {value!r}")
     return frozenset(values) if values else None  # PEFT treats [] as "every layer"
 
 
@@ -171,48 +208,6 @@ def _str_tuple(value, field: str) -> tuple[str, ...]:
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         raise AdapterValidationError(f"{field} must be a string or a list of strings, got {value!r}")
     return tuple(values)
-
-
-def _regex(value: str, field: str) -> str:
-    if len(value) > _MAX_REGEX_CHARS:
-        raise AdapterValidationError(
-            f"{field} is a {len(value)}-character regular expression; at most {_MAX_REGEX_CHARS} "
-            "are accepted: list the module names instead")
-    try:
-        parsed = re._parser.parse(value)
-    except re.error as e:
-        raise AdapterValidationError(f"{field} {value!r} is not a valid regular expression ({e})") from e
-    if _has_nested_repetition(parsed, inside_repeat=False):
-        # NOTE: uploaded configs are untrusted and Python's re cannot be interrupted, so patterns
-        # that can backtrack exponentially ((a+)+, (x|xy)*) would stall validation for everyone.
-        raise AdapterValidationError(
-            f"{field} {value!r} repeats a group that itself repeats or branches, which can take "
-            "exponential time to match; simplify it or list the module names instead")
-    return value
-
-
-def _has_nested_repetition(pattern, inside_repeat: bool) -> bool:
-    """Whether a parsed regex has a repeat or a branch inside a repeat of more than one."""
-    for op, arg in pattern:
-        if op in (_parser_constants.MAX_REPEAT, _parser_constants.MIN_REPEAT):
-            _, max_count, sub = arg
-            repeats = max_count > 1
-            if repeats and inside_repeat:
-                return True
-            if _has_nested_repetition(sub, inside_repeat or repeats):
-                return True
-        elif op == _parser_constants.BRANCH:
-            if inside_repeat:
-                return True
-            if any(_has_nested_repetition(sub, inside_repeat) for sub in arg[1]):
-                return True
-        elif op == _parser_constants.SUBPATTERN:
-            if _has_nested_repetition(arg[-1], inside_repeat):
-                return True
-        elif op in (_parser_constants.ASSERT, _parser_constants.ASSERT_NOT):
-            if _has_nested_repetition(arg[1], inside_repeat):
-                return True
-    return False
 
 
 def _positive_int(value, field: str) -> int:

@@ -5,12 +5,14 @@ import json
 import math
 import re
 import shutil
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from adapters import AdapterCache, AdapterConfig, AdapterValidationError, load_adapter
+from adapters.peft_config import read_lora_settings
 from adapters.targets import module_key
 from store.blobs import digest_files
 from tests.helpers import (ALL_PROJECTIONS, make_peft_model, peft_lora_layers,
@@ -67,11 +69,36 @@ def test_rank_and_alpha_patterns(tmp_path):
     (dict(target_modules=["self_attn.k_proj"], layers_to_transform=[0], layers_pattern="layers"),
      {(0, "k_proj")}),
     (dict(target_modules=["q_proj"], exclude_modules=["model.layers.0.self_attn.q_proj"]), {(1, "q_proj")}),
+    # Regexes of real PEFT configs stay within the bound on how they may backtrack.
+    (dict(target_modules=r".*\.layers\.\d+\.self_attn\.(q_proj|v_proj)"),
+     {(i, p) for i in (0, 1) for p in ("q_proj", "v_proj")}),
+    (dict(target_modules=r".*(q_proj|v_proj)$"), {(i, p) for i in (0, 1) for p in ("q_proj", "v_proj")}),
+    (dict(target_modules="^(?!.*vision).*(q|k|v)_proj"),
+     {(i, p) for i in (0, 1) for p in ("q_proj", "k_proj", "v_proj")}),
+    (dict(target_modules=r".*\.(?:\*\+)?(?:gate|up)_proj", exclude_modules=r"model\.layers\.0\..*"),
+     {(1, "gate_proj"), (1, "up_proj")}),
+    (dict(target_modules=["k_proj", "down_proj"], layers_to_transform=[1],
+          layers_pattern=["blocks", "layers"]), {(1, "k_proj"), (1, "down_proj")}),
 ])
 def test_target_modules_give_exact_module_set(tmp_path, kwargs, expected):
     model = save_peft_adapter(tmp_path, **kwargs)
     adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
     assert set(adapter.modules) == expected == set(peft_lora_layers(model))
+
+
+def test_regex_rank_and_alpha_patterns(tmp_path):
+    model = save_peft_adapter(tmp_path, r=4, lora_alpha=8,
+                              rank_pattern={r".*\.layers\.\d+\.self_attn\.(q_proj|v_proj)": 2,
+                                            r"layers\.1\.mlp\..*": 6},
+                              alpha_pattern={"^(?!.*vision).*(q|k|v)_proj": 3, r"(?i:O_PROJ)": 5})
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    for key, layer in peft_lora_layers(model).items():
+        assert adapter.modules[key].rank == layer.r["default"]
+        assert adapter.modules[key].scaling == layer.scaling["default"]
+    ranks = {key: m.rank for key, m in adapter.modules.items() if key[0] == 1}
+    assert ranks == {(1, "q_proj"): 2, (1, "k_proj"): 4, (1, "v_proj"): 2, (1, "o_proj"): 4,
+                     (1, "gate_proj"): 6, (1, "up_proj"): 6, (1, "down_proj"): 6}
+    assert [adapter.modules[(0, p)].scaling for p in ("q_proj", "k_proj", "o_proj")] == [1.5, 0.75, 1.25]
 
 
 def test_all_linear_written_literally(tmp_path):
@@ -233,3 +260,72 @@ def test_rejection(tmp_path, case):
     assert all(not t.lora_a.any() and not t.lora_b.any() and not t.slot_ranks.any()
                for t in cache.slots.targets.values())
     assert cache.stats.num_loads == cache.stats.num_page_ins == 0
+
+
+def _raw_config(text: str):
+    return _write("adapter_config.json", text.encode())
+
+
+POLYNOMIAL = ".*" * 11 + "Z"  # no nested repeat, yet re took minutes to fail it on a module name
+# Configs that once stalled the server's regex matching, or crashed validation with a 500; each case
+# is (edit of a good adapter folder, what the error says).
+HOSTILE_CONFIGS = {
+    "polynomial target_modules": (_edit_config(target_modules=POLYNOMIAL),
+                                  r"target_modules '(\.\*)+Z' can split a module name in too many ways"),
+    "three unbounded repeats": (_edit_config(target_modules=r"\d+.*?[a-z]{2,}"),
+                                r"target_modules .* \(3 unbounded repeats"),
+    "optional chain": (_edit_config(target_modules=".?" * 24 + "Z"), "target_modules .* too many ways"),
+    "alternative chain": (_edit_config(target_modules="(?:|.)" * 20 + "Z"),
+                          "target_modules .* too many ways"),
+    "wide bounded repeats": (_edit_config(target_modules=".{0,99}" * 4 + "Z"),
+                             "target_modules .* too many ways"),
+    "nested in atomic group": (_edit_config(target_modules="(?>(?:.*)*Z)"),
+                               "target_modules .* repeats a group"),
+    "nested optionals": (_edit_config(target_modules="(?:.?.?)*Z"), "target_modules .* repeats a group"),
+    "polynomial exclude_modules": (_edit_config(exclude_modules=POLYNOMIAL),
+                                   "exclude_modules .* too many ways"),
+    "polynomial rank_pattern key": (_edit_config(rank_pattern={POLYNOMIAL: 2}),
+                                    "rank_pattern key .* too many ways"),
+    "polynomial alpha_pattern key": (_edit_config(alpha_pattern={POLYNOMIAL: 2}),
+                                     "alpha_pattern key .* too many ways"),
+    "polynomial layers_pattern": (_edit_config(layers_to_transform=[0], layers_pattern=POLYNOMIAL),
+                                  "layers_pattern .* too many ways"),
+    "many heavy keys": (_edit_config(rank_pattern={".?" * 12 + f"Z{i}": 2 for i in range(4)}),
+                        r"too many regular expressions .* \(stopped at rank_pattern key"),
+    "many plain keys": (_edit_config(alpha_pattern={f"zz{i}": 2 for i in range(2000)}),
+                        r"too many regular expressions .* \(stopped at alpha_pattern key 'zz1820'\)"),
+    "rank_pattern list": (_edit_config(rank_pattern=[1]), r"rank_pattern must be a JSON object .*got \[1\]"),
+    "alpha_pattern string": (_edit_config(alpha_pattern="x"),
+                             "alpha_pattern must be a JSON object .*got 'x'"),
+    "flags inside rank_pattern key": (_edit_config(rank_pattern={"(?i)q_proj": 2}), re.escape(
+        "rank_pattern key '(?i)q_proj' is not a valid regular expression once PEFT wraps it as "
+        + repr(r"(.*\.)?((?i)q_proj)$") + " (global flags not at the start")),
+    "unbalanced layers_pattern": (_edit_config(layers_to_transform=[0], layers_pattern="("),
+                                  r"layers_pattern '\(' is not a valid regular expression \(missing \)"),
+    "layers_pattern names idx": (_edit_config(layers_to_transform=[0], layers_pattern="(?P<idx>layers)"),
+                                 r"layers_pattern .* once PEFT wraps it .*\(redefinition of group name"),
+    "repeat count overflow": (_edit_config(target_modules="q{99999999999}"),
+                              "target_modules .* is not a valid regular expression .*too large"),
+    "deeply nested groups": (_edit_config(target_modules="(" * 400 + "q" + ")" * 400),
+                             "target_modules .* is not a valid regular expression .*recursion"),
+    "lora_alpha beyond float": (_edit_config(lora_alpha=10 ** 400),
+                                r"has lora_alpha=1.*\(OverflowError: int too large"),
+    "4301-digit number": (_raw_config('{"peft_type": "LORA", "r": ' + "1" * 4301 + "}"),
+                          "not valid JSON .*4300 digits"),
+    "deeply nested json": (_raw_config('{"peft_type": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+                           "not valid JSON .*recursion"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_CONFIGS)
+def test_hostile_config_is_rejected_quickly(tmp_path, case):
+    edit, message = HOSTILE_CONFIGS[case]
+    save_peft_adapter(tmp_path, r=4)
+    edit(tmp_path)
+    # Reading the config alone rejects it, before any module name is matched.
+    with pytest.raises(AdapterValidationError, match=message):
+        read_lora_settings(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(AdapterValidationError, match=message):
+        load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert time.perf_counter() - start < 0.5
