@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.engine_client import EngineFailure, GenerationChunk, RequestRejected
-from gateway.generation import Ask, Tier
+from gateway.generation import Ask, Choice, Tier
 from routing.confidence import confidence
 from routing.routes import CascadeRoute
 
@@ -96,13 +96,12 @@ async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | Non
 
 
 def _used(chunks: list[GenerationChunk]) -> tuple[int, int]:
-    """The prompt and output tokens an answer has used, by the chunks it produced: its prompt
-    counts once the engine read it (the first chunk came). Output: the engine's own count when it
-    is the larger (an upstream may send several tokens as one piece; see Choice.num_output_tokens)."""
-    if not chunks:
-        return 0, 0
-    return (chunks[-1].num_prompt_tokens,
-            max(sum(len(chunk.token_ids) for chunk in chunks), chunks[-1].num_output_tokens))
+    """The prompt and output tokens an answer has used, by the chunks it produced, counted as a
+    call's choice counts them (Choice): its prompt once the engine read it (the first chunk came)."""
+    choice = Choice(0, 0)
+    for chunk in chunks:
+        choice.add(chunk)
+    return choice.num_prompt_tokens, choice.num_output_tokens
 
 
 async def _replay(chunks: list[GenerationChunk],
