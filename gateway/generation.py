@@ -82,6 +82,9 @@ class Tier:
     adapter: AdapterRef | None = None
 
 
+Reading = tuple[list[int], SamplingOptions]  # a prompt as one tier reads it, and its answer's options
+
+
 class ContextExceeded(RequestRejected):
     """A prompt and its answer's max_tokens do not fit a tier's context; `param` is the request
     field to lower."""
@@ -101,18 +104,21 @@ class Ask:
 
     prompts: list[Prompt]
     options: SamplingOptions  # each tier sets max_tokens from `max_tokens`
-    max_tokens: int | None  # None: each answer may fill the rest of its tier's context
+    max_tokens: int | None  # None: each answer may fill the rest of its tier's context...
+    implicit_max_tokens: int | None = None  # ...up to this many tokens, when set
     prompt_param: str = "prompt"  # the request's fields, for the errors that concern them
     max_tokens_param: str = "max_tokens"
 
-    def read(self, tier: Tier) -> list[tuple[list[int], SamplingOptions]]:
+    def read(self, tier: Tier) -> list[Reading]:
         """Each prompt as `tier` reads it, with the options of its answer there; RequestRejected
         if the tier cannot read one."""
         readings = []
         for prompt in self.prompts:
             token_ids = prompt.tokens(tier.engine)
-            max_tokens = self.max_tokens if self.max_tokens is not None else \
-                max(1, tier.engine.max_model_len - len(token_ids))
+            max_tokens = self.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, tier.engine.max_model_len - len(token_ids))
+                max_tokens = min(max_tokens, self.implicit_max_tokens or max_tokens)
             readings.append((token_ids, msgspec.structs.replace(self.options,
                                                                 max_tokens=max_tokens)))
         return readings

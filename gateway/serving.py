@@ -7,6 +7,7 @@ formats what they produce and calls `Call.finish` exactly once, however the call
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 import uuid
@@ -25,7 +26,7 @@ from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, Requ
                                    SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
-from gateway.generation import Ask, ContextExceeded, Generation, Tier, tokenizer_key
+from gateway.generation import Ask, ContextExceeded, Generation, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
@@ -284,6 +285,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         readings = [ask.read(tier) for tier in target.tiers]
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.prompt_param) from None
+    if ask.max_tokens is None and tenant.tpm is not None:
+        ask, readings = _fit_to_limit(state, target, ask, readings, n, tenant.tpm)
     admission = await admit(state.require_store(), tenant, *_hold(state, target, ask, readings, n))
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
@@ -331,8 +334,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     return call
 
 
-def _hold(state: GatewayState, target: Target, ask: Ask,
-          readings: list[list[tuple[list[int], SamplingOptions]]], n: int) -> tuple[int, float]:
+def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]], n: int) -> tuple[int, float]:
     """The tokens and spend to hold before a call runs: the most its tiers may use, each in its
     own tokens and at its own price.
 
@@ -357,7 +359,32 @@ def _hold(state: GatewayState, target: Target, ask: Ask,
     return max(tokens), max(spend)
 
 
-def _estimate(reading: list[tuple[list[int], SamplingOptions]], n: int) -> tuple[int, int]:
+def _fit_to_limit(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],
+                  n: int, limit: int) -> tuple[Ask, list[list[Reading]]]:
+    """A call that left max_tokens out, with its answers shortened so that what it holds fits the
+    tenant's tokens per minute (they end with finish_reason "length"), rather than refused for
+    holding the rest of the context. Unchanged when it fits already, or cannot fit at all."""
+    def capped(cap: int) -> list[list[Reading]]:
+        return [[(p, msgspec.structs.replace(o, max_tokens=min(o.max_tokens, cap))) for p, o in reading]
+                for reading in readings]
+
+    def fits(cap: int) -> bool:
+        try:
+            return _hold(state, target, ask, capped(cap), n)[0] <= limit
+        except ApiError:  # no tier fits the context: not the limit's to settle
+            return False
+
+    longest = max(o.max_tokens for reading in readings for _, o in reading)
+    if fits(longest) or not fits(1):
+        return ask, readings
+    low, high = 1, longest  # fits(low) and not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return dataclasses.replace(ask, implicit_max_tokens=low), capped(low)
+
+
+def _estimate(reading: list[Reading], n: int) -> tuple[int, int]:
     """The prompt tokens of one tier's reading of a call, and the most its answers may use."""
     return sum(len(p) for p, _ in reading), n * sum(o.max_tokens for _, o in reading)
 

@@ -139,6 +139,22 @@ def test_tpm_counts_prompt_plus_max_tokens(server):
     assert limited.status_code == 429 and "tpm" in limited.json()["error"]["message"]
 
 
+def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):
+    # Left out, max_tokens is the rest of the context (thousands of tokens): rather than refuse
+    # that for a tenant allowed 60 tokens a minute, the answers get what the limit leaves them.
+    key = server.new_tenant(f"t{next(_names)}", tpm=60)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=DEMO_MODEL, messages=messages, n=2,
+                                          extra_body={"ignore_eos": True})
+    prompt_tokens = chat.usage.prompt_tokens
+    assert [c.finish_reason for c in chat.choices] == ["length", "length"]
+    assert chat.usage.completion_tokens == 2 * ((60 - prompt_tokens) // 2)
+    with pytest.raises(openai.BadRequestError, match="request_too_large|lower max_tokens"):
+        client.chat.completions.create(model=DEMO_MODEL, messages=messages, max_tokens=100)
+    client.close()
+
+
 def test_monthly_budget_is_settled_with_real_counts(server):
     name = f"t{next(_names)}"
     key = server.new_tenant(name, monthly_token_budget=30)
