@@ -116,13 +116,13 @@ class TextOffsets:
     continues a character begun before it starts where that character does; bytes that never
     form a character read as one U+FFFD, as the engine's text shows them.
 
-    NOTE: a special token counts as its name, which the engine's text leaves out: only the
-    prompt's (see _prompt_offsets) and a last EOS are usual; offsets after one sampled midway
-    (ignore_eos) run ahead of the text.
+    A special token adds nothing (the engine's text leaves it out) except in an echoed prompt,
+    whose text spells it (see _prompt_offsets).
     """
 
-    def __init__(self, engine: EngineClient, start: int = 0):
-        self._engine = engine
+    def __init__(self, engine: EngineClient, start: int = 0, *, in_prompt: bool = False):
+        self._token_bytes = (lambda t: name_bytes(engine.token_text(t))) if in_prompt \
+            else engine.text_bytes
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.num_chars = start  # the text so far, without the bytes of a character begun
 
@@ -130,7 +130,7 @@ class TextOffsets:
         """The offsets of the next tokens."""
         offsets = []
         for token_id in token_ids:
-            data = name_bytes(self._engine.token_text(token_id))
+            data = self._token_bytes(token_id)
             offsets.append(self.num_chars + self._is_broken_by(data))
             self.num_chars += len(self._decoder.decode(data))
         return offsets
@@ -164,7 +164,7 @@ def _prompt_offsets(engine: EngineClient, token_ids: list[int], text: str) -> li
     The tokens may spell more than the text at its start (the special tokens a tokenizer adds,
     sentencepiece's leading space), so their offsets are aligned to the text's end.
     """
-    counter = TextOffsets(engine)
+    counter = TextOffsets(engine, in_prompt=True)
     offsets = counter.advance(token_ids)
     extra = max(0, counter.num_chars_at_end - len(text))
     return [min(max(0, offset - extra), len(text)) for offset in offsets]

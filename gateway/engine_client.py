@@ -107,6 +107,10 @@ class EngineClient(Protocol):
         character, its bytes as OpenAI names them ("bytes:\\xe2\\x80"; see
         gateway/text_codec.py, whose name_bytes reads the bytes back)."""
 
+    def text_bytes(self, token_id: int) -> bytes:
+        """The bytes one generated token adds to the reply's text: its own, or none for a
+        special token, which the engine's text leaves out."""
+
     def detokenize(self, token_ids: list[int]) -> str:
         """How a run of tokens reads (for echo: a character may span several tokens)."""
 

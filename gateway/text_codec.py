@@ -39,7 +39,11 @@ class TextCodec:
     def __init__(self, tokenizer: Any | None):
         self._tokenizer = tokenizer
         self._token_bytes = None
+        self._special_ids: frozenset[int] = frozenset()
         if tokenizer is not None:
+            # What the engine's detokenizer skips (skip_special_tokens).
+            self._special_ids = frozenset(tokenizer.all_special_ids) | {
+                i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
             # NOTE: imported here: the engine's tokenizer module imports transformers (and torch),
             # which a tokenizer object has loaded already and the gateway alone never needs.
             from engine.tokenizer import token_bytes_reader
@@ -69,6 +73,9 @@ class TextCodec:
 
     def token_text(self, token_id: int) -> str:
         return token_name(self.token_bytes(token_id))
+
+    def text_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id in self._special_ids else self.token_bytes(token_id)
 
     def detokenize(self, token_ids: list[int]) -> str:
         if self._tokenizer is None:

@@ -68,6 +68,7 @@ from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, Eng
                                    EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
 from gateway.sse import sse_lines
+from gateway.text_codec import name_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,9 @@ class UpstreamEngineClient:
             return bytes([token_id]).decode(errors="replace")
         index = token_id - FIRST_TOKEN_ID
         return self._token_texts[index] if 0 <= index < len(self._token_texts) else ""
+
+    def text_bytes(self, token_id: int) -> bytes:
+        return name_bytes(self.token_text(token_id))
 
     @property
     def supports_adapters(self) -> bool:

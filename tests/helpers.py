@@ -140,7 +140,17 @@ def peft_lora_layers(model) -> dict[tuple[int, str], torch.nn.Module]:
 
 
 class IdleEngineParts:
-    """The EngineClient methods a scripted test engine has nothing to say in: idle stats, no-op close."""
+    """The EngineClient methods a scripted test engine has nothing to say in: idle stats, no-op
+    close, and token texts where a token is the character of its id."""
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def text_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode()
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(map(chr, token_ids))
 
     def stats(self):
         from gateway.engine_client import EngineStats

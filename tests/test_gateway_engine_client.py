@@ -35,12 +35,6 @@ class ScriptedEngine(IdleEngineParts):
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         return None  # no chat template: the gateway's plain transcript is used
 
-    def token_text(self, token_id: int) -> str:
-        return chr(token_id)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return "".join(map(chr, token_ids))
-
     supports_adapters = False
 
     async def check_adapter(self, folder: str) -> AdapterInfo:

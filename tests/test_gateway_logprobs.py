@@ -242,11 +242,13 @@ def test_echoed_offsets_count_from_the_prompt_text_not_its_special_tokens(client
 
 
 @pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("specials", [NO_SPECIALS, {"256": 6, "257": 6}], ids=["none", "often"])
 def test_text_offsets_are_where_each_token_s_text_starts_whole_or_streamed(client, server, key,
-                                                                          echo):
-    """Sampled text: bytes of the random model, often broken characters."""
+                                                                          echo, specials):
+    """Sampled text: bytes of the random model, often broken characters, and special tokens
+    (with ignore_eos), which add nothing to the text."""
     kwargs = dict(prompt="Offsets à la carte", max_tokens=24, temperature=1.0, seed=11,
-                  logprobs=2, echo=echo, logit_bias=NO_SPECIALS)
+                  logprobs=2, echo=echo, logit_bias=specials)
     completion = client.completions.create(model=DEMO_MODEL, **kwargs,
                                            extra_body={"ignore_eos": True})
     choice = completion.choices[0]
@@ -255,8 +257,10 @@ def test_text_offsets_are_where_each_token_s_text_starts_whole_or_streamed(clien
     num_prompt = 1 + len(kwargs["prompt"].encode())  # <s>, then a token a byte
     assert len(offsets) == len(logprobs.tokens) == (num_prompt + 24 if echo else 24)
     assert offsets == sorted(offsets) and 0 <= offsets[0] and offsets[-1] <= len(text)
+    generated = logprobs.tokens[num_prompt:] if echo else logprobs.tokens
+    assert ("<s>" in generated or "</s>" in generated) == (specials is not NO_SPECIALS)
     for token, offset in zip(logprobs.tokens, offsets):
-        if not token.startswith("bytes:") and token != "<s>":
+        if not token.startswith("bytes:") and token not in ("<s>", "</s>"):
             assert text[offset:].startswith(token), (token, offset, text)
     streamed_text, streamed = streamed_logprobs(events(
         server, key, "/v1/completions", **kwargs, ignore_eos=True))

@@ -66,12 +66,6 @@ class ScriptedTier(IdleEngineParts):
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         return None
 
-    def token_text(self, token_id: int) -> str:
-        return chr(token_id)
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return "".join(map(chr, token_ids))
-
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("no adapters here")
 
