@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.errors import AdapterValidationError
-from adapters.peft_regex import Regexes
+from adapters.peft_regex import ModuleRegex, Regexes
 
 CONFIG_NAME = "adapter_config.json"
 ALL_LINEAR = "all-linear"
@@ -24,6 +24,7 @@ DEFAULT_TARGET_MODULES = frozenset({"q_proj", "v_proj"})
 # How PEFT compiles each kind of regex of the config ({} is the config's text).
 _FULL_REGEX = "{}"  # target_modules, exclude_modules: re.fullmatch
 _PATTERN_KEY_REGEX = r"(.*\.)?({})$"  # rank_pattern, alpha_pattern keys: get_pattern_key's re.match
+# (a full match: module names hold no newline for $ to stop before)
 _LAYERS_REGEX = r"(?:^|.*?\.){}\.(?P<idx>\d+)\."  # layers_pattern: re.match, idx is the layer
 _ANY_LAYER_REGEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")  # without layers_pattern
 
@@ -49,12 +50,12 @@ class LoraSettings:
     r: int
     lora_alpha: float
     use_rslora: bool  # scaling = alpha / sqrt(r) instead of alpha / r
-    target_modules: str | re.Pattern | frozenset[str]  # ALL_LINEAR, a regex (full match), or names/suffixes
-    exclude_modules: re.Pattern | frozenset[str]  # a regex or names/suffixes; wins over target_modules
+    target_modules: str | ModuleRegex | frozenset[str]  # ALL_LINEAR, a regex, or names/suffixes
+    exclude_modules: ModuleRegex | frozenset[str]  # a regex or names/suffixes; wins over target_modules
     layers_to_transform: frozenset[int] | None
     layers_pattern: tuple[re.Pattern, ...]  # compiled _LAYERS_REGEX, one per layers_pattern name
-    rank_pattern: dict[re.Pattern, int]  # compiled _PATTERN_KEY_REGEX -> r, first match wins
-    alpha_pattern: dict[re.Pattern, float]
+    rank_pattern: dict[ModuleRegex, int]  # _PATTERN_KEY_REGEX around each key -> r, first match wins
+    alpha_pattern: dict[ModuleRegex, float]
 
     def targets(self, key: str) -> bool:
         """Whether PEFT would put LoRA on the module named `key` (e.g. model.layers.0.mlp.up_proj)."""
@@ -64,8 +65,8 @@ class LoraSettings:
             # NOTE: PEFT's all-linear is every Linear but the output head; in this model
             # family that is exactly the decoder layers' projections.
             return key.startswith("model.layers.")
-        if isinstance(self.target_modules, re.Pattern):
-            return self.target_modules.fullmatch(key) is not None
+        if not isinstance(self.target_modules, frozenset):
+            return self.target_modules.matches(key)
         if key in self.target_modules:
             return True  # a full module name: PEFT ignores layers_to_transform here
         if not any(key.endswith(f".{t}") for t in self.target_modules):
@@ -143,9 +144,9 @@ def _field(cfg: dict, field: str, parse, *args, default=None):
             f"({type(e).__name__}: {e}); write it as PEFT's LoraConfig documents") from e
 
 
-def _matches(modules: re.Pattern | frozenset[str], key: str) -> bool:
-    if isinstance(modules, re.Pattern):
-        return modules.fullmatch(key) is not None
+def _matches(modules: ModuleRegex | frozenset[str], key: str) -> bool:
+    if not isinstance(modules, frozenset):
+        return modules.matches(key)
     return key in modules or any(key.endswith(f".{m}") for m in modules)
 
 
@@ -157,14 +158,14 @@ def _layer_index(key: str, layers_pattern: tuple[re.Pattern, ...]) -> int | None
     return None
 
 
-def _pattern_value(patterns: dict[re.Pattern, float], key: str, default):
+def _pattern_value(patterns: dict[ModuleRegex, float], key: str, default):
     for pattern, value in patterns.items():
-        if pattern.match(key):
+        if pattern.matches(key):
             return value
     return default
 
 
-def _target_set(value, field: str, regexes: Regexes) -> str | re.Pattern | frozenset[str]:
+def _target_set(value, field: str, regexes: Regexes) -> str | ModuleRegex | frozenset[str]:
     if value is None:
         return DEFAULT_TARGET_MODULES
     if isinstance(value, str) and value.lower() == ALL_LINEAR:
@@ -172,9 +173,9 @@ def _target_set(value, field: str, regexes: Regexes) -> str | re.Pattern | froze
     return _module_set(value, field, regexes)
 
 
-def _module_set(value, field: str, regexes: Regexes) -> re.Pattern | frozenset[str]:
+def _module_set(value, field: str, regexes: Regexes) -> ModuleRegex | frozenset[str]:
     if isinstance(value, str):
-        return regexes.compile(value, field, _FULL_REGEX)
+        return regexes.compile_module_regex(value, field, _FULL_REGEX)
     return frozenset(_str_tuple(value, field))
 
 
@@ -182,7 +183,7 @@ def _layer_patterns(value, field: str, regexes: Regexes) -> tuple[re.Pattern, ..
     return tuple(regexes.compile(name, field, _LAYERS_REGEX) for name in _str_tuple(value, field))
 
 
-def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[re.Pattern, float]:
+def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[ModuleRegex, float]:
     """rank_pattern or alpha_pattern: {module pattern: value}, each pattern compiled as PEFT does."""
     if value is None:
         return {}
@@ -190,7 +191,7 @@ def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[re.P
         raise AdapterValidationError(
             f"{field} must be a JSON object mapping module name patterns to values, e.g. "
             f'{{"v_proj": 8}}, got {reprlib.repr(value)}')
-    return {regexes.compile(k, f"{field} key", _PATTERN_KEY_REGEX): parse_value(v, f"{field}[{k!r}]")
+    return {regexes.compile_module_regex(k, f"{field} key", _PATTERN_KEY_REGEX): parse_value(v, f"{field}[{k!r}]")
             for k, v in value.items()}
 
 

@@ -9,10 +9,13 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from adapters import AdapterCache, AdapterConfig, AdapterValidationError, load_adapter
 from adapters.peft_config import read_lora_settings
+from adapters.peft_regex import PositionSets, Regexes, _StepBudget
 from adapters.targets import module_key
 from store.blobs import digest_files
 from tests.helpers import (ALL_PROJECTIONS, make_peft_model, peft_lora_layers,
@@ -270,24 +273,10 @@ POLYNOMIAL = ".*" * 11 + "Z"  # no nested repeat, yet re took minutes to fail it
 # Configs that once stalled the server's regex matching, or crashed validation with a 500; each case
 # is (edit of a good adapter folder, what the error says).
 HOSTILE_CONFIGS = {
-    "polynomial target_modules": (_edit_config(target_modules=POLYNOMIAL),
-                                  r"target_modules '(\.\*)+Z' can split a module name in too many ways"),
-    "three unbounded repeats": (_edit_config(target_modules=r"\d+.*?[a-z]{2,}"),
-                                r"target_modules .* \(3 unbounded repeats"),
-    "optional chain": (_edit_config(target_modules=".?" * 24 + "Z"), "target_modules .* too many ways"),
-    "alternative chain": (_edit_config(target_modules="(?:|.)" * 20 + "Z"),
-                          "target_modules .* too many ways"),
-    "wide bounded repeats": (_edit_config(target_modules=".{0,99}" * 4 + "Z"),
-                             "target_modules .* too many ways"),
     "nested in atomic group": (_edit_config(target_modules="(?>(?:.*)*Z)"),
-                               "target_modules .* repeats a group"),
-    "nested optionals": (_edit_config(target_modules="(?:.?.?)*Z"), "target_modules .* repeats a group"),
-    "polynomial exclude_modules": (_edit_config(exclude_modules=POLYNOMIAL),
-                                   "exclude_modules .* too many ways"),
-    "polynomial rank_pattern key": (_edit_config(rank_pattern={POLYNOMIAL: 2}),
-                                    "rank_pattern key .* too many ways"),
-    "polynomial alpha_pattern key": (_edit_config(alpha_pattern={POLYNOMIAL: 2}),
-                                     "alpha_pattern key .* too many ways"),
+                               "target_modules .* repeats a group.*its atomic group also keeps it off"),
+    "backreference": (_edit_config(target_modules=r"(.*)(.*)(.*)\1"),
+                      r"target_modules .*3 unbounded repeats.*its backreference also keeps it off"),
     "polynomial layers_pattern": (_edit_config(layers_to_transform=[0], layers_pattern=POLYNOMIAL),
                                   "layers_pattern .* too many ways"),
     "many heavy keys": (_edit_config(rank_pattern={".?" * 12 + f"Z{i}": 2 for i in range(4)}),
@@ -329,3 +318,78 @@ def test_hostile_config_is_rejected_quickly(tmp_path, case):
     with pytest.raises(AdapterValidationError, match=message):
         load_adapter(tmp_path, SPEC, MAX_RANK)
     assert time.perf_counter() - start < 0.5
+
+
+# Regexes on which re could backtrack for minutes on one module name, and whether they match the
+# decoder projections' names: they run on PositionSets, in bounded time.
+BACKTRACKING_REGEXES = {POLYNOMIAL: False, r"\d+.*?[a-z]{2,}Z": False, ".?" * 24 + "Z": False,
+                        "(?:|.)" * 20 + "Z": False, ".{0,99}" * 4 + "Z": False, "(?:.?.?)*Z": False,
+                        "(.*)*_proj": True, r".*layers.*\..*(q|k|v|o|gate|up|down)_proj": True}
+
+
+@pytest.mark.parametrize("regex", BACKTRACKING_REGEXES)
+@pytest.mark.parametrize("template", ["{}", r"(.*\.)?({})$"], ids=["target_modules", "rank_pattern"])
+def test_regexes_re_could_backtrack_on_match_in_bounded_time(regex, template):
+    names = [module_key(layer, proj) for layer in range(32) for proj in ALL_PROJECTIONS]  # Llama-3-8B's
+    start = time.perf_counter()
+    matcher = Regexes().compile_module_regex(regex, "target_modules", template)
+    matched = [name for name in names if matcher.matches(name)]
+    assert time.perf_counter() - start < 1.0
+    assert isinstance(matcher, PositionSets)
+    assert matched == (names if BACKTRACKING_REGEXES[regex] else [])
+
+
+def test_a_config_of_such_regexes_loads_quickly(tmp_path):
+    save_peft_adapter(tmp_path, r=4)
+    plain = load_adapter(tmp_path, SPEC, MAX_RANK)
+    _edit_config(exclude_modules=POLYNOMIAL, rank_pattern={POLYNOMIAL: 2},
+                 alpha_pattern={"(?:.?.?)*Z": 2})(tmp_path)
+    start = time.perf_counter()
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert time.perf_counter() - start < 0.5
+    assert {k: (m.rank, m.scaling) for k, m in adapter.modules.items()} == \
+        {k: (m.rank, m.scaling) for k, m in plain.modules.items()}
+
+
+def test_regexes_with_three_wildcards_or_repeated_groups_match_as_in_peft(tmp_path):
+    model = save_peft_adapter(tmp_path, r=4, lora_alpha=8,
+                              target_modules=r".*layers.*self_attn.*(q|v|o)_proj",
+                              rank_pattern={r".*layers\.1.*\.(?:\w+\.)*v_proj": 2},
+                              alpha_pattern={r"(?:\w+\.)*(?:model)\.layers\.0.*\.(?:\w+\.)*o_proj": 3})
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert set(adapter.modules) == set(peft_lora_layers(model)) == \
+        {(i, p) for i in (0, 1) for p in ("q_proj", "v_proj", "o_proj")}
+    for key, layer in peft_lora_layers(model).items():
+        assert adapter.modules[key].rank == layer.r["default"]
+        assert adapter.modules[key].scaling == layer.scaling["default"]
+    assert adapter.modules[(1, "v_proj")].rank == 2 and adapter.modules[(0, "o_proj")].scaling == 0.75
+
+
+def test_a_regex_past_the_step_budget_is_refused():
+    matcher = Regexes().compile_module_regex("(?:a?){60000}", "target_modules", "{}")
+    start = time.perf_counter()
+    with pytest.raises(AdapterValidationError, match=r"target_modules '\(\?:a\?\)\{60000\}' takes too long"):
+        for layer in range(126):
+            matcher.matches(module_key(layer, "q_proj"))
+    assert time.perf_counter() - start < 2.0
+
+
+_REGEX_ATOMS = ["a", "b", "_", ".", r"\.", "[ab]", "[^a]", r"\d", r"\w", r"\W", "(?i:A)", "(?i:[A-B])",
+                r"\b", r"\B", "^", "$", r"\A", r"\Z", "(?<=a)", "(?<!b)"]
+_REGEX_SUFFIXES = ["*", "+", "?", "{2}", "{1,3}", "{0,2}", "*?", "+?", "{2,}", "??"]
+_REGEXES = st.recursive(
+    st.sampled_from(_REGEX_ATOMS),
+    lambda inner: st.one_of(
+        st.tuples(inner, inner).map("".join),
+        st.tuples(inner, inner).map(lambda p: f"({p[0]}|{p[1]})"),
+        st.tuples(st.sampled_from(["(?=", "(?!"]), inner).map(lambda p: f"{p[0]}{p[1]})"),
+        st.tuples(inner, st.sampled_from(_REGEX_SUFFIXES)).map(lambda p: f"(?:{p[0]}){p[1]}")),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_REGEXES, st.lists(st.text("ab1_.A", max_size=9), min_size=1, max_size=20))
+def test_position_sets_match_what_re_matches(regex, names):
+    matcher = PositionSets(regex, _StepBudget(10 ** 9), "target_modules")
+    compiled = re.compile(regex)
+    assert [matcher.matches(n) for n in names] == [compiled.fullmatch(n) is not None for n in names]
