@@ -180,7 +180,7 @@ def _version_param(request: Request) -> int | None:
     text = request.query_params.get("version")
     if text is None:
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) < 1:  # fits int64
         raise invalid_request(f"version must be a positive integer, got {text!r}", param="version")
     return int(text)
 

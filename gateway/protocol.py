@@ -63,6 +63,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         each endpoint's body adds its own."""
         return None
 
+    def conflict(self) -> tuple[str, str] | None:
+        """(field, why) for a field whose value the others make invalid, as OpenAI refuses it."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed when stream is true"
+        return None
+
 
 class CompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or lists of ids."""
@@ -73,12 +79,17 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: NumLogprobs | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: NumChoices | None = None
 
     def unsupported_field(self) -> str | None:
         if self.suffix or (self.best_of or 1) > (self.n or 1):
             return "suffix" if self.suffix else "best_of"
         return super().unsupported_field()
+
+    def conflict(self) -> tuple[str, str] | None:
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            return "best_of", f"best_of must be at least n ({self.n}), got {self.best_of}"
+        return super().conflict()
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -101,6 +112,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: NumLogprobs | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     functions: list[dict] | None = None  # tools' predecessor
     function_call: str | dict | None = None
     response_format: dict | None = None
@@ -113,6 +125,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 return name
         if self.function_call not in (None, "none"):
             return "function_call"
+        if self.tool_choice not in (None, "none"):  # no tools are ever called
+            return "tool_choice"
         if any(modality != "text" for modality in self.modalities or ()):
             return "modalities"
         if self.response_format and self.response_format.get("type", "text") != "text":

@@ -44,6 +44,9 @@ async def decode_body(request: Request, body_type: type[T]) -> T:
         return msgspec.json.decode(await request.body(), type=body_type)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise from_validation_error(error) from None
+    except UnicodeDecodeError as error:  # msgspec's own, for a string that is not UTF-8
+        raise invalid_request(f"the request body is not valid UTF-8 ({error}); send JSON encoded "
+                              "as UTF-8") from None
 
 
 def refuse_unsupported(body: SamplingFields, target: Target) -> None:
@@ -54,6 +57,8 @@ def refuse_unsupported(body: SamplingFields, target: Target) -> None:
     if unsupported is not None:
         raise invalid_request(f"'{unsupported}' is not supported by this server; leave it out",
                               param=unsupported, code="unsupported_parameter")
+    if (conflict := body.conflict()) is not None:
+        raise invalid_request(conflict[1], param=conflict[0])
     for name in ("stop_token_ids", "logit_bias"):
         if getattr(body, name):
             refuse_token_ids(target, name, "leave it out")
@@ -153,7 +158,7 @@ def _logit_bias(biases: dict[str, float]) -> dict[int, float]:
     """logit_bias with its keys read as token ids; 400 for a key that is not one."""
     by_id = {}
     for token, bias in biases.items():
-        if not token.isascii() or not token.isdigit():
+        if not (token.isascii() and token.isdigit() and len(token) <= 18):  # 18 digits fit int64
             raise invalid_request(f"logit_bias keys must be token ids (integers as strings), got "
                                   f"{token!r}", param="logit_bias")
         by_id[int(token)] = bias

@@ -118,7 +118,7 @@ async def generate(request: Request) -> Response:
         return _error(503, "unavailable", "this worker is shutting down")
     try:
         body = msgspec.json.decode(await request.body(), type=GenerateBody)
-    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as error:
         return _error(400, "rejected", f"malformed request: {error}")
     if body.model != worker.model:
         return _error(404, "unknown_model", f"this worker serves {worker.model!r}, not {body.model!r}")

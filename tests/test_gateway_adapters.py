@@ -192,6 +192,9 @@ def test_reupload_makes_a_new_version_that_requests_use(server, tenant, adapters
     assert latest["version"] == 2
     old = httpx.get(server.url + "/v1/adapters/bot?version=1", headers=auth(key)).json()
     assert old["digest"] == first["digest"]
+    for bad in ("0", "x", "\u0661", "9" * 20):  # an Arabic-Indic one; beyond a 64-bit integer
+        response = httpx.get(server.url + "/v1/adapters/bot", params={"version": bad}, headers=auth(key))
+        assert (response.status_code, response.json()["error"]["param"]) == (400, "version"), bad
     listed = httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]
     assert [(a["id"], a["version"]) for a in listed] == [("bot", 2)]
 

@@ -6,7 +6,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.request import SamplingParams
-from tests.conftest import DEMO_MODEL
+from tests.conftest import ADMIN_KEY, DEMO_MODEL
 
 PROMPT = "The quick brown fox"
 CHAT_PROMPT = "<|system|>\nBe brief.\n<|user|>\nhello\n<|assistant|>\n"  # the demo's template
@@ -129,6 +129,7 @@ def test_the_largest_seed_works_for_every_choice(client):
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_chat_fields_this_server_cannot_honour_are_refused(client, extra, param):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -136,7 +137,8 @@ def test_chat_fields_this_server_cannot_honour_are_refused(client, extra, param)
                                        extra_body=extra)
     assert (raised.value.body["param"], raised.value.body["code"]) == (param, "unsupported_parameter")
     fine = client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=1,
-                                          extra_body={"function_call": "none", "modalities": ["text"]})
+                                          extra_body={"function_call": "none", "modalities": ["text"],
+                                                      "tool_choice": "none"})
     assert fine.choices[0].finish_reason in ("stop", "length")
 
 
@@ -216,6 +218,9 @@ def test_unknown_model_is_not_found(client):
     (dict(extra_body={"repetition_penalty": 1e-300}), "repetition_penalty"),  # logits would overflow
     (dict(seed=2**64), "seed"),  # not a 64-bit integer
     (dict(max_tokens=2**63), "max_tokens"),
+    (dict(best_of=0), "best_of"),
+    (dict(best_of=1, n=2), "best_of"),  # OpenAI's rule: best_of >= n
+    (dict(stream_options={"include_usage": True}), "stream_options"),  # only with stream: true
 ])
 def test_invalid_values_are_bad_requests_naming_the_field(client, kwargs, param):
     kwargs = {"max_tokens": 4, **kwargs}
@@ -334,6 +339,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     ({"logit_bias": {"65": 101}}, "logit_bias", "logit_bias"),
     ({"logit_bias": {"sixty-five": 1}}, "logit_bias", "must be token ids"),
     ({"logit_bias": {"-3": 1}}, "logit_bias", "must be token ids"),
+    ({"logit_bias": {"1" * 4301: 1}}, "logit_bias", "must be token ids"),  # beyond what int() reads
     ({"logit_bias": {"1000000": 1}}, None, "logit_bias has token ids outside the vocabulary"),
     ({"stop_token_ids": [1000000]}, None, "stop_token_ids has token ids outside the vocabulary"),
 ])
@@ -368,3 +374,8 @@ def test_malformed_json_is_a_bad_request(server, key):
                           headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+    # A string that is not UTF-8 is the client's mistake too (not a 500 its SDK would retry).
+    for path, body, auth in [("/v1/completions", b'{"model": "x", "prompt": "\xff\xfe"}', key),
+                             ("/admin/tenants", b'{"name": "\xff"}', ADMIN_KEY)]:
+        response = httpx.post(server.url + path, content=body, headers={"Authorization": f"Bearer {auth}"})
+        assert response.status_code == 400 and "UTF-8" in response.json()["error"]["message"], path
