@@ -4,7 +4,7 @@ of the base model, in bounded time whatever they say.
 Python's re backtracks and cannot be interrupted, so one regex crafted to backtrack for minutes
 would stall the whole server: each is costed from its parsed form, and only one sure to stay
 cheap is compiled with re. The others (three `.*`, a repeated group: `.*layers.*self_attn.*(q|v)_proj`,
-`(?:\w+\.)*q_proj`) run on PositionSets, which carries the set of positions a regex can reach
+`(?:\\w+\\.)*q_proj`) run on PositionSets, which carries the set of positions a regex can reach
 through its parsed form, so its time grows with the name's length, not exponentially, and counts
 its steps against a budget shared by the config.
 """

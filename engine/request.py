@@ -179,6 +179,15 @@ class Request:
         return self.num_output_tokens >= self.sampling_params.min_tokens
 
     @property
+    def unsampleable_token_ids(self) -> frozenset[int]:
+        """Tokens the next one must not be: before min_tokens, those that would stop the request
+        (its stop_token_ids, and EOS unless ignore_eos), as vLLM masks them."""
+        if self.can_stop:
+            return frozenset()
+        params = self.sampling_params
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs were asked for and some are still to be computed."""
         return (self.sampling_params.prompt_logprobs is not None

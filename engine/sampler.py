@@ -59,13 +59,17 @@ class Sampler:
     @staticmethod
     def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The logits after each request's penalties and biases (a copy if any has one), in
-        vLLM's order: repetition (multiplicative), then presence and frequency, then logit_bias."""
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits]
+        vLLM's order: repetition (multiplicative), then presence and frequency, then logit_bias;
+        tokens the request must not sample yet (before min_tokens) at -inf."""
+        banned = [r.unsampleable_token_ids for r in requests]
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits or banned[i]]
         if not rows:
             return logits
         logits = logits.clone()
         for i in rows:
             request, row = requests[i], logits[i]
+            if banned[i]:
+                row[torch.tensor(sorted(banned[i]), device=logits.device)] = float("-inf")
             params = request.sampling_params
             if params.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device)

@@ -1,6 +1,6 @@
 """Stop conditions and sampling failures on the real engine: min_tokens holds back stop strings and
-stop token ids, a stop token's text is left out (as vLLM), a tiny temperature is greedy, and a
-request whose sampling fails fails alone.
+keeps stop tokens and EOS from being sampled, a stop token's text is left out (as vLLM), a tiny
+temperature is greedy, and a request whose sampling fails fails alone.
 
 Expected outputs come from a greedy run of the same prompt with no stop condition: the demo
 model's byte-level tokenizer makes each ASCII token exactly one character.
@@ -19,6 +19,7 @@ from tests.helpers import make_hf_model, random_prompts, save_hf_model
 PROMPT = "World"
 NUM_TOKENS = 16
 SPACE = ord(" ")
+EOS = 257  # the demo tokenizer's </s>
 
 
 @dataclass
@@ -105,17 +106,54 @@ def test_stop_strings_wait_for_min_tokens(engine, reference, stops, min_tokens, 
     assert (result.finish_reason, result.stop_reason) == ("stop", stop)
 
 
-@pytest.mark.parametrize("min_tokens", [0, 5])
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_token_text_is_left_out(engine, reference, min_tokens, include):
+def test_stop_token_text_is_left_out(engine, reference, include):
     tokens, text = reference
-    num_tokens = tokens.index(SPACE, max(0, min_tokens - 1)) + 1
-    assert num_tokens == (4 if min_tokens == 0 else 6)  # the text starts "&&& & "
-    params = greedy(stop_token_ids=[SPACE], min_tokens=min_tokens, include_stop_str_in_output=include)
+    num_tokens = tokens.index(SPACE) + 1
+    assert num_tokens == 4  # the text starts "&&& "
+    params = greedy(stop_token_ids=[SPACE], include_stop_str_in_output=include)
     result = run(engine, {"r": (PROMPT, params)})["r"]
     assert result.tokens == tokens[:num_tokens]
     assert result.text == text[:num_tokens if include else num_tokens - 1]
     assert (result.finish_reason, result.stop_reason) == ("stop", SPACE)
+
+
+@pytest.fixture(scope="module")
+def hf_demo(demo_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo_model_dir).eval()
+
+
+@pytest.mark.parametrize("stop_token, min_tokens, bias", [
+    (ord("&"), 2, {}),  # greedy starts "&&&": masked, it starts with other tokens, then "&"
+    (None, 3, {EOS: 5.0}),  # EOS made the favourite: it may end the reply from token 4 on
+])
+def test_min_tokens_keeps_stop_tokens_from_being_sampled(engine, hf_demo, stop_token, min_tokens, bias):
+    """As vLLM, and transformers' min_new_tokens: before min_tokens, EOS and stop_token_ids are
+    masked, so the reply goes on with another token instead of carrying one it did not stop at."""
+    params = greedy(min_tokens=min_tokens, logit_bias=bias, ignore_eos=stop_token is not None,
+                    stop_token_ids=[stop_token] if stop_token is not None else [])
+    result = run(engine, {"r": (PROMPT, params)})["r"]
+    prompt = engine.tokenizer.encode(PROMPT)
+    expected = hf_greedy_until(hf_demo, prompt, stop_token if stop_token is not None else EOS,
+                                  min_tokens, {(t,): b for t, b in bias.items()})
+    assert result.tokens == expected
+    assert len(expected) > min_tokens and expected[-1] == (stop_token or EOS)
+    assert (stop_token or EOS) not in expected[:-1]
+    assert result.finish_reason == "stop"
+
+
+def hf_greedy_until(model, prompt: list[int], stop_token: int, min_tokens: int,
+                    sequence_bias: dict) -> list[int]:
+    """transformers' greedy reply, ended by `stop_token` from token `min_tokens` on."""
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=NUM_TOKENS, min_new_tokens=min_tokens, eos_token_id=stop_token,
+                             pad_token_id=0, sequence_bias=sequence_bias or None,
+                             return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist()
 
 
 def test_a_tiny_temperature_is_greedy_and_spares_its_batch(engine, reference):
