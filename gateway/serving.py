@@ -287,7 +287,9 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                               f"prompt, or name a model instead of {target.route.name!r}",
                               param="n")
     try:
-        readings = [ask.read(tier) for tier in target.tiers]
+        # NOTE: in a thread: tokenizing a long prompt takes seconds, which the event loop must not
+        # wait out (the tokenizer releases the GIL); later reads find the tokens cached.
+        readings = await asyncio.to_thread(lambda: [ask.read(tier) for tier in target.tiers])
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.prompt_param) from None
     if ask.max_tokens is None and tenant.tpm is not None:

@@ -8,6 +8,7 @@ that name and `name_bytes` reads the bytes back from it.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -33,8 +34,14 @@ def name_bytes(name: str) -> bytes:
     return name.encode()
 
 
+_MAX_NORMALIZATION_SHRINK = 4
+
+
 class TextCodec:
-    """The tokenizer half of an EngineClient (`tokenizer` None: the model ships none)."""
+    """The tokenizer half of an EngineClient (`tokenizer` None: the model ships none); the other
+    half gives `max_model_len`."""
+
+    max_model_len: int
 
     def __init__(self, tokenizer: Any | None):
         self._tokenizer = tokenizer
@@ -53,7 +60,20 @@ class TextCodec:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._tokenizer is None:
             raise RequestRejected("this model has no tokenizer: send token ids instead of text")
+        # A text whose bytes the longest tokens could not fit in the context even with
+        # normalization shrinking it (NFKC, accents stripped: at most 4 bytes into 1, as "𝐀" into
+        # "A") is refused before the seconds that tokenizing megabytes takes.
+        max_bytes = _MAX_NORMALIZATION_SHRINK * self.max_token_bytes * self.max_model_len
+        if 0 < max_bytes < len(text) or 0 < max_bytes < len(text.encode()):  # 0: no worker yet
+            raise RequestRejected(
+                f"the prompt is {len(text)} characters long, more than this model's context of "
+                f"{self.max_model_len} tokens can hold; shorten the prompt")
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token of the vocabulary stands for."""
+        return max(map(len, map(self.token_bytes, range(len(self._tokenizer)))), default=1)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         if self._tokenizer is None or not getattr(self._tokenizer, "chat_template", None):

@@ -1,5 +1,7 @@
 """The OpenAI API through the official `openai` client against a real server and engine."""
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -354,6 +356,19 @@ def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=DEMO_MODEL, prompt="x" * 2100, max_tokens=1)
     assert "shorten the prompt" in raised.value.body["message"]
+
+
+def test_a_prompt_of_megabytes_is_refused_without_tokenizing_it(client):
+    for create, field in [
+            (lambda text: client.completions.create(model=DEMO_MODEL, prompt=text, max_tokens=1), "prompt"),
+            (lambda text: client.chat.completions.create(
+                model=DEMO_MODEL, messages=[{"role": "user", "content": text}], max_tokens=1), "messages")]:
+        start = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as raised:
+            create("word " * 800_000)  # ~10 s to tokenize
+        assert time.monotonic() - start < 2.0
+        assert raised.value.body["param"] == field
+        assert "shorten the prompt" in raised.value.body["message"]
 
 
 def test_chat_errors_name_the_field(client):

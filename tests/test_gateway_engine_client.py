@@ -3,6 +3,8 @@
 No torch here: the scripted engine is what a remote worker would be, the protocol and nothing more.
 """
 
+import concurrent.futures
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -28,8 +30,10 @@ class ScriptedEngine(IdleEngineParts):
         self.options: list[SamplingOptions] = []
         self.fail_after: int | None = None
         self.refuse: str | None = None
+        self.tokenize_s = 0.0  # how long tokenizing takes (a long prompt's seconds, GIL released)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        time.sleep(self.tokenize_s)
         return ([1] if add_special_tokens else []) + list(text.encode())
 
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
@@ -70,7 +74,7 @@ def scripted(engine, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def reset(engine):
-    engine.fail_after, engine.refuse = None, None
+    engine.fail_after, engine.refuse, engine.tokenize_s = None, None, 0.0
 
 
 def post(scripted, path: str, **body) -> httpx.Response:
@@ -86,6 +90,18 @@ def test_chat_without_a_template_uses_a_plain_transcript(scripted, engine):
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == "ABCD"
     assert engine.prompts[-1] == [1] + list(b"system: S\nuser: hi there\nassistant:")
+
+
+def test_the_gateway_answers_others_while_a_long_prompt_is_tokenized(scripted, engine):
+    engine.tokenize_s = 1.5
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, scripted, "/v1/completions", prompt="a long prompt")
+        time.sleep(0.2)
+        for _ in range(3):
+            start = time.monotonic()
+            assert httpx.get(scripted[0].url + "/health", timeout=30).status_code == 200
+            assert time.monotonic() - start < 0.5
+        assert slow.result().status_code == 200
 
 
 def test_a_refused_request_is_a_400_with_the_engine_reason(scripted, engine):
