@@ -84,9 +84,11 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         accepted: Future = Future()
         self._send(_AddCommand(request_id, prompt, params, priority, tenant, lora, stream, accepted))
-        await asyncio.wrap_future(accepted)
         finished = False
         try:
+            # NOTE: inside the try: a caller cancelled while the engine thread adds the request
+            # (too late to take it back) still aborts it.
+            await asyncio.wrap_future(accepted)
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, Exception):
@@ -96,10 +98,10 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self._send(("abort", request_id, stream))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(("abort", request_id, None))
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -143,13 +145,16 @@ class AsyncEngine:
                 break
             if isinstance(command, _AddCommand):
                 self._add(command)
-            else:
-                _, request_id = command
+                continue
+            _, request_id, stream = command
+            if stream is None or self._streams.get(request_id) is stream:  # not a request it never added
                 self._streams.pop(request_id, None)
                 self.engine.abort_request(request_id)
         self._metrics = self.engine.metrics()
 
     def _add(self, command: _AddCommand) -> None:
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the caller went away before the engine took its request: add nothing
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     command.priority, command.tenant, command.lora)

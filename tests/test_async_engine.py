@@ -1,6 +1,7 @@
 """AsyncEngine on the demo model: concurrent streams, rejection, and abort on cancellation."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -107,3 +108,44 @@ def test_a_consumer_whose_event_loop_closed_does_not_kill_the_engine(async_engin
     assert metrics.num_running == 0 and metrics.kv_blocks_used == 0  # the orphan was aborted
     assert metrics.num_generation_tokens < 500
     del orphan
+
+
+@pytest.mark.parametrize("while_adding", [False, True])
+def test_a_request_cancelled_before_the_engine_took_it_leaves_the_engine_serving(async_engine, while_adding):
+    """A caller that goes away before the engine thread took its request (a disconnect, a failed
+    sibling prompt) leaves nothing behind, and the engine thread keeps running. With
+    `while_adding`, it goes away while the thread is adding it: too late to take it back, so the
+    request is aborted instead."""
+    gate, inner = threading.Event(), async_engine.engine
+    gated = "add_request" if while_adding else "step"
+    original = getattr(inner, gated)
+
+    def wait_then(*args, **kwargs):
+        gate.wait()
+        return original(*args, **kwargs)
+
+    setattr(inner, gated, wait_then)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def main():
+        first = None
+        if not while_adding:  # the thread is inside a step of this one when the others arrive
+            first = asyncio.create_task(collect(async_engine, "first", params))
+            await asyncio.sleep(0.2)
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)  # runs on unless aborted
+        gone = [asyncio.create_task(collect(async_engine, "gone", long)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        for task in gone:
+            task.cancel()
+        gate.set()
+        if first is not None:
+            assert len((await asyncio.wait_for(first, 30))[0]) == 3
+        return await asyncio.wait_for(collect(async_engine, "after", params), 30)
+
+    tokens, _, last = asyncio.run(main())
+    assert len(tokens) == 3 and last.finished
+    deadline = time.monotonic() + 1
+    while inner.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not inner.has_unfinished_requests()
+    assert inner.kv_manager.num_free_blocks == inner.kv_manager.num_blocks

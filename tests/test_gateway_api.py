@@ -358,6 +358,17 @@ def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
     assert "shorten the prompt" in raised.value.body["message"]
 
 
+def test_prompts_refused_beside_others_leave_the_engine_serving(client):
+    # The first prompt is refused while the second's request is still on its way to the engine:
+    # that one is given up, which once killed the engine's thread after a few such calls.
+    for _ in range(40):
+        with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+            client.completions.create(model=DEMO_MODEL, prompt=[[99999], [5, 6, 7]], max_tokens=2)
+    completion = client.completions.create(model=DEMO_MODEL, prompt="still here", max_tokens=2,
+                                           timeout=30)
+    assert completion.usage.completion_tokens == 2
+
+
 def test_a_prompt_of_megabytes_is_refused_without_tokenizing_it(client):
     for create, field in [
             (lambda text: client.completions.create(model=DEMO_MODEL, prompt=text, max_tokens=1), "prompt"),
