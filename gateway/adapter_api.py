@@ -10,6 +10,7 @@ gateways fetch them) and its record to the store, as the next version of its nam
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -82,16 +83,30 @@ async def _named_tenant(request: Request) -> Tenant:
     return tenant
 
 
-async def upload(request: Request, tenant: Tenant) -> Response:
-    """Validate an uploaded adapter, then store it as the next version of its name (201)."""
-    state = gateway_state(request)
-    staging = state.blobs.root
-    async with read_adapter_upload(request, state.max_upload_bytes, staging) as uploaded:
-        record = await _store_adapter(state, tenant, uploaded)
-    return _json(AdapterObject.of(record), 201)
+def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]]):
+    """The upload endpoint for the tenant `resolve_tenant` finds for the request."""
+    async def upload(request: Request) -> Response:
+        """Validate an uploaded adapter, then store it as the next version of its name (201)."""
+        tenant = await resolve_tenant(request)
+        state = gateway_state(request)
+        staging = state.blobs.root
+
+        async def confirm_tenant() -> None:
+            # The body may stream in for minutes: a key revoked or a tenant deleted (and maybe made
+            # anew under its name) meanwhile must store nothing.
+            if (await resolve_tenant(request)).created_at != tenant.created_at:
+                raise not_found(f"tenant {tenant.name!r} was deleted while the adapter was uploaded",
+                                code="tenant_not_found")
+
+        async with read_adapter_upload(request, state.max_upload_bytes, staging) as uploaded:
+            record = await _store_adapter(state, tenant, uploaded, confirm_tenant)
+        return _json(AdapterObject.of(record), 201)
+
+    return upload
 
 
-async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterUpload) -> AdapterRecord:
+async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterUpload,
+                         confirm_tenant: Callable[[], Awaitable[None]]) -> AdapterRecord:
     try:
         validate_name("adapter", uploaded.name)
     except InvalidName as error:
@@ -125,10 +140,14 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
     try:
+        await confirm_tenant()
         stored = await store.put_adapter_record(record)
     except NotFound:  # the tenant was deleted meanwhile: its blob must not linger
         await collect_garbage(state.blobs, store, [digest])
         raise not_found(f"tenant {tenant.name!r} does not exist", code="tenant_not_found") from None
+    except ApiError:  # the same, found out by confirm_tenant
+        await collect_garbage(state.blobs, store, [digest])
+        raise
     # A delete of another record with the same files may have collected the blob between our puts
     # and our record (see collect_garbage); the record now references it, so put it back.
     if state.blobs.path(digest) is None:
@@ -211,14 +230,14 @@ UPLOAD_FORM_SCHEMA = {
 UPLOAD_PATHS = ("/v1/adapters", "/admin/tenants/{tenant}/adapters")
 
 ROUTES = [
-    Route("/v1/adapters", _as(_caller_tenant, upload), methods=["POST"], name="upload_adapter"),
+    Route("/v1/adapters", _upload_as(_caller_tenant), methods=["POST"], name="upload_adapter"),
     Route("/v1/adapters", _as(_caller_tenant, list_adapters), methods=["GET"],
           name="list_adapters"),
     Route("/v1/adapters/{name}", _as(_caller_tenant, get_adapter), methods=["GET"],
           name="get_adapter"),
     Route("/v1/adapters/{name}", _as(_caller_tenant, delete_adapter), methods=["DELETE"],
           name="delete_adapter"),
-    Route("/admin/tenants/{tenant}/adapters", _as(_named_tenant, upload), methods=["POST"],
+    Route("/admin/tenants/{tenant}/adapters", _upload_as(_named_tenant), methods=["POST"],
           name="admin_upload_adapter"),
     Route("/admin/tenants/{tenant}/adapters", _as(_named_tenant, list_adapters), methods=["GET"],
           name="admin_list_adapters"),

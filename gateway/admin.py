@@ -116,7 +116,8 @@ async def get_tenant(request: Request) -> Response:
 
 
 async def delete_tenant(request: Request) -> Response:
-    """Delete a tenant with its keys and adapters (its usage records are kept for billing)."""
+    """Delete a tenant with its keys, adapters, rate limits and usage: a tenant made anew under
+    the name starts from nothing, and calls of this one still running bill nothing."""
     store = await _admin_store(request)
     name = request.path_params["tenant"]
     try:

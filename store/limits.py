@@ -92,6 +92,7 @@ def new_reservation(
     return Reservation(
         id=secrets.token_hex(8),
         tenant=tenant.name,
+        tenant_created_at=tenant.created_at,
         month=month_of(now),
         tokens=tokens,
         spend_usd=spend_usd,

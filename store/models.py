@@ -107,6 +107,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
 
     id: str
     tenant: str
+    tenant_created_at: float  # which tenant of that name: one deleted and made anew bills nothing
     month: str  # "YYYY-MM" (UTC): the month the request is billed to
     tokens: int
     spend_usd: float

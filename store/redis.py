@@ -11,6 +11,8 @@ of UNAVAILABLE_ERRORS. Nothing needs reopening when it is back: the connection p
 and redis-py re-sends a script that a restarted server no longer has (NOSCRIPT).
 """
 
+import re
+
 import msgspec
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
@@ -68,6 +70,11 @@ class RedisKeys:
 
     def holds(self, tenant: str, month: str) -> str:
         return f"{self.p}holds:{tenant}:{month}"
+
+    def monthly_patterns(self, tenant: str) -> list[str]:
+        """SCAN patterns of every month's usage and holds of `tenant`."""
+        prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.p)  # the prefix as a glob, literally
+        return [f"{prefix}usage:{tenant}:*", f"{prefix}holds:{tenant}:*"]
 
     def blob(self, digest: str) -> str:
         return f"{self.p}blob:{digest}"  # an adapter's files: their manifest (store.redis_blobs)
@@ -147,6 +154,10 @@ class RedisStore:
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         k = self._keys
+        # Its usage goes too: a tenant made anew under the name starts from nothing (and a call of
+        # this one still in flight settles into nothing: see settle).
+        monthly = [key for pattern in k.monthly_patterns(name)
+                   async for key in self._redis.scan_iter(match=pattern, count=1000)]
 
         async def delete(pipe: Pipeline) -> list[AdapterRecord]:
             if not await pipe.exists(k.tenant(name)):
@@ -165,6 +176,8 @@ class RedisStore:
             pipe.srem(k.tenants, name)
             for key in key_keys + adapter_keys + [k.api_key_hash(r.key_hash) for r in key_records]:
                 pipe.delete(key)
+            if monthly:
+                pipe.delete(*monthly)
             for a in removed:
                 pipe.srem(k.digest(a.digest), _ref(a))
             return sorted(removed, key=lambda a: (a.name, a.version))
@@ -337,14 +350,22 @@ class RedisStore:
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
     ) -> None:
-        usage = self._keys.usage(reservation.tenant, reservation.month)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hdel(self._keys.holds(reservation.tenant, reservation.month), reservation.id)
-            pipe.hincrby(usage, "requests", 1)
-            pipe.hincrby(usage, "tokens_in", tokens_in)
-            pipe.hincrby(usage, "tokens_out", tokens_out)
-            pipe.hincrbyfloat(usage, "spend_usd", spend_usd)
-            await pipe.execute()
+        k = self._keys
+        usage = k.usage(reservation.tenant, reservation.month)
+
+        async def settle(pipe: Pipeline) -> None:
+            raw = await pipe.get(k.tenant(reservation.tenant))
+            current = raw is not None and \
+                msgspec.json.decode(raw, type=Tenant).created_at == reservation.tenant_created_at
+            pipe.multi()
+            pipe.hdel(k.holds(reservation.tenant, reservation.month), reservation.id)
+            if current:  # else the tenant was deleted meanwhile (and maybe made anew): bill nothing
+                pipe.hincrby(usage, "requests", 1)
+                pipe.hincrby(usage, "tokens_in", tokens_in)
+                pipe.hincrby(usage, "tokens_out", tokens_out)
+                pipe.hincrbyfloat(usage, "spend_usd", spend_usd)
+
+        await self._redis.transaction(settle, k.tenant(reservation.tenant))
 
     async def get_usage(
         self, tenant: str, month: str | None = None, *, now: float | None = None
@@ -364,7 +385,7 @@ class RedisStore:
             tokens_out=int(counters.get("tokens_out", 0)),
             spend_usd=float(counters.get("spend_usd", 0.0)),
             reserved_tokens=sum(t for t, _ in live),
-            reserved_spend_usd=sum(s for _, s in live),
+            reserved_spend_usd=sum((s for _, s in live), 0.0),
         )
 
 

@@ -209,7 +209,7 @@ class SqliteStore:
             )
             removed = [msgspec.json.decode(r, type=AdapterRecord) for (r,) in rows]
             conn.execute("DELETE FROM tenants WHERE name = ?", (name,))
-            for table in ("api_keys", "adapters", "rate_buckets"):
+            for table in ("api_keys", "adapters", "rate_buckets", "usage", "reservations"):
                 conn.execute(f"DELETE FROM {table} WHERE tenant = ?", (name,))
             return removed
 
@@ -435,6 +435,9 @@ class SqliteStore:
     ) -> None:
         def settle(conn: sqlite3.Connection) -> None:
             conn.execute("DELETE FROM reservations WHERE id = ?", (reservation.id,))
+            tenant = _get_tenant(conn, reservation.tenant)
+            if tenant is None or tenant.created_at != reservation.tenant_created_at:
+                return  # the tenant was deleted meanwhile (and maybe made anew): its usage went too
             conn.execute(
                 "INSERT INTO usage VALUES (?, ?, 1, ?, ?, ?) ON CONFLICT (tenant, month) DO UPDATE"
                 " SET requests = requests + 1, tokens_in = tokens_in + excluded.tokens_in,"

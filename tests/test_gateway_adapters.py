@@ -4,10 +4,13 @@ tenant isolation cell by cell; and bad uploads that must leave the store and blo
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import itertools
 import json
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -197,6 +200,38 @@ def test_reupload_makes_a_new_version_that_requests_use(server, tenant, adapters
         assert (response.status_code, response.json()["error"]["param"]) == (400, "version"), bad
     listed = httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]
     assert [(a["id"], a["version"]) for a in listed] == [("bot", 2)]
+
+
+@pytest.mark.parametrize("gone", ["tenant made anew", "key revoked", "admin's tenant made anew"])
+def test_an_upload_whose_tenant_or_key_went_while_it_streamed_stores_nothing(server, tenant, adapters,
+                                                                             gone):
+    name, _ = tenant
+    key = server.admin("POST", f"/admin/tenants/{name}/keys").json()
+    blobs_before = sorted(p.name for p in server.app.state.gateway.blobs.root.iterdir())
+    path, credential = ("/v1/adapters", key["key"]) if gone != "admin's tenant made anew" else \
+        (f"/admin/tenants/{name}/adapters", server.admin_key)
+    request = httpx.Request("POST", server.url + path, data={"name": "late", "base_model": DEMO_MODEL},
+                            files=unique_files(adapters["all-r8"]), headers=auth(credential))
+    body, half_sent = request.read(), threading.Event()
+
+    def slowly():
+        yield body[:len(body) // 2]
+        half_sent.set()
+        time.sleep(1.0)  # the admin acts now
+        yield body[len(body) // 2:]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, request.url, content=slowly(), headers=request.headers, timeout=60)
+        assert half_sent.wait(30)
+        if gone == "key revoked":
+            assert server.admin("DELETE", f"/admin/keys/{key['id']}").status_code == 200
+        else:
+            assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+            assert server.admin("POST", "/admin/tenants", json={"name": name}).status_code == 201
+        response = sent.result()
+    assert response.status_code == (401 if gone != "admin's tenant made anew" else 404), response.text
+    assert server.admin("GET", f"/admin/tenants/{name}/adapters").json()["data"] == []
+    assert sorted(p.name for p in server.app.state.gateway.blobs.root.iterdir()) == blobs_before
 
 
 def test_delete_removes_the_adapter_and_unshared_files(server, adapters):

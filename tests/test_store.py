@@ -239,6 +239,22 @@ async def test_delete_tenant_cascades(store: Store) -> None:
     assert (await store.check_and_consume_rate(fresh, now=T0)).allowed  # rate state went too
 
 
+async def test_a_tenant_made_anew_under_a_deleted_name_starts_from_nothing(store: Store) -> None:
+    old = await make_tenant(store, "acme", monthly_token_budget=100)
+    settled = await store.reserve_tokens(old, 30, spend_usd=0.5, now=T0)
+    await store.settle(settled, tokens_in=10, tokens_out=20, spend_usd=0.5)
+    in_flight = await store.reserve_tokens(old, 40, now=T0)  # a call still running at the delete
+    await store.delete_tenant("acme")
+    new = await store.create_tenant(Tenant(name="acme", created_at=T0 + 1, monthly_token_budget=100))
+    empty = await store.get_usage("acme", now=T0)
+    assert (empty.requests, empty.tokens_in, empty.tokens_out, empty.spend_usd) == (0, 0, 0, 0.0)
+    assert (empty.reserved_tokens, empty.reserved_spend_usd) == (0, 0.0)
+    assert type(empty.spend_usd) is type(empty.reserved_spend_usd) is float
+    await store.settle(in_flight, tokens_in=10, tokens_out=30, spend_usd=0.1)  # bills nothing now
+    assert (await store.get_usage("acme", now=T0)).requests == 0
+    assert await store.reserve_tokens(new, 100, now=T0) is not None  # the whole budget is its own
+
+
 # Rate limits.
 
 
