@@ -60,16 +60,26 @@ class LLM:
         sampling_params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)
         loras = _per_prompt(lora, LoraRequest, prompts)
         results: dict[str, CompletionOutput] = {}
-        for prompt, params, adapter in zip(prompts, sampling_params, loras):
-            request_id = str(next(self._ids))
-            request = self.engine.add_request(request_id, prompt, params, lora=adapter)
-            results[request_id] = CompletionOutput(request_id, request.prompt_token_ids)
+        try:
+            for prompt, params, adapter in zip(prompts, sampling_params, loras):
+                request_id = str(next(self._ids))
+                request = self.engine.add_request(request_id, prompt, params, lora=adapter)
+                results[request_id] = CompletionOutput(request_id, request.prompt_token_ids)
+            self._run_to_completion(results, use_tqdm)
+        except BaseException:
+            # NOTE: a failed call (a rejected prompt, Ctrl-C) must leave no request of its own
+            # queued: the next call would get their outputs and find no CompletionOutput for them.
+            for request_id in results:
+                self.engine.abort_request(request_id)
+            raise
+        return list(results.values())
+
+    def _run_to_completion(self, results: dict[str, CompletionOutput], use_tqdm: bool) -> None:
         with tqdm(total=len(results), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     results[output.request_id].add(output)
                     bar.update(int(output.finished))
-        return list(results.values())
 
 
 def _per_prompt(value, single_type: type, prompts: Sequence) -> list:

@@ -121,6 +121,29 @@ def test_raw_logits_of_a_mixed_batch_match_transformers(family):
 
 
 
+QWEN2_WINDOW_SETTINGS = {
+    # use_sliding_window alone windows no layer here: only layers from max_window_layers (28) on.
+    "no layer windowed": dict(use_sliding_window=True, sliding_window=16),
+    "window switched off": dict(use_sliding_window=False, sliding_window=16, max_window_layers=0),
+    "every layer windowed": dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
+}
+
+
+@pytest.mark.parametrize("setting", QWEN2_WINDOW_SETTINGS)
+@pytest.mark.parametrize("chunk_budget", [None, 16])
+def test_qwen2_sliding_window_settings_match_transformers(tmp_path, setting, chunk_budget):
+    """Prompts of up to 140 tokens against a 16-token window, prefilled whole and in 16-token chunks."""
+    model = make_hf_model("qwen2", **QWEN2_WINDOW_SETTINGS[setting])
+    folder = save_hf_model(model, tmp_path)
+    prompts = random_prompts(PROMPT_LENGTHS, model.config.vocab_size, seed=1)
+    references = [hf_greedy(model, p, NUM_NEW_TOKENS) for p in prompts]
+    config = {} if chunk_budget is None else dict(max_num_batched_tokens=chunk_budget)
+    engine, tokens, logprobs = run_engine(folder, prompts, **config)
+    hf_windows = {layer.self_attn.sliding_window for layer in model.model.layers}
+    assert hf_windows == {engine.spec.sliding_window}
+    assert_matches_transformers(references, tokens, logprobs)
+
+
 def hf_prompt_logprobs(folder, prompt: list[int]) -> torch.Tensor:
     """transformers' log-distribution at each prompt position but the last: [len - 1, vocab]."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

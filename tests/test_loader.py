@@ -53,6 +53,53 @@ def test_legacy_rope_layout_is_read():
     assert spec.num_kv_heads == 2 and spec.head_dim == 4
 
 
+TINY_CONFIG = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+               "num_attention_heads": 2}
+
+
+@pytest.mark.parametrize("architecture, settings, window", [
+    ("LlamaForCausalLM", dict(use_sliding_window=True, sliding_window=16), None),  # Llama never windows
+    ("MistralForCausalLM", dict(sliding_window=16), 16),
+    ("MistralForCausalLM", dict(use_sliding_window=False, sliding_window=16), 16),  # Mistral ignores the flag
+    ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=16, max_window_layers=0), None),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16), None),  # max_window_layers 28 > 2
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), 16),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16,
+                              layer_types=["full_attention"] * 2, max_window_layers=0), None),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16,
+                              layer_types=["sliding_attention"] * 2), 16),
+])
+def test_sliding_window_is_read_as_transformers_reads_it(architecture, settings, window):
+    spec = ModelSpec.from_dict({"architectures": [architecture], **TINY_CONFIG, **settings})
+    assert spec.sliding_window == window
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_window_layers=1),  # a config.json from before transformers wrote layer_types
+    dict(layer_types=["sliding_attention", "full_attention"]),
+])
+def test_mixed_sliding_and_full_attention_layers_are_refused(settings):
+    config = {"architectures": ["Qwen2ForCausalLM"], **TINY_CONFIG, "use_sliding_window": True,
+              "sliding_window": 16, **settings}
+    with pytest.raises(UnsupportedModelError, match="mixes sliding-window and full attention layers "
+                       r"\(1 of 2 layers.*set use_sliding_window to false"):
+        ModelSpec.from_dict(config)
+
+
+def test_mixed_attention_layers_are_refused_at_load_time(tmp_path):
+    model = make_hf_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    folder = save_hf_model(model, tmp_path / "m")
+    with pytest.raises(UnsupportedModelError, match="mixes sliding-window and full attention layers"):
+        LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
+
+
+def test_unknown_layer_types_are_named():
+    config = {"architectures": ["Qwen2ForCausalLM"], **TINY_CONFIG,
+              "layer_types": ["full_attention", "chunked_attention"]}
+    with pytest.raises(UnsupportedModelError, match=r"layer_types \['chunked_attention'\] are not supported"):
+        ModelSpec.from_dict(config)
+
+
 @pytest.mark.parametrize("bad", [dict(dtype="float64"), dict(device="tpu"), dict(block_size=0),
                                  dict(num_kv_blocks=1), dict(max_num_seqs=0)])
 def test_invalid_engine_config_is_rejected(bad):

@@ -36,7 +36,7 @@ class ModelSpec:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the attention window of every layer; None = full attention
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -64,7 +64,6 @@ class ModelSpec:
         rope = _rope_parameters(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        use_window = cfg.get("use_sliding_window", architecture == "MistralForCausalLM")
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -82,7 +81,7 @@ class ModelSpec:
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=cfg.get("sliding_window") if use_window else None,
+            sliding_window=_sliding_window(cfg, architecture),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -100,6 +99,42 @@ def _architecture(cfg: dict) -> str:
     raise UnsupportedModelError(
         f"architecture {names or model_type!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _sliding_window(cfg: dict, architecture: str) -> int | None:
+    """The window every layer shares, read exactly as transformers' own model class reads it."""
+    if architecture == "LlamaForCausalLM":
+        return None  # LlamaAttention never windows, whatever the config holds
+    if architecture == "MistralForCausalLM":
+        # MistralAttention windows every layer; it ignores use_sliding_window and layer_types.
+        return cfg.get("sliding_window")
+    return _qwen2_sliding_window(cfg)
+
+
+def _qwen2_sliding_window(cfg: dict) -> int | None:
+    """Qwen2 windows only the layers that layer_types marks "sliding_attention"; older config.json
+    files have no layer_types, and Qwen2Config derives it: layers from max_window_layers on."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    first_windowed = cfg.get("max_window_layers", 28)
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first_windowed else "full_attention"
+        for i in range(cfg["num_hidden_layers"])]
+    kinds = set(layer_types)
+    unknown = kinds - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {sorted(unknown)} are not supported "
+                                    "(only 'full_attention' and 'sliding_attention')")
+    if window is None or kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    num_windowed = layer_types.count("sliding_attention")
+    raise UnsupportedModelError(
+        f"this model mixes sliding-window and full attention layers ({num_windowed} of {len(layer_types)} "
+        "layers are 'sliding_attention' in layer_types / max_window_layers), which this engine does not "
+        "support yet; to run every layer with full attention (the same output while a context stays "
+        f"within sliding_window={window} tokens), set use_sliding_window to false and drop layer_types "
+        "in config.json")
 
 
 def _rope_parameters(cfg: dict) -> dict:
