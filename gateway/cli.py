@@ -288,7 +288,7 @@ def run_worker(config: ServeConfig) -> int:
         worker = Worker(model=name, engine=engine, url=url,
                         blobs=BlobStore(config.data_dir / "worker-adapters"),
                         registry=WorkerRegistry.open(config.redis), heartbeat_s=config.heartbeat_s,
-                        tokenizer_files=tokenizer_files(path))
+                        store_url=config.redis, tokenizer_files=tokenizer_files(path))
         server = uvicorn.Server(uvicorn.Config(create_worker_app(worker), host=config.host,
                                                port=config.port, log_config=None,
                                                access_log=False, log_level=config.log_level,

@@ -2,7 +2,7 @@
 registered in Redis with a heartbeat (store/workers.py) so gateways find it and place requests.
 
 Adapter files reach a worker from the gateways, by digest, the first time a request needs them;
-the worker keeps them in its own blob folder.
+the worker keeps them in its own blob folder, and drops those of deleted adapters when it starts.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from gateway.local_engine import LocalEngineClient
 from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
                                 StreamLine, WorkerError)
-from store.blobs import ADAPTER_FILES, BlobStore, digest_files
+from store import UNAVAILABLE_ERRORS, RedisStore
+from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.errors import InvalidName
 from store.models import validate_digest
 from store.workers import WorkerRecord, WorkerRegistry, keep_running
@@ -58,6 +59,7 @@ class Worker:
     registry: WorkerRegistry
     tokenizer_files: dict[str, bytes]
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    store_url: str | None = None  # the Redis holding adapter records; None: blobs are never dropped
     id: str = field(default_factory=lambda: secrets.token_hex(6))
     internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
     is_closing: bool = False
@@ -77,6 +79,25 @@ class Worker:
         tokenizer = (await self.registry.put_tokenizer(self.tokenizer_files)
                      if self.tokenizer_files else None)
         await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * _LAPSE_BEATS)
+
+    async def drop_unreferenced_blobs(self) -> None:
+        """Delete the blobs no adapter record references (adapters deleted since they were sent
+        here) and leftovers of crashed puts; keep them all if the store cannot be reached."""
+        if self.store_url is None:
+            return
+        try:
+            store = await RedisStore.open(self.store_url)
+            try:
+                removed = await collect_garbage(self.blobs, store)
+            finally:
+                await store.close()
+        except UNAVAILABLE_ERRORS as error:
+            logger.warning("kept the adapter files in %s: cannot ask the store which adapters were "
+                           "deleted: %s", self.blobs.root, error)
+            return
+        if removed:
+            logger.info("removed the files of %d deleted adapters from %s", len(removed),
+                        self.blobs.root)
 
     async def keep_beating(self) -> None:
         """Heartbeat until cancelled, riding out Redis outages."""
@@ -211,11 +232,13 @@ async def health(request: Request) -> Response:
 
 
 def create_worker_app(worker: Worker) -> Starlette:
-    """The worker's internal API; its lifespan registers the worker and heartbeats until shutdown
-    (failing to start if Redis cannot be reached)."""
+    """The worker's internal API; its lifespan drops unreferenced blobs, registers the worker and
+    heartbeats until shutdown (failing to start if Redis cannot be reached)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # NOTE: before serving: a request handed a blob's folder must not see it deleted.
+        await worker.drop_unreferenced_blobs()
         await worker.beat()
         logger.info("worker %s serves %s at %s", worker.id, worker.model, worker.url)
         beating = asyncio.create_task(worker.keep_beating())

@@ -1,7 +1,8 @@
 """Two gateways, each with its own adapter folder, sharing one redis-server: an adapter uploaded
 through one answers through the other (its files fetched from Redis, once, and checked); deletes
 remove the Redis copy; a damaged or half-written copy is refused and never reaches a folder, and
-uploading the adapter again repairs it.
+uploading the adapter again repairs it. Gateways and workers that start drop the files of deleted
+adapters.
 
 The gateways are real apps on real sockets over the session's demo engine (see conftest).
 """
@@ -9,7 +10,10 @@ The gateways are real apps on real sockets over the session's demo engine (see c
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -18,9 +22,12 @@ import httpx
 import pytest
 import redis
 
-from store.blobs import ADAPTER_FILES
-from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server
+from gateway.worker import Worker, create_worker_app
+from store.blobs import ADAPTER_FILES, BlobStore
+from store.workers import WorkerRegistry
+from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server, run_server
 from tests.helpers import TINY_DIMS, save_peft_adapter
+from tests.processes import free_port
 from tests.redis_server import redis_server  # noqa: F401
 
 PROMPT = "Shared adapters"
@@ -197,6 +204,55 @@ def test_a_gateway_drops_copies_of_adapters_deleted_elsewhere_when_it_starts(
         assert local_blobs(restarted).path(digest) is None
         assert local_blobs(restarted).path(kept) is not None  # still referenced: kept
         assert greedy_ids(restarted, key, "kept") == greedy_ids(a, key, "kept")
+
+
+def worker_over(blobs: BlobStore, engine, redis_url: str) -> Worker:
+    """A worker keeping its adapter files in `blobs`, registered in (and with its store at) `redis_url`."""
+    return Worker(model=DEMO_MODEL, engine=engine, url="", blobs=blobs,
+                  registry=WorkerRegistry.open(redis_url), tokenizer_files={}, store_url=redis_url)
+
+
+def test_a_worker_drops_files_of_deleted_adapters_when_it_starts(gateways, demo_engine, redis_server,
+                                                                   tmp_path):
+    a, _ = gateways
+    owner, other = f"t{next(_seeds)}", f"t{next(_seeds)}"
+    owner_key, other_key = a.new_tenant(owner), a.new_tenant(other)
+    folders = {n: demo_adapter(tmp_path / n) for n in ("kept", "shared", "gone", "never_uploaded")}
+    kept = upload(a, other_key, "kept", folders["kept"])
+    shared = upload(a, other_key, "theirs", folders["shared"])
+    assert upload(a, owner_key, "mine", folders["shared"]) == shared  # one blob, two tenants' records
+    upload(a, owner_key, "gone", folders["gone"])
+    assert a.admin("DELETE", f"/admin/tenants/{owner}").status_code == 200
+
+    # The worker's folder as gateways left it before the deletes, plus a put that crashed long ago.
+    blobs = BlobStore(tmp_path / "worker-adapters")
+    for folder in folders.values():
+        blobs.put(folder)
+    crashed = blobs.root / ".tmp-crashed"
+    crashed.mkdir()
+    os.utime(crashed, (time.time() - 7200, time.time() - 7200))
+    assert len(blobs.digests()) == 4
+
+    with run_server(create_worker_app(worker_over(blobs, demo_engine, redis_server))):
+        assert sorted(p.name for p in blobs.root.iterdir()) == sorted([kept, shared])
+
+
+def test_a_worker_that_cannot_reach_the_store_keeps_its_files(demo_engine, tmp_path, caplog):
+    blobs = BlobStore(tmp_path / "worker-adapters")
+    digest, _ = blobs.put(demo_adapter(tmp_path / "adapter"))
+    worker = worker_over(blobs, demo_engine, f"redis://127.0.0.1:{free_port()}/0")  # nobody there
+
+    async def start() -> None:
+        try:
+            await worker.drop_unreferenced_blobs()
+        finally:
+            await worker.registry.close()
+
+    with caplog.at_level(logging.WARNING, logger="gateway.worker"):
+        asyncio.run(start())
+    assert blobs.digests() == [digest]
+    assert caplog.messages[0].startswith(f"kept the adapter files in {blobs.root}: cannot ask "
+                                         "the store which adapters were deleted: ")
 
 
 def test_deleting_a_tenant_removes_its_adapters_redis_copies(gateways, adapter, client):
