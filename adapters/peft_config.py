@@ -191,8 +191,8 @@ def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[Modu
         raise AdapterValidationError(
             f"{field} must be a JSON object mapping module name patterns to values, e.g. "
             f'{{"v_proj": 8}}, got {reprlib.repr(value)}')
-    return {regexes.compile_module_regex(k, f"{field} key", _PATTERN_KEY_REGEX): parse_value(v, f"{field}[{k!r}]")
-            for k, v in value.items()}
+    return {regexes.compile_module_regex(k, f"{field} key", _PATTERN_KEY_REGEX):
+            parse_value(v, f"{field}[{k!r}]") for k, v in value.items()}
 
 
 def _layer_set(value, field: str) -> frozenset[int] | None:

@@ -341,7 +341,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     return call
 
 
-def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]], n: int) -> tuple[int, float]:
+def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],
+          n: int) -> tuple[int, float]:
     """The tokens and spend to hold before a call runs: the most its tiers may use, each in its
     own tokens and at its own price.
 
