@@ -16,7 +16,7 @@ from engine.kv_cache import KVCacheManager
 from engine.lora import LoraRequest
 from engine.model.loader import load_model
 from engine.model.spec import ModelSpec
-from engine.request import Request, RequestStatus, SamplingParams, TokenLogprobs
+from engine.request import InvalidParameter, Request, RequestStatus, SamplingParams, TokenLogprobs
 from engine.runner import ModelRunner, kv_block_bytes
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import generation_eos_ids, load_tokenizer
@@ -113,17 +113,18 @@ class LLMEngine:
                     lora: LoraRequest | None = None) -> Request:
         """Queue a request, on the base model or with `lora`'s adapter.
 
-        Raises ValueError (with the reason) for requests it can never run."""
+        Raises InvalidParameter (with the reason and the field) for requests it can never run,
+        ValueError for what no field of the request could change."""
         if lora is not None and self.adapter_cache is None:
             raise ValueError("this engine was started without LoRA support; enable it to use adapters")
         token_ids = self._prompt_token_ids(prompt)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens but this model accepts at most "
-                             f"{self.max_model_len - 1}; shorten the prompt")
+            raise InvalidParameter(f"the prompt has {len(token_ids)} tokens but this model accepts at "
+                                   f"most {self.max_model_len - 1}; shorten the prompt", "prompt")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer and this model folder has none")
+            raise InvalidParameter("stop strings need a tokenizer and this model folder has none", "stop")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
-            self._check_vocabulary(ids, f"{name} has token ids")
+            self._check_vocabulary(ids, name, f"{name} has token ids")
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                           priority=priority, tenant=tenant,
                           adapter_id=lora.adapter_id if lora else None)
@@ -234,13 +235,14 @@ class LLMEngine:
                 raise ValueError("this model folder has no tokenizer: send token ids, not text")
             return self.tokenizer.encode(prompt)
         token_ids = [int(t) for t in prompt]
-        self._check_vocabulary(token_ids, "token ids")
+        self._check_vocabulary(token_ids, "prompt", "token ids")
         return token_ids
 
-    def _check_vocabulary(self, token_ids: Iterable[int], what: str) -> None:
+    def _check_vocabulary(self, token_ids: Iterable[int], param: str, what: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise ValueError(f"{what} outside the vocabulary [0, {self.spec.vocab_size}): {bad[:5]}")
+            raise InvalidParameter(f"{what} outside the vocabulary [0, {self.spec.vocab_size}): "
+                                   f"{bad[:5]}", param)
 
     def _num_kv_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         config = self.config

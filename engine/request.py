@@ -15,6 +15,15 @@ _GREEDY_TEMPERATURE = 1e-5
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 0.01, 100
 
 
+class InvalidParameter(ValueError):
+    """A request the engine can never run because of one field: `param` names it (a
+    SamplingParams field, or "prompt"), so an API can point its client at what to change."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How one request is decoded. Validated at construction; errors name the field."""
@@ -56,31 +65,33 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_tokens <= self.max_tokens,
+            ("max_tokens", self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            ("top_k", self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
-            (_MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY,
+            ("repetition_penalty",
+             _MIN_REPETITION_PENALTY <= self.repetition_penalty <= _MAX_REPETITION_PENALTY,
              f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY}, {_MAX_REPETITION_PENALTY}], "
              f"got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2,
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2,
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
+            ("logit_bias", all(-100 <= bias <= 100 for bias in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
-            (all(token >= 0 for token in self.logit_bias), "logit_bias token ids must be >= 0"),
-            (all(self.stop), "stop strings must be non-empty"),
+            ("logit_bias", all(token >= 0 for token in self.logit_bias),
+             "logit_bias token ids must be >= 0"),
+            ("stop", all(self.stop), "stop strings must be non-empty"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidParameter(message, param)
 
     @property
     def is_greedy(self) -> bool:
@@ -159,7 +170,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
+            raise InvalidParameter("prompt must contain at least one token", "prompt")
 
     @property
     def num_prompt_tokens(self) -> int:

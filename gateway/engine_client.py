@@ -139,7 +139,13 @@ class EngineClient(Protocol):
 
 
 class RequestRejected(ValueError):
-    """The engine cannot serve this request as asked; the message says why and what to change."""
+    """The engine cannot serve this request as asked; the message says why and what to change,
+    and `param`, when one field is the cause, names it as the engine knows it (a SamplingOptions
+    field, or "prompt")."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class AdapterRejected(RequestRejected):

@@ -87,11 +87,7 @@ Reading = tuple[list[int], SamplingOptions]  # a prompt as one tier reads it, an
 
 class ContextExceeded(RequestRejected):
     """A prompt and its answer's max_tokens do not fit a tier's context; `param` is the request
-    field to lower."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
+    field to lower (as the client named it)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +104,13 @@ class Ask:
     implicit_max_tokens: int | None = None  # ...up to this many tokens, when set
     prompt_param: str = "prompt"  # the request's fields, for the errors that concern them
     max_tokens_param: str = "max_tokens"
+
+    def param_of(self, error: RequestRejected) -> str | None:
+        """The request field, as the client named it, that `error` is about."""
+        if isinstance(error, ContextExceeded):
+            return error.param
+        return {"prompt": self.prompt_param,
+                "max_tokens": self.max_tokens_param}.get(error.param, error.param)
 
     def read(self, tier: Tier) -> list[Reading]:
         """Each prompt as `tier` reads it, with the options of its answer there; RequestRejected

@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
 from engine.lora import LoraRequest
-from engine.request import SamplingParams, TokenLogprobs
+from engine.request import InvalidParameter, SamplingParams, TokenLogprobs
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
@@ -64,7 +64,7 @@ class LocalEngineClient(TextCodec):
         try:
             params = SamplingParams(**msgspec.structs.asdict(options))
         except ValueError as error:
-            raise RequestRejected(str(error)) from None
+            raise _rejected(error) from None
         lora = None if adapter is None else LoraRequest(adapter.digest, adapter.path)
         outputs = self._engine.generate(prompt_token_ids, params, request_id=request_id,
                                         tenant=tenant, lora=lora)
@@ -77,7 +77,7 @@ class LocalEngineClient(TextCodec):
                     raise EngineFailure(message)
                 yield _chunk(output)
         except ValueError as error:  # NOTE: the engine only raises it when adding the request
-            raise RequestRejected(str(error)) from None
+            raise _rejected(error) from None
         except EngineFailure:
             raise
         except RuntimeError as error:
@@ -119,6 +119,10 @@ def load_engines(models: dict[str, Path], *, lora: dict | None = None,
     adapters = None if lora is None else AdapterConfig(**lora)
     return {name: LocalEngineClient.load(EngineConfig(model=str(path), lora=adapters, **config))
             for name, path in models.items()}
+
+
+def _rejected(error: ValueError) -> RequestRejected:
+    return RequestRejected(str(error), error.param if isinstance(error, InvalidParameter) else None)
 
 
 def _chunk(output: RequestOutput) -> GenerationChunk:

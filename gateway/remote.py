@@ -294,7 +294,7 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
             await _send_adapter(pool, worker, adapter)
             continue
         if response.status_code == 400:
-            raise RequestRejected(error.message)
+            raise RequestRejected(error.message, error.param)
         if error.kind == "engine_failure":
             raise EngineFailure(f"worker {worker.id} failed: {error.message}")
         raise _Retry(f"HTTP {response.status_code} {error.kind}: {error.message}")

@@ -26,7 +26,7 @@ from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, Requ
                                    SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
-from gateway.generation import Ask, ContextExceeded, Generation, Reading, Tier, tokenizer_key
+from gateway.generation import Ask, Generation, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
@@ -291,7 +291,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         # wait out (the tokenizer releases the GIL); later reads find the tokens cached.
         readings = await asyncio.to_thread(lambda: [ask.read(tier) for tier in target.tiers])
     except RequestRejected as error:
-        raise invalid_request(str(error), param=ask.prompt_param) from None
+        raise invalid_request(str(error), param=ask.param_of(error) or ask.prompt_param) from None
     if ask.max_tokens is None and tenant.tpm is not None:
         ask, readings = _fit_to_limit(state, target, ask, readings, n, tenant.tpm)
     admission = await admit(state.require_store(), tenant, *_hold(state, target, ask, readings, n))
@@ -330,8 +330,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         await generation.start()
     except RequestRejected as error:
         await call.finish()
-        param = error.param if isinstance(error, ContextExceeded) else None
-        raise invalid_request(str(error), param=param) from None
+        raise invalid_request(str(error), param=ask.param_of(error)) from None
     except EngineFailure as error:
         await call.finish()
         raise engine_failed(error) from None

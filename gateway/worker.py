@@ -116,8 +116,8 @@ def _worker(request: Request) -> Worker:
     return request.app.state.worker
 
 
-def _error(status: int, kind: str, message: str) -> Response:
-    return Response(msgspec.json.encode(WorkerError(kind, message)), status,
+def _error(status: int, kind: str, message: str, param: str | None = None) -> Response:
+    return Response(msgspec.json.encode(WorkerError(kind, message, param)), status,
                     media_type="application/json")
 
 
@@ -155,7 +155,7 @@ async def generate(request: Request) -> Response:
     try:
         first = await anext(stream)
     except RequestRejected as error:
-        return _error(400, "rejected", str(error))
+        return _error(400, "rejected", str(error), error.param)
     except EngineFailure as error:
         return _error(500, "engine_failure", str(error))
     return EventStreamResponse(_lines(first, stream), on_close=stream.aclose)

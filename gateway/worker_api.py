@@ -40,3 +40,4 @@ class StreamLine(msgspec.Struct, frozen=True, omit_defaults=True):
 class WorkerError(msgspec.Struct, frozen=True):
     kind: str
     message: str
+    param: str | None = None  # a refused request's field at fault (RequestRejected.param)

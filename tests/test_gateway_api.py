@@ -216,7 +216,7 @@ def test_unknown_model_is_not_found(client):
     (dict(n=0), "n"),
     (dict(logprobs=21), "logprobs"),
     (dict(max_tokens=5000), "max_tokens"),  # prompt + output beyond the 2048-token context
-    (dict(extra_body={"min_tokens": 9}), None),  # the engine's own check: min_tokens > max_tokens
+    (dict(extra_body={"min_tokens": 9}), "min_tokens"),  # the engine's own check: min_tokens > max_tokens
     (dict(extra_body={"repetition_penalty": 1e-300}), "repetition_penalty"),  # logits would overflow
     (dict(seed=2**64), "seed"),  # not a 64-bit integer
     (dict(max_tokens=2**63), "max_tokens"),
@@ -342,8 +342,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     ({"logit_bias": {"sixty-five": 1}}, "logit_bias", "must be token ids"),
     ({"logit_bias": {"-3": 1}}, "logit_bias", "must be token ids"),
     ({"logit_bias": {"1" * 4301: 1}}, "logit_bias", "must be token ids"),  # beyond what int() reads
-    ({"logit_bias": {"1000000": 1}}, None, "logit_bias has token ids outside the vocabulary"),
-    ({"stop_token_ids": [1000000]}, None, "stop_token_ids has token ids outside the vocabulary"),
+    # Refused by the engine, which names the field too.
+    ({"logit_bias": {"1000000": 1}}, "logit_bias", "logit_bias has token ids outside the vocabulary"),
+    ({"stop_token_ids": [1000000]}, "stop_token_ids", "stop_token_ids has token ids outside the vocabulary"),
+    ({"min_tokens": 2}, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+    ({"stop": ["end", ""]}, "stop", "stop strings must be non-empty"),
 ])
 def test_bad_penalties_and_biases_are_bad_requests(client, extra, param, words):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -356,6 +359,16 @@ def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=DEMO_MODEL, prompt="x" * 2100, max_tokens=1)
     assert "shorten the prompt" in raised.value.body["message"]
+    assert raised.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, max_tokens=1,
+                                       messages=[{"role": "user", "content": "x" * 2100}])
+    assert "shorten the prompt" in raised.value.body["message"]
+    assert raised.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt=[5, 99999], max_tokens=1)
+    assert "outside the vocabulary" in raised.value.body["message"]
+    assert raised.value.body["param"] == "prompt"
 
 
 def test_prompts_refused_beside_others_leave_the_engine_serving(client):

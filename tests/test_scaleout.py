@@ -188,6 +188,14 @@ def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenan
         == set(r.adapters_device) & set(homes) for r in cluster.records()), timeout_s=10)
 
 
+def test_a_request_a_worker_refuses_is_a_400_naming_its_field(cluster, tenant_key):
+    for fields, param in [({"stop_token_ids": [10**6]}, "stop_token_ids"),
+                          ({"min_tokens": NUM_TOKENS + 1}, "min_tokens")]:
+        reply = _completion(cluster.gateways[1], tenant_key, DEMO_MODEL, **fields)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == param, reply.text
+
+
 def test_a_worker_killed_under_load_costs_clean_errors_at_most_and_the_pool_recovers(
         cluster, tenant_key):
     def call(i: int) -> tuple[str, str]:
