@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -292,8 +293,10 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         readings = await asyncio.to_thread(lambda: [ask.read(tier) for tier in target.tiers])
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.param_of(error) or ask.prompt_param) from None
-    if ask.max_tokens is None and tenant.tpm is not None:
-        ask, readings = _fit_to_limit(state, target, ask, readings, n, tenant.tpm)
+    if ask.max_tokens is None:
+        limits = await _call_limits(state, tenant)
+        if limits is not None:
+            ask, readings = _fit_to_limits(state, target, ask, readings, n, *limits)
     admission = await admit(state.require_store(), tenant, *_hold(state, target, ask, readings, n))
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
@@ -366,20 +369,38 @@ def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Rea
     return max(tokens), max(spend)
 
 
-def _fit_to_limit(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],
-                  n: int, limit: int) -> tuple[Ask, list[list[Reading]]]:
-    """A call that left max_tokens out, with its answers shortened so that what it holds fits the
-    tenant's tokens per minute (they end with finish_reason "length"), rather than refused for
-    holding the rest of the context. Unchanged when it fits already, or cannot fit at all."""
+async def _call_limits(state: GatewayState, tenant: Tenant) -> tuple[float, float] | None:
+    """The most tokens and spend one call of `tenant` may hold now: what its tpm allows, and what
+    its monthly budgets have left (a snapshot: admission decides). None when it has no limits."""
+    tokens, spend = math.inf, math.inf
+    if tenant.tpm is not None:
+        tokens = tenant.tpm
+    if tenant.monthly_token_budget is not None or tenant.monthly_spend_budget_usd is not None:
+        usage = await state.require_store().get_usage(tenant.name)
+        if tenant.monthly_token_budget is not None:
+            used = usage.tokens_in + usage.tokens_out + usage.reserved_tokens
+            tokens = min(tokens, tenant.monthly_token_budget - used)
+        if tenant.monthly_spend_budget_usd is not None:
+            spend = tenant.monthly_spend_budget_usd - usage.spend_usd - usage.reserved_spend_usd
+    return None if tokens == spend == math.inf else (tokens, spend)
+
+
+def _fit_to_limits(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],
+                   n: int, tokens: float, spend_usd: float) -> tuple[Ask, list[list[Reading]]]:
+    """A call that left max_tokens out, with its answers shortened so that what it holds fits
+    `tokens` and `spend_usd` (the tenant's tpm and what its monthly budgets have left; they end
+    with finish_reason "length"), rather than refused for holding the rest of the context.
+    Unchanged when it fits already, or cannot fit at all (admission then says why)."""
     def capped(cap: int) -> list[list[Reading]]:
         return [[(p, msgspec.structs.replace(o, max_tokens=min(o.max_tokens, cap))) for p, o in reading]
                 for reading in readings]
 
     def fits(cap: int) -> bool:
         try:
-            return _hold(state, target, ask, capped(cap), n)[0] <= limit
-        except ApiError:  # no tier fits the context: not the limit's to settle
+            held_tokens, held_spend = _hold(state, target, ask, capped(cap), n)
+        except ApiError:  # no tier fits the context: not the limits' to settle
             return False
+        return held_tokens <= tokens and held_spend <= spend_usd
 
     longest = max(o.max_tokens for reading in readings for _, o in reading)
     if fits(longest) or not fits(1):

@@ -155,6 +155,23 @@ def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):
     client.close()
 
 
+def test_a_chat_without_max_tokens_is_shortened_to_what_the_monthly_budget_leaves(server):
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, monthly_token_budget=50)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    first = client.chat.completions.create(model=DEMO_MODEL, messages=messages,
+                                           extra_body={"ignore_eos": True})
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage.total_tokens == 50  # the whole budget, not a 429 for the rest of the context
+    with pytest.raises(openai.RateLimitError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=messages)
+    assert raised.value.body["code"] == "insufficient_quota"
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["tokens_in"] + usage["tokens_out"], usage["reserved_tokens"]) == (50, 0)
+    client.close()
+
+
 def test_monthly_budget_is_settled_with_real_counts(server):
     name = f"t{next(_names)}"
     key = server.new_tenant(name, monthly_token_budget=30)

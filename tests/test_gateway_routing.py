@@ -312,6 +312,21 @@ def test_the_spend_budget_stops_a_tenant(routed):
     assert spend(routed, name)["spend_usd"] == pytest.approx(cost("large", 8, 4))
 
 
+def test_a_chat_without_max_tokens_is_shortened_to_what_the_spend_budget_leaves(routed):
+    budget = cost("large", 40, 20)
+    name, key = new_tenant(routed, monthly_spend_budget_usd=budget)
+    chat = httpx.post(routed.url + "/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "large", "messages": [{"role": "user", "content": "easy one"}]})
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert chat.json()["choices"][0]["finish_reason"] == "length"
+    # As many tokens as the budget pays for, where the rest of the context (hundreds) would not.
+    prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    assert cost("large", prompt, completion) <= budget < cost("large", prompt, completion + 1)
+    assert spend(routed, name)["spend_usd"] == pytest.approx(cost("large", prompt, completion))
+
+
 def test_a_cascade_holds_what_all_its_tiers_may_use_so_no_budget_is_overspent(routed):
     """"hard" escalates: both tiers run and are billed (8 + 4 tokens each), so a call needs 24."""
     name, key = new_tenant(routed, monthly_token_budget=20)
