@@ -21,6 +21,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
+
+import msgspec
 
 ROUTER_FILE = "router.json"
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -36,6 +39,24 @@ class RouterSettings:
     word_ngrams: tuple[int, ...] = (1, 2)
     threshold: float = 0.5  # send to the strong model when the score is at or above it
     target_strong_share: float | None = None  # what the threshold was calibrated for
+
+
+_NGram = Annotated[int, msgspec.Meta(ge=1)]
+_Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# Scores are in [0, 1]; a threshold calibrated to send nothing strong lies just above the top one.
+_Threshold = Annotated[float, msgspec.Meta(ge=0.0, le=math.nextafter(1.0, math.inf))]
+
+
+class _SavedRouter(msgspec.Struct, forbid_unknown_fields=True):
+    """router.json, as `LearnedRouter.save` writes it."""
+
+    num_buckets: Annotated[int, msgspec.Meta(ge=1)]
+    char_ngrams: tuple[_NGram, ...]
+    word_ngrams: tuple[_NGram, ...]
+    threshold: _Threshold
+    bias: float
+    weights: dict[int, float]
+    target_strong_share: _Share | None = None
 
 
 @dataclass(frozen=True)
@@ -81,17 +102,16 @@ class LearnedRouter:
 
     @classmethod
     def load(cls, folder: Path) -> "LearnedRouter":
+        """The router saved in `folder`; ValueError, saying what is wrong, for a file that is not
+        one (each field is checked here, so a bad file fails at startup, not on requests)."""
         try:
-            raw = json.loads((Path(folder) / ROUTER_FILE).read_text())
-            bias = float(raw.pop("bias"))
-            weights = {int(i): float(w) for i, w in raw.pop("weights").items()}
-            raw["char_ngrams"] = tuple(raw["char_ngrams"])
-            raw["word_ngrams"] = tuple(raw["word_ngrams"])
-            settings = RouterSettings(**raw)
-        except (OSError, KeyError, TypeError, ValueError, AttributeError) as error:
+            saved = msgspec.json.decode((Path(folder) / ROUTER_FILE).read_bytes(), type=_SavedRouter)
+        except (OSError, msgspec.DecodeError) as error:
             raise ValueError(f"{folder} holds no router made by `switchboard router train` "
                              f"({error})") from None
-        return cls(settings, weights, bias)
+        settings = RouterSettings(saved.num_buckets, saved.char_ngrams, saved.word_ngrams,
+                                  saved.threshold, saved.target_strong_share)
+        return cls(settings, saved.weights, saved.bias)
 
 
 def featurize(prompt: str, settings: RouterSettings) -> dict[int, float]:

@@ -8,7 +8,7 @@ strong model and runs only the model it picks:
     tiers = ["small", "large"]              # the small model, then the strong one
     router = "/path/to/router"              # a folder written by `switchboard router train`
     target_strong_share = 0.3               # optional: recalibrate to this share of strong calls
-    recalibrate_window = 500                # over each tenant's last 500 requests (0: never)
+    recalibrate_window = 500                # over each tenant's last 500 requests (the default; 0: never)
 
 A cascade route (the default kind) lists models cheapest first. The request runs on the first; if that model's
 confidence (routing.confidence) in its answer is below the route's threshold for that step, the
@@ -25,16 +25,19 @@ server's config file:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
-
 from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
 
 from routing.confidence import DEFAULT_QUANTILE, MEASURES
 from routing.learned import LearnedRouter
 
 AUTO = "auto"  # the model name that means "the tenant's default route"
+DEFAULT_RECALIBRATE_WINDOW = 500
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,13 @@ class CascadeRoute:
             raise ValueError(f"{where}: quantile must be in [0, 1], got {self.quantile}")
         if self.prefix_tokens < 1:
             raise ValueError(f"{where}: prefix_tokens must be >= 1, got {self.prefix_tokens}")
+        # A threshold no score can be on the far side of escalates every call (both tiers billed),
+        # or none: a typo, not a policy. NaN escalates every call too.
+        low, high = (-math.inf, 0.0) if self.measure == "mean_logprob" else (0.0, 1.0)
+        for threshold in self.thresholds:
+            if not low <= threshold <= high:
+                raise ValueError(f"{where}: {self.measure} thresholds must be in [{low}, {high}], "
+                                 f"got {threshold}")
 
     def threshold(self, step: int) -> float | None:
         """The threshold tiers[step] must reach; None for the last tier, which always answers."""
@@ -78,7 +88,9 @@ class LearnedRoute:
     tiers: tuple[str, str]  # (small, strong)
     router: LearnedRouter
     target_strong_share: float | None = None  # None: the router's own calibrated threshold
-    recalibrate_window: int = 0  # recent prompts per tenant the threshold is recalibrated on
+    recalibrate_window: int = DEFAULT_RECALIBRATE_WINDOW
+    """Recent prompts per tenant the threshold is recalibrated on, to the target share (the
+    tenant's `strong_share`, else the route's); 0: never, the router's threshold always."""
 
     def __post_init__(self) -> None:
         where = f"route {self.name!r}"
@@ -90,15 +102,42 @@ class LearnedRoute:
             raise ValueError(f"{where}: target_strong_share must be in [0, 1], got {share}")
         if self.recalibrate_window < 0:
             raise ValueError(f"{where}: recalibrate_window must be >= 0")
+        if self.recalibrate_window == 0 and share is not None:
+            raise ValueError(f"{where}: target_strong_share is reached by recalibrating on each "
+                             "tenant's recent prompts; set recalibrate_window above 0 (or leave it "
+                             f"out: {DEFAULT_RECALIBRATE_WINDOW})")
 
 
 Route = CascadeRoute | LearnedRoute
-_CASCADE_KEYS = {"kind", "tiers", "thresholds", "threshold", "measure", "quantile", "prefix_tokens"}
-_LEARNED_KEYS = {"kind", "tiers", "router", "target_strong_share", "recalibrate_window"}
+_PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+_Threshold = float | tuple[float, ...]
+
+
+class _CascadeTable(msgspec.Struct, forbid_unknown_fields=True):
+    """A [routes.NAME] table of a cascade, as the config file may write it."""
+
+    kind: str = "cascade"
+    tiers: tuple[str, ...] = ()
+    thresholds: _Threshold | None = None
+    threshold: _Threshold | None = None
+    measure: str = "quantile"
+    quantile: float = DEFAULT_QUANTILE
+    prefix_tokens: _PositiveInt = 8
+
+
+class _LearnedTable(msgspec.Struct, forbid_unknown_fields=True):
+    """A [routes.NAME] table of a learned route."""
+
+    kind: str
+    tiers: tuple[str, ...] = ()
+    router: str | None = None
+    target_strong_share: float | None = None
+    recalibrate_window: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 def parse_routes(tables: dict[str, Any], served: Collection[str]) -> dict[str, Route]:
-    """Routes from the config file's [routes.NAME] tables, checked against the served models."""
+    """Routes from the config file's [routes.NAME] tables, checked against the served models;
+    ValueError, naming the route and the key, for anything wrong."""
     routes: dict[str, Route] = {}
     for name, table in tables.items():
         if name in served:
@@ -108,31 +147,37 @@ def parse_routes(tables: dict[str, Any], served: Collection[str]) -> dict[str, R
         kind = table.get("kind", "cascade")
         if kind not in ("cascade", "learned"):
             raise ValueError(f"[routes.{name}] kind must be \"cascade\" or \"learned\", got {kind!r}")
-        known = _CASCADE_KEYS if kind == "cascade" else _LEARNED_KEYS
-        unknown = sorted(set(table) - known)
+        shape = _CascadeTable if kind == "cascade" else _LearnedTable
+        unknown = sorted(set(table) - set(shape.__struct_fields__))
         if unknown:
             raise ValueError(f"unknown keys in [routes.{name}]: {', '.join(unknown)}; known keys: "
-                             f"{', '.join(sorted(known))}")
-        tiers = tuple(table.get("tiers", ()))
-        missing = [t for t in tiers if t not in served]
+                             f"{', '.join(sorted(shape.__struct_fields__))}")
+        try:
+            parsed = msgspec.convert(table, shape)
+        except msgspec.ValidationError as error:
+            raise ValueError(f"[routes.{name}]: {str(error).replace('$.', '')}") from None
+        missing = [t for t in parsed.tiers if t not in served]
         if missing:
             raise ValueError(f"route {name!r} names models that are not served: "
                              f"{', '.join(missing)}")
-        if kind == "learned":
-            if "router" not in table:
-                raise ValueError(f"[routes.{name}] needs router = \"<folder of switchboard router "
-                                 "train>\"")
-            routes[name] = LearnedRoute(
-                name=name, tiers=tiers, router=LearnedRouter.load(Path(table["router"])),
-                target_strong_share=table.get("target_strong_share"),
-                recalibrate_window=int(table.get("recalibrate_window", 0)))
-            continue
-        thresholds = table.get("thresholds", table.get("threshold"))
-        if isinstance(thresholds, (int, float)):
-            thresholds = [thresholds] * max(len(tiers) - 1, 1)
-        routes[name] = CascadeRoute(
-            name=name, tiers=tiers, thresholds=tuple(float(t) for t in thresholds or ()),
-            measure=table.get("measure", "quantile"),
-            quantile=float(table.get("quantile", DEFAULT_QUANTILE)),
-            prefix_tokens=int(table.get("prefix_tokens", 8)))
+        routes[name] = _learned(name, parsed) if isinstance(parsed, _LearnedTable) else \
+            _cascade(name, parsed)
     return routes
+
+
+def _cascade(name: str, table: _CascadeTable) -> CascadeRoute:
+    thresholds = table.thresholds if table.thresholds is not None else table.threshold
+    if isinstance(thresholds, float):
+        thresholds = (thresholds,) * max(len(table.tiers) - 1, 1)
+    return CascadeRoute(name=name, tiers=table.tiers, thresholds=thresholds or (),
+                        measure=table.measure, quantile=table.quantile,
+                        prefix_tokens=table.prefix_tokens)
+
+
+def _learned(name: str, table: _LearnedTable) -> LearnedRoute:
+    if table.router is None:
+        raise ValueError(f"[routes.{name}] needs router = \"<folder of switchboard router train>\"")
+    window = table.recalibrate_window
+    return LearnedRoute(name=name, tiers=table.tiers, router=LearnedRouter.load(Path(table.router)),
+                        target_strong_share=table.target_strong_share,
+                        recalibrate_window=DEFAULT_RECALIBRATE_WINDOW if window is None else window)

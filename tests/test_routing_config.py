@@ -6,7 +6,8 @@ import pytest
 
 from routing.confidence import confidence
 from routing.pricing import Price
-from routing.routes import CascadeRoute, parse_routes
+from routing.learned import Example, train_router
+from routing.routes import DEFAULT_RECALIBRATE_WINDOW, CascadeRoute, parse_routes
 
 SERVED = ("small", "medium", "large")
 
@@ -49,10 +50,41 @@ def test_routes_parse_with_a_threshold_per_step():
     ({"tiers": ["small", "large"], "threshold": 0.5, "measure": "vibes"}, "unknown measure"),
     ({"tiers": ["small", "large"], "threshold": 0.5, "colour": 1}, "unknown keys"),
     ({"tiers": ["small", "small"], "threshold": 0.5}, "twice"),
+    # Thresholds no score can clear (NaN among them) escalate, and bill, every call.
+    ({"tiers": ["small", "large"], "threshold": math.nan}, r"quantile thresholds must be in \[0.0, 1.0\]"),
+    ({"tiers": ["small", "large"], "threshold": 0.5, "measure": "mean_logprob"},
+     r"mean_logprob thresholds must be in \[-inf, 0.0\], got 0.5"),
+    ({"tiers": ["small", "large"], "thresholds": [0.5, 1.5]}, "one threshold per escalation"),
+    ({"tiers": ["small", "medium", "large"], "thresholds": [0.5, 1.5]}, "got 1.5"),
+    # Values of the wrong type name their key (they once raised TypeError, or were read letter
+    # by letter: tiers = "small" named the models s, m, a, l, l).
+    ({"tiers": "small", "threshold": 0.5}, r"\[routes.r\]: Expected `array`, got `str` - at `tiers`"),
+    ({"tiers": [["small"], "large"], "threshold": 0.5}, "at `tiers\\[0\\]`"),
+    ({"tiers": ["small", "large"], "threshold": "high"}, "got `str` - at `threshold`"),
+    ({"tiers": ["small", "large"], "threshold": True}, "got `bool` - at `threshold`"),
+    ({"tiers": ["small", "large"], "threshold": 0.5, "prefix_tokens": 0}, "at `prefix_tokens`"),
+    ({"kind": "learned", "tiers": ["small", "large"], "router": 5}, "got `int` - at `router`"),
+    ({"kind": "learned", "tiers": ["small", "large"], "router": "r", "recalibrate_window": "lots"},
+     "got `str` - at `recalibrate_window`"),
+    ({"kind": "learned", "tiers": ["small", "large"], "router": "r", "target_strong_share": "0.3"},
+     "got `str` - at `target_strong_share`"),
 ])
 def test_bad_routes_are_refused_with_their_reason(table, words):
     with pytest.raises(ValueError, match=words):
         parse_routes({"r": table}, SERVED)
+
+
+def test_a_learned_route_recalibrates_by_default_and_refuses_a_share_it_could_never_reach(tmp_path):
+    router, _ = train_router([Example(f"{word} {i}", word == "easy") for i in range(20)
+                              for word in ("easy", "hard")], target_strong_share=0.5, epochs=5)
+    router.save(tmp_path)
+    table = {"kind": "learned", "tiers": ["small", "large"], "router": str(tmp_path),
+             "target_strong_share": 0.3}
+    assert parse_routes({"r": table}, SERVED)["r"].recalibrate_window == DEFAULT_RECALIBRATE_WINDOW
+    with pytest.raises(ValueError, match="set recalibrate_window above 0"):
+        parse_routes({"r": {**table, "recalibrate_window": 0}}, SERVED)
+    assert parse_routes({"r": {**table, "target_strong_share": None, "recalibrate_window": 0}},
+                        SERVED)["r"].recalibrate_window == 0
 
 
 def test_a_route_cannot_shadow_a_model():

@@ -1,6 +1,7 @@
 """The learned router: training, threshold calibration, saving, and `switchboard router train`."""
 
 import json
+import math
 import random
 
 import pytest
@@ -40,6 +41,31 @@ def test_save_and_load_give_the_same_scores(tmp_path):
     assert loaded.scores(prompts) == router.scores(prompts)
     assert loaded.settings == router.settings
     (tmp_path / "router.json").write_text("{}")
+    with pytest.raises(ValueError, match="no router made by"):
+        LearnedRouter.load(tmp_path)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"threshold": "0.3"}, "Expected `float`, got `str` - at `$.threshold`"),
+    ({"threshold": None}, "at `$.threshold`"),
+    ({"threshold": 1.5}, "at `$.threshold`"),
+    ({"num_buckets": 0}, "at `$.num_buckets`"),
+    ({"char_ngrams": "ab"}, "at `$.char_ngrams`"),
+    ({"word_ngrams": [0]}, "at `$.word_ngrams[0]`"),
+    ({"target_strong_share": -0.1}, "at `$.target_strong_share`"),
+    ({"weights": {"x": 1.0}}, "in `$.weights`"),
+])
+def test_a_router_file_with_a_bad_field_is_refused_when_loaded(tmp_path, change, words):
+    # Once loaded, such a file failed every request to its route (TypeError, ZeroDivisionError).
+    router, _ = train_router(arithmetic_examples(100), target_strong_share=0.5, epochs=5)
+    router.save(tmp_path)
+    document = json.loads((tmp_path / "router.json").read_text())
+    (tmp_path / "router.json").write_text(json.dumps({**document, **change}))
+    with pytest.raises(ValueError, match="no router made by") as raised:
+        LearnedRouter.load(tmp_path)
+    assert words in str(raised.value)
+    # json.loads reads NaN (not JSON), which compares false with every score.
+    (tmp_path / "router.json").write_text(json.dumps({**document, "threshold": math.nan}))
     with pytest.raises(ValueError, match="no router made by"):
         LearnedRouter.load(tmp_path)
 
