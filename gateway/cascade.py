@@ -4,8 +4,9 @@ A judged tier runs with logprobs on. A whole (non-streamed) answer is judged on 
 a streamed one on its first `prefix_tokens`, before any byte reaches the client, and if it is
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
-refuses the request, say for a prompt longer than its context), so the last tier is the fallback;
-only the last tier's failure reaches the client. Each tier reads the prompt with its own tokenizer
+refuses the request), so the last tier is the fallback; only the last tier's failure reaches the
+client. Tiers whose context cannot hold the prompt and its answer are left out: the last tier that
+can is the one that answers whatever its score. Each tier reads the prompt with its own tokenizer
 (gateway/generation.py Ask), so a route may mix local models and upstreams.
 
 Every token a tier generated is billed, however the call ends: each tier goes into the caller's
@@ -53,8 +54,11 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
 
     `guard` wraps each wait on a judged tier (the caller cancels it when the client leaves).
     """
-    for step, tier in enumerate(tiers):
-        threshold = route.threshold(step)
+    steps = _fitting_steps(tiers, ask)
+    for step, tier in steps:
+        # The last tier that can hold the call answers: escalating into one that cannot would end
+        # a call that an earlier tier could answer with a 400, after billing that tier.
+        threshold = route.threshold(step) if step != steps[-1][0] else None
         [(prompt, options)] = ask.read(tier)
         if threshold is not None:  # judged on its logprobs
             options = msgspec.structs.replace(options, logprobs=options.logprobs or 0)
@@ -81,6 +85,15 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
         attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
         await stream.aclose()  # aborts the engine request
     raise AssertionError("the last tier always answers")  # pragma: no cover
+
+
+def _fitting_steps(tiers: list[Tier], ask: Ask) -> list[tuple[int, Tier]]:
+    """The route's steps whose tier can hold the prompt and its answer in its context; the last
+    step alone when none can (its engine's refusal then says why)."""
+    steps = [(step, tier) for step, tier in enumerate(tiers)
+             if all(len(prompt) + options.max_tokens <= tier.engine.max_model_len
+                    for prompt, options in ask.read(tier))]
+    return steps or [(len(tiers) - 1, tiers[-1])]
 
 
 async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | None,

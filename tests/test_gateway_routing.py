@@ -106,9 +106,16 @@ class SpacedTier(ScriptedTier):
         return [ord(" ")] + super().tokenize(text)
 
 
+class CrampedTier(ScriptedTier):
+    """A scripted engine with a context of 24 tokens."""
+
+    max_model_len = 24
+
+
 @pytest.fixture(scope="module")
 def engines() -> dict[str, ScriptedTier]:
-    return {**{name: ScriptedTier(name) for name in SCRIPTS}, "spaced": SpacedTier("large")}
+    return {**{name: ScriptedTier(name) for name in SCRIPTS}, "spaced": SpacedTier("large"),
+            "cramped": CrampedTier("large")}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +141,7 @@ def routed(engines, router_dir, tmp_path_factory):
                  "prefix_tokens": 2},
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
                   "thresholds": [math.log(0.5), math.log(0.5)]},
+        "to-cramped": {"tiers": ["small", "cramped"], "measure": "min_prob", "threshold": 0.5},
     }, engines)
     with serve_gateway(engines, tmp_path_factory.mktemp("routed"), prices=PRICES, routes=routes,
                        default_route="auto") as server:
@@ -341,6 +349,20 @@ def test_a_cascade_holds_what_all_its_tiers_may_use_so_no_budget_is_overspent(ro
     name, key = new_tenant(routed, monthly_spend_budget_usd=both * 0.99)
     assert complete(routed, key, "hard one").status_code == 429
     assert spend(routed, name)["spend_usd"] == 0
+
+
+def test_a_cascade_never_escalates_into_a_tier_whose_context_cannot_hold_the_call(routed, engines):
+    # "hard one" is 8 tokens: with 20 more it fits small's context (256) but not cramped's (24).
+    name, key = new_tenant(routed)
+    before = len(engines["cramped"].started)
+    kept = complete(routed, key, "hard one", model="to-cramped", max_tokens=20)
+    assert kept.status_code == 200, kept.text  # once a 400, after billing small's answer
+    assert (kept.json()["model"], kept.headers["x-switchboard-escalated"]) == ("small", "false")
+    assert len(engines["cramped"].started) == before
+    assert spend(routed, name)["tokens_out"] == 20
+    # Where it fits, the same prompt escalates.
+    escalated = complete(routed, key, "hard one", model="to-cramped", max_tokens=4)
+    assert escalated.json()["model"] == "cramped"
 
 
 @pytest.mark.parametrize("max_tokens", [300, 2**31 - 1, 2**63 - 1])
