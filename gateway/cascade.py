@@ -4,10 +4,11 @@ A judged tier runs with logprobs on. A whole (non-streamed) answer is judged on 
 a streamed one on its first `prefix_tokens`, before any byte reaches the client, and if it is
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
-refuses the request), so the last tier is the fallback; only the last tier's failure reaches the
-client. Tiers whose context cannot hold the prompt and its answer are left out: the last tier that
-can is the one that answers whatever its score. Each tier reads the prompt with its own tokenizer
-(gateway/generation.py Ask), so a route may mix local models and upstreams.
+refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
+fallback; only the last tier's failure reaches the client. Tiers whose context cannot hold the
+prompt and its answer are left out: the last tier that can is the one that answers whatever its
+score. Each tier reads the prompt with its own tokenizer (gateway/generation.py Ask), so a route
+may mix local models and upstreams.
 
 Every token a tier generated is billed, however the call ends: each tier goes into the caller's
 list of attempts as soon as it is done with (kept, escalated, failed, or cut short because the
@@ -16,6 +17,7 @@ counts its prompt once its first chunk came, and its output so far."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,6 +27,8 @@ from gateway.engine_client import EngineFailure, GenerationChunk, RequestRejecte
 from gateway.generation import Ask, Choice, Tier
 from routing.confidence import confidence
 from routing.routes import CascadeRoute
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,14 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
                 continue  # the next tier is the fallback
             raise
         logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
+        if len(logprobs) < sum(len(chunk.token_ids) for chunk in chunks):
+            # An answer without its logprobs (an upstream that sends none) cannot be judged: it
+            # is escalated, not taken as sure.
+            logger.warning("route %s: %s answered without logprobs, so it cannot be judged; "
+                           "escalating", route.name, tier.model)
+            attempts.append(Attempt(tier.model, None, threshold, *_used(chunks)))
+            await stream.aclose()
+            continue
         score = confidence(logprobs[:limit] if limit else logprobs, route.measure, route.quantile)
         if score >= threshold:
             attempts.append(Attempt(tier.model, score, threshold, 0, 0))  # counted when it finishes

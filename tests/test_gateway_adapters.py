@@ -462,7 +462,7 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
     engines = {"small": demo_engine, "large": demo_engine}  # one engine under two names
     routes = parse_routes({
         "keep": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.0},
-        "escalate": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 1.01},
+        "escalate": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 1.0},
     }, engines)
     app = create_app(engines, data_dir=tmp_path, admin_key=ADMIN_KEY, routes=routes)
     with run_server(app) as url:

@@ -161,16 +161,17 @@ def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[G
     engines = open_upstreams(sources, {KEY_ENV: upstream.key, WRONG_KEY_ENV: WRONG_KEY})
     served = {"local": demo_engine, **engines}
     # The local demo model first, then the same model through the upstream (a byte tokenizer
-    # with no <s> and no chat template); a probability is never above 1 nor below 0.
+    # with no <s> and no chat template): no token of this random model has probability 1 or 0.
     mixed = {"tiers": ["local", "demo"], "measure": "min_prob", "prefix_tokens": PREFIX_TOKENS}
     routes = parse_routes({
         "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5,
                  "prefix_tokens": 2},
         "fallback": {"tiers": ["silent", "large"], "threshold": 0.5},
-        "escalating": {**mixed, "threshold": 1.5},
+        "escalating": {**mixed, "threshold": 1.0},
         "keeping": {**mixed, "threshold": 0.0},
-        "escalating-chat": {**mixed, "tiers": ["local", "demo-chat"], "threshold": 1.5},
+        "escalating-chat": {**mixed, "tiers": ["local", "demo-chat"], "threshold": 1.0},
         "chat-first": {**mixed, "tiers": ["demo-chat", "local"], "threshold": 0.0},
+        "hosted-first": {**mixed, "tiers": ["hosted", "local"], "threshold": 0.0},
     }, served)
     try:
         with serve_gateway(served, tmp_path_factory.mktemp("front"), prices=PRICES | MIXED_PRICES,
@@ -716,6 +717,27 @@ def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_c
     assert streamed[-1]["usage"]["completion_tokens"] == 10
     usage = server.admin("GET", "/admin/tenants/pieces").json()["usage"]
     assert (usage["tokens_in"], usage["tokens_out"]) == (18, 20)
+
+
+def test_a_judged_tier_that_sends_no_logprobs_is_escalated_not_taken_as_sure(front, hosted):
+    server, _ = front
+    name = "unjudged"
+    key = server.new_tenant(name)
+    hosted.events = [{"choices": [{"index": 0, "delta": {"content": "sure"}, "finish_reason": None}]},
+                     {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}]
+    try:
+        answers = [post(server.url, key, model="hosted-first", prompt="Hello there", stream=stream,
+                        **GREEDY) for stream in (False, True)]
+    finally:
+        hosted.events = HOSTED_EVENTS
+    for answer in answers:  # a threshold of 0 keeps any answer that can be judged
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-switchboard-model"] == "local"
+        assert (answer.headers["x-switchboard-escalated"], answer.headers["x-switchboard-score"]) == \
+            ("true", "none")
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert usage["tokens_out"] >= 2  # the hosted answers are billed too
 
 
 def test_a_chat_client_marks_its_chats_so_no_text_passes_for_one(upstream):
