@@ -1,4 +1,5 @@
-"""Running a cascade route: each tier answers unless its confidence is below the route's threshold.
+"""Running a cascade route: each tier answers unless its confidence is below the route's threshold
+(and a learned route's pick, with its other tier as the fallback: `run_with_fallback`).
 
 A judged tier runs with logprobs on. A whole (non-streamed) answer is judged on all its tokens;
 a streamed one on its first `prefix_tokens`, before any byte reaches the client, and if it is
@@ -73,14 +74,8 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
             return CascadeOutcome(tier, stream)
         limit = route.prefix_tokens if streamed else None
         chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
-        try:
-            await guard(_collect(stream, limit, chunks))
-        except BaseException as error:
-            attempts.append(Attempt(tier.model, None, threshold, *_used(chunks)))
-            await stream.aclose()  # aborts the engine request
-            if isinstance(error, (EngineFailure, RequestRejected)):
-                continue  # the next tier is the fallback
-            raise
+        if not await _first_chunks(tier, stream, limit, chunks, attempts, threshold, guard):
+            continue  # the next tier is the fallback
         logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
         if len(logprobs) < sum(len(chunk.token_ids) for chunk in chunks):
             # An answer without its logprobs (an upstream that sends none) cannot be judged: it
@@ -97,6 +92,42 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
         attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
         await stream.aclose()  # aborts the engine request
     raise AssertionError("the last tier always answers")  # pragma: no cover
+
+
+async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
+                            request_id: str, tenant: str | None,
+                            guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
+    """Run the one prompt of `ask` on the first of `tiers`, unless its engine fails or refuses
+    before the first token: then on the next (a learned route's other tier). Tiers that failed go
+    into `attempts`, unjudged; the one that answers does not."""
+    for step, tier in enumerate(tiers):
+        [(prompt, options)] = ask.read(tier)
+        stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
+                              tenant=tenant)
+        if step == len(tiers) - 1:
+            return CascadeOutcome(tier, stream)
+        chunks: list[GenerationChunk] = []
+        if await _first_chunks(tier, stream, 1, chunks, attempts, None, guard):
+            return CascadeOutcome(tier, _replay(chunks, stream))
+    raise AssertionError("the last tier always answers")  # pragma: no cover
+
+
+async def _first_chunks(tier: Tier, stream: AsyncIterator[GenerationChunk], num_tokens: int | None,
+                        chunks: list[GenerationChunk], attempts: list[Attempt],
+                        threshold: float | None, guard: Callable[[Awaitable], Awaitable]) -> bool:
+    """Collect the first `num_tokens` tokens of `tier`'s answer (all when None) into `chunks`;
+    False, with the tier added to `attempts` and its request aborted, if its engine failed or
+    refused the request (the next tier takes over). Raises what else ended the wait (the client
+    left), after the same."""
+    try:
+        await guard(_collect(stream, num_tokens, chunks))
+        return True
+    except BaseException as error:
+        attempts.append(Attempt(tier.model, None, threshold, *_used(chunks)))
+        await stream.aclose()  # aborts the engine request
+        if isinstance(error, (EngineFailure, RequestRejected)):
+            return False
+        raise
 
 
 def _fitting_steps(tiers: list[Tier], ask: Ask) -> list[tuple[int, Tier]]:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Admission, admit
-from gateway.cascade import Attempt, run_cascade
+from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, RequestRejected,
                                    SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
@@ -308,14 +308,21 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
+        elif isinstance(target.route, LearnedRoute):
+            first = target.tiers[0]
+            text = prompt_text if prompt_text is not None else \
+                first.engine.detokenize(ask.prompts[0].tokens(first.engine))
+            decision = state.learned.decide(target.route, tenant, text)
+            picked, other = target.tiers[decision.tier], target.tiers[1 - decision.tier]
+            attempts.append(Attempt(picked.model, decision.score, decision.threshold, 0, 0))
+            # The other tier answers if the picked one fails before its first token.
+            outcome = await run_with_fallback(
+                [picked, other], ask, attempts, request_id=call_id, tenant=tenant.name,
+                guard=functools.partial(_unless_disconnected, request))
+            tier = outcome.tier
+            streams, prompt_indices = [outcome.stream], [0]
         else:
             tier = target.tiers[0]
-            if isinstance(target.route, LearnedRoute):
-                text = prompt_text if prompt_text is not None else \
-                    tier.engine.detokenize(ask.prompts[0].tokens(tier.engine))
-                decision = state.learned.decide(target.route, tenant, text)
-                tier = target.tiers[decision.tier]
-                attempts.append(Attempt(tier.model, decision.score, decision.threshold, 0, 0))
             streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.name)
     except BaseException:  # only a cascade's tiers have used tokens yet; bill those
         ran = attempts[-1].model if attempts else target.tiers[0].model

@@ -289,6 +289,20 @@ def test_a_failing_tier_falls_back_to_the_next_and_the_last_fails_cleanly(routed
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failure"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_learned_route_hands_a_call_its_pick_fails_to_the_other_tier(routed, engines, stream):
+    _, key = new_tenant(routed)
+    for down, prompt, answering in [("small", "easy 1000", "large"), ("large", "hard 1000", "small")]:
+        engines[down].fail = True
+        response = complete(routed, key, prompt, model="learned", stream=stream)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-switchboard-model"] == answering
+        engines[down].fail = False
+    engines["small"].fail = engines["large"].fail = True
+    failed = complete(routed, key, "easy 1000", model="learned", stream=stream)
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failure"
+
+
 def test_policies_limit_routes_and_pick_the_default(routed):
     _, only_small = new_tenant(routed, allowed_models=["small"])
     for model in ("auto", "three", "large"):
