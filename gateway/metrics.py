@@ -37,7 +37,8 @@ class GatewayMetrics:
                                 "API requests by tenant, model and HTTP status.",
                                 ("tenant", "model", "status"))
         self.prompt_tokens = Counter("switchboard_prompt_tokens_total",
-                                     "Prompt tokens processed, by tenant and model.",
+                                     "Prompt tokens processed, by tenant and the model that "
+                                     "processed them.",
                                      ("tenant", "model"))
         self.generation_tokens = Counter("switchboard_generation_tokens_total",
                                          "Tokens generated, by tenant and model.", ("tenant", "model"))
@@ -86,7 +87,8 @@ class GatewayMetrics:
                                       "Tier calls made by routes (kept or escalated past), by "
                                       "route and model.", ("route", "model"))
         self.spend = Counter("switchboard_spend_usd_total",
-                             "Spend charged to tenants, by tenant and the model that answered.",
+                             "Spend charged to tenants, by tenant and the model that ran (a "
+                             "route's escalated tiers under their own).",
                              ("tenant", "model"))
 
     def latency(self, model: str) -> LatencyMetrics:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -200,12 +200,16 @@ class Call:
                      g.num_prompt_tokens + g.num_output_tokens,
                      PromptTokensDetails(g.num_cached_tokens), self.cost_usd())
 
-    def cost_usd(self) -> float:
-        """The answer's price plus that of every tier escalated past."""
+    def uses(self) -> list[_Use]:
+        """The tokens of every tier escalated past, then the answer's, each at its price."""
         g = self.generation
-        answered = self.state.price_of(self.answered_by).cost(g.num_prompt_tokens,
-                                                              g.num_output_tokens)
-        return answered + _cost_of(self.state, self.attempts)
+        answer = _Use(self.model, self.answered_by, g.num_prompt_tokens, g.num_output_tokens,
+                      self.state.price_of(self.answered_by).cost(g.num_prompt_tokens,
+                                                                 g.num_output_tokens))
+        return [*_uses_of(self.state, self.attempts), answer]
+
+    def cost_usd(self) -> float:
+        return sum(use.cost_usd for use in self.uses())
 
     def headers(self) -> dict[str, str]:
         """What the gateway did, for the response headers (the cost only once it is known)."""
@@ -238,41 +242,44 @@ class Call:
             return
         self.is_finished = True
         self.generation.close()
-        usage = self.usage()
-        tried_in, tried_out = _tokens_of(self.attempts)
         if self.target.route is not None:
             self.state.metrics.count_route(self.target.route.name, self.answered_by,
                                            self.escalated, [a.model for a in self.attempts])
-        await _bill(self.request, self.admission, self.tenant.name,
-                    usage.prompt_tokens + tried_in, usage.completion_tokens + tried_out,
-                    usage.cost_usd, model=self.model, priced_as=self.answered_by)
+        await _bill(self.request, self.admission, self.tenant.name, self.uses())
 
 
 def _number(value: float | None) -> str:
     return "none" if value is None else f"{value:.6g}"
 
 
-def _tokens_of(attempts: list[Attempt]) -> tuple[int, int]:
-    """The prompt and output tokens of a route's attempts (the answering tier's are its
-    Generation's)."""
-    return sum(a.tokens_in for a in attempts), sum(a.tokens_out for a in attempts)
+class _Use(NamedTuple):
+    """Tokens one model used for a call, and what they cost at its price."""
+
+    model: str  # the tokens' metric label: the model as the client named it, or a route's tier
+    priced_as: str  # the spend's metric label: the base model whose price applies
+    tokens_in: int
+    tokens_out: int
+    cost_usd: float
 
 
-def _cost_of(state: GatewayState, attempts: list[Attempt]) -> float:
-    """What a route's attempts cost, each at its own tier's price."""
-    return sum(state.price_of(a.model).cost(a.tokens_in, a.tokens_out) for a in attempts)
+def _uses_of(state: GatewayState, attempts: list[Attempt]) -> list[_Use]:
+    """What a route's attempts used (the answering tier's tokens are its Generation's), each at
+    its own tier's price."""
+    return [_Use(a.model, a.model, a.tokens_in, a.tokens_out,
+                 state.price_of(a.model).cost(a.tokens_in, a.tokens_out)) for a in attempts]
 
 
-async def _bill(request: Request, admission: Admission, tenant: str, tokens_in: int,
-                tokens_out: int, cost_usd: float, *, model: str, priced_as: str) -> None:
-    """Count a call's tokens (under `model`) and spend (under `priced_as`, the model whose price
-    applies), then charge them to its tenant: the one place a call is billed."""
+async def _bill(request: Request, admission: Admission, tenant: str, uses: list[_Use]) -> None:
+    """Count a call's tokens and spend under the models that used them, then charge their sum to
+    its tenant: the one place a call is billed."""
     metrics = gateway_state(request).metrics
-    metrics.count_tokens(tenant, model, tokens_in, tokens_out)
-    metrics.spend.inc(cost_usd, tenant=tenant, model=priced_as)
+    for use in uses:
+        metrics.count_tokens(tenant, use.model, use.tokens_in, use.tokens_out)
+        metrics.spend.inc(use.cost_usd, tenant=tenant, model=use.priced_as)
+    tokens_in, tokens_out = sum(u.tokens_in for u in uses), sum(u.tokens_out for u in uses)
     request.state.prompt_tokens = tokens_in
     request.state.completion_tokens = tokens_out
-    await admission.settle(tokens_in, tokens_out, cost_usd)
+    await admission.settle(tokens_in, tokens_out, sum(u.cost_usd for u in uses))
 
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,
@@ -286,7 +293,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     if target.route is not None and (n != 1 or len(ask.prompts) != 1):
         raise invalid_request(f"routes answer one prompt with one choice; send n = 1 and a single "
                               f"prompt, or name a model instead of {target.route.name!r}",
-                              param="n")
+                              param="n" if n != 1 else ask.prompt_param)
     try:
         # NOTE: in a thread: tokenizing a long prompt takes seconds, which the event loop must not
         # wait out (the tokenizer releases the GIL); later reads find the tokens cached.
@@ -324,10 +331,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         else:
             tier = target.tiers[0]
             streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.name)
-    except BaseException:  # only a cascade's tiers have used tokens yet; bill those
-        ran = attempts[-1].model if attempts else target.tiers[0].model
-        await _bill(request, admission, tenant.name, *_tokens_of(attempts),
-                    _cost_of(state, attempts), model=ran, priced_as=ran)
+    except BaseException:  # only a route's tiers have used tokens yet; bill those
+        await _bill(request, admission, tenant.name, _uses_of(state, attempts))
         raise
     answered_by = tier.model
     if target.route is not None:

@@ -61,10 +61,11 @@ def default_route(tenant: Tenant, catalog: Catalog) -> str | None:
 
 
 def allowed_routes(tenant: Tenant, catalog: Catalog) -> list[str]:
-    """The routes this tenant may name, `auto` first when it has a default route it may use."""
-    names = [r for r in catalog.routes if may_use(tenant, r)]
+    """The routes this tenant may name, `auto` first when it has a default route it may use. A
+    route named "auto" is listed once, as `auto`: the name means the tenant's default route."""
+    names = [r for r in catalog.routes if may_use(tenant, r) and r != AUTO]
     auto = default_route(tenant, catalog)
-    return ([AUTO] if auto in names else []) + names
+    return ([AUTO] if auto in catalog.routes and may_use(tenant, auto) else []) + names
 
 
 async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,

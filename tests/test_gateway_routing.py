@@ -258,10 +258,12 @@ def test_a_client_leaving_mid_cascade_is_billed_every_token_generated(routed, en
     usage = spend(routed, name)
     assert (usage["tokens_in"], usage["tokens_out"]) == (16, 6)
     assert usage["spend_usd"] == pytest.approx(expected)
-    metrics = routed.app.state.gateway.metrics
-    assert (metrics.prompt_tokens.value(tenant=name, model="medium"),
-            metrics.generation_tokens.value(tenant=name, model="medium")) == (16, 6)
-    assert metrics.spend.value(tenant=name, model="medium") == pytest.approx(expected)
+    metrics = routed.app.state.gateway.metrics  # each tier's share under its own name
+    for model, tokens_in, tokens_out in [("small", 8, 4), ("medium", 8, 2)]:
+        assert (metrics.prompt_tokens.value(tenant=name, model=model),
+                metrics.generation_tokens.value(tenant=name, model=model)) == (tokens_in, tokens_out)
+        assert metrics.spend.value(tenant=name, model=model) == \
+            pytest.approx(cost(model, tokens_in, tokens_out))
     assert engines["medium"].closed_early[-1] == engines["medium"].started[-1]
     assert len(engines["large"].started) == large_before
     assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
@@ -320,10 +322,20 @@ def test_policies_limit_routes_and_pick_the_default(routed):
     listed = httpx.get(routed.url + "/v1/models",
                        headers={"Authorization": f"Bearer {three}"}).json()["data"]
     assert [m["id"] for m in listed] == ["auto", "three"]
+    _, anyone = new_tenant(routed)  # the server's default route is named "auto": listed once
+    listed = [m["id"] for m in httpx.get(routed.url + "/v1/models",
+                                         headers={"Authorization": f"Bearer {anyone}"}).json()["data"]]
+    assert listed.count("auto") == 1 and len(set(listed)) == len(listed)
+    _, only_auto = new_tenant(routed, allowed_models=["auto"])
+    listed = httpx.get(routed.url + "/v1/models",
+                       headers={"Authorization": f"Bearer {only_auto}"}).json()["data"]
+    assert [m["id"] for m in listed] == ["auto"]
     bad = routed.admin("POST", "/admin/tenants", json={"name": "x1", "default_route": "nope"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "default_route"
     many = complete(routed, three, "easy one", n=2)
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+    two = complete(routed, three, ["easy one", "easy two"])
+    assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
 
 
 def test_the_spend_budget_stops_a_tenant(routed):
@@ -465,8 +477,11 @@ def test_routes_are_counted_per_route_and_tier(routed):
     assert metrics.routed.value(route="auto", model="small", escalated="false") >= 1
     assert metrics.routed.value(route="auto", model="large", escalated="true") >= 1
     assert metrics.route_attempts.value(route="auto", model="small") >= 2
-    # The escalated call is charged whole (its small attempt too) under the model that answered.
-    assert metrics.spend.value(tenant=name, model="large") == \
-        pytest.approx(cost("small", 8, 4) + cost("large", 8, 4))
+    # Tokens and spend count under the model that used them: the escalated call's small attempt
+    # under small (it once went under the model that answered).
+    assert metrics.spend.value(tenant=name, model="large") == pytest.approx(cost("large", 8, 4))
+    assert metrics.spend.value(tenant=name, model="small") == pytest.approx(2 * cost("small", 8, 4))
+    assert metrics.generation_tokens.value(tenant=name, model="small") == 8
+    assert metrics.prompt_tokens.value(tenant=name, model="large") == 8
     text = routed.admin("GET", "/metrics").text
     assert 'switchboard_routed_requests_total{route="auto",model="large",escalated="true"}' in text
