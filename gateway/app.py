@@ -63,6 +63,8 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
         raise ValueError(f"the default route {default_route!r} is not declared; routes: "
                          f"{', '.join(routes) or 'none'}")
     for route in routes.values():
+        if route.name in engines:
+            raise ValueError(f"route {route.name!r} has the name of a served model; rename one of them")
         missing = [m for m in route.tiers if m not in engines]
         if missing:
             raise ValueError(f"route {route.name!r} names models that are not served: "

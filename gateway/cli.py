@@ -47,6 +47,9 @@ or served by a remote OpenAI-compatible server (streamed from its API):
   price_output = 4.00
   tier = 1
 
+or, on a gateway with engine workers (--redis), served by them: a table with only the
+price_input, price_output and tier of the model they serve under that name;
+
 and routes, names clients send as `model` that pick a model per request (a cascade: the cheap
 model answers unless its confidence is below the threshold), with the one "auto" means:
 
@@ -218,7 +221,9 @@ def serve(config: ServeConfig) -> int:
         models = _demo_model(config.data_dir)
     prices = {e.name: Price(e.price_input, e.price_output) for e in config.model_entries()}
     try:
-        routes = parse_routes(config.routes, [*models, *upstreams])
+        # With workers, what they serve is known once the registry is read (create_app checks
+        # the routes then).
+        routes = parse_routes(config.routes, None if config.redis else [*models, *upstreams])
         engines: dict[str, EngineClient] = dict(open_upstreams(upstreams, os.environ))
     except ValueError as error:  # a bad route, or an upstream's key missing from the environment
         print(f"switchboard serve: {error}", file=sys.stderr)

@@ -68,7 +68,8 @@ class UpstreamSource:
 class ModelEntry:
     """One served model: its name (what clients send as `model`), source and price.
 
-    The source is a local folder (`path`) or a remote server (`upstream`), exactly one of them.
+    The source is a local folder (`path`) or a remote server (`upstream`); neither, on a gateway
+    with engine workers (`redis`), for a model the workers serve (the entry gives its price).
     """
 
     name: str
@@ -94,7 +95,7 @@ class ServeConfig:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Served models as TOML tables: [models.NAME] path = "..." (a local folder) or upstream =
     "https://host/v1" (a remote server; see UpstreamSource), price_input = 0.1, price_output = 0.4,
-    tier = 0."""
+    tier = 0. With `redis`, a table without either prices a model that engine workers serve."""
     routes: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Routes as TOML tables: [routes.NAME] tiers = ["small", "large"], threshold = 0.5, ... (see
     routing/routes.py)."""
@@ -155,7 +156,13 @@ class ServeConfig:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0 (0 serves no adapters), got {self.max_loras}")
-        self.model_entries()  # NOTE: validates every model now, before any is loaded
+        for entry in self.model_entries():  # NOTE: validates every model now, before any is loaded
+            if entry.path is None and entry.upstream is None and self.redis is None:
+                raise ValueError(
+                    f"[models.{entry.name}] needs path = \"/a/model/folder\" or upstream = "
+                    "\"https://host/v1\" (a remote OpenAI-compatible server); only a gateway "
+                    "with engine workers (--redis) may leave both out, for a model its workers "
+                    "serve")
 
     def model_entries(self) -> list[ModelEntry]:
         """Every served model: the "NAME=PATH" ones (a bare PATH is served under its folder's
@@ -209,15 +216,15 @@ class ServeConfig:
 
 def _model_table(name: str, table: Any) -> ModelEntry:
     where = f"[models.{name}]"
-    if not isinstance(table, dict) or ("path" not in table and "upstream" not in table):
-        raise ValueError(f"{where} needs at least path = \"/a/model/folder\" or upstream = "
-                         "\"https://host/v1\" (a remote OpenAI-compatible server)")
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table")
     if "path" in table and "upstream" in table:
         raise ValueError(f"{where} takes path (a local model) or upstream (a remote one), not both")
     if "api_key" in table:  # NOTE: never echo its value: it is a secret
         raise ValueError(f"{where} must not hold the API key: set api_key_env = \"VARIABLE\" and "
                          "put the key in that environment variable")
-    known = _COMMON_KEYS | (_UPSTREAM_KEYS if "upstream" in table else {"path", "kv_cache_memory"})
+    known = _COMMON_KEYS | (_UPSTREAM_KEYS if "upstream" in table else
+                            {"path", "kv_cache_memory"} if "path" in table else set())
     unknown = sorted(set(table) - known)
     if unknown:
         raise ValueError(f"unknown keys in {where}: {', '.join(unknown)}; known keys: "

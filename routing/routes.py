@@ -135,12 +135,13 @@ class _LearnedTable(msgspec.Struct, forbid_unknown_fields=True):
     recalibrate_window: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
-def parse_routes(tables: dict[str, Any], served: Collection[str]) -> dict[str, Route]:
-    """Routes from the config file's [routes.NAME] tables, checked against the served models;
-    ValueError, naming the route and the key, for anything wrong."""
+def parse_routes(tables: dict[str, Any], served: Collection[str] | None) -> dict[str, Route]:
+    """Routes from the config file's [routes.NAME] tables, checked against the served models
+    (unless `served` is None: not known yet); ValueError, naming the route and the key, for
+    anything wrong."""
     routes: dict[str, Route] = {}
     for name, table in tables.items():
-        if name in served:
+        if served is not None and name in served:
             raise ValueError(f"route {name!r} has the name of a served model; rename one of them")
         if not isinstance(table, dict):
             raise ValueError(f"[routes.{name}] must be a table")
@@ -156,7 +157,7 @@ def parse_routes(tables: dict[str, Any], served: Collection[str]) -> dict[str, R
             parsed = msgspec.convert(table, shape)
         except msgspec.ValidationError as error:
             raise ValueError(f"[routes.{name}]: {str(error).replace('$.', '')}") from None
-        missing = [t for t in parsed.tiers if t not in served]
+        missing = [t for t in parsed.tiers if served is not None and t not in served]
         if missing:
             raise ValueError(f"route {name!r} names models that are not served: "
                              f"{', '.join(missing)}")

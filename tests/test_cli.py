@@ -154,7 +154,11 @@ def test_model_tables_declare_paths_and_prices(tmp_path):
     assert loaded.model_paths() == {"a": Path("/models/a"), "big": Path("/models/big")}
     big = loaded.model_entries()[1]
     assert (big.name, big.price_input, big.price_output) == ("big", 1.5, 6.0)
-    for bad, words in (('[models.x]\nprice_input = 1\n', "needs at least path"),
+    config.write_text('[models.remote]\nprice_input = 2\ntier = 1\n')  # served by workers
+    remote = load_serve_config({"redis": "redis://127.0.0.1:1/0"}, config, {}).model_entries()[0]
+    assert (remote.name, remote.path, remote.upstream, remote.price_input) == ("remote", None, None, 2.0)
+    for bad, words in (('[models.x]\nprice_input = 1\n', "only a gateway with engine workers"),
+                       ('[models.x]\nkv_cache_memory = "1GiB"\n', "unknown keys"),
                        ('[models.x]\npath = "/m"\nprice_output = -1\n', "must be a number >= 0"),
                        ('[models.x]\npath = "/m"\ncolour = "red"\n', "unknown keys"),
                        ('model = ["x=/m"]\n[models.x]\npath = "/n"\n', "given twice")):

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import redis
 
+from gateway.config import load_serve_config
 from gateway.engine_client import AdapterRef, SamplingOptions
 from routing.placement import home_of
 from store.blobs import digest_files
@@ -194,6 +195,33 @@ def test_a_request_a_worker_refuses_is_a_400_naming_its_field(cluster, tenant_ke
         reply = _completion(cluster.gateways[1], tenant_key, DEMO_MODEL, **fields)
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_gateway_prices_and_routes_over_the_models_its_workers_serve(cluster, tenant_key):
+    # Both were refused at startup: the routes were checked before the workers were known, and
+    # a [models.X] table had to name a path or an upstream.
+    config = cluster.root / "priced.toml"
+    config.write_text(f'[models.{DEMO_MODEL}]\nprice_input = 1e6\nprice_output = 2e6\n'
+                      f'[routes.over-workers]\ntiers = ["{DEMO_MODEL}", "local"]\n'
+                      'measure = "min_prob"\nthreshold = 0.0\n')
+    gateway = start_switchboard(
+        ["serve", "--redis", cluster.redis_url, "--admin-key", ADMIN_KEY, "--config", str(config),
+         "--model", f"local={cluster.model_dir}", "--data-dir", str(cluster.root / "priced"),
+         "--log-level", "warning"], cluster.root / "priced.log")
+    try:
+        wait_until(gateway, lambda: is_healthy(gateway))
+        for model in (DEMO_MODEL, "over-workers"):
+            reply = _completion(gateway, tenant_key, model)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-switchboard-model"] == DEMO_MODEL
+            usage = reply.json()["usage"]  # 1 USD a prompt token, 2 an output token
+            assert float(reply.headers["x-switchboard-cost-usd"]) == \
+                pytest.approx(usage["prompt_tokens"] + 2 * usage["completion_tokens"])
+    finally:
+        gateway.stop()
+    config.write_text(f'[models.{DEMO_MODEL}]\nprice_input = 1\n')
+    with pytest.raises(ValueError, match="only a gateway with engine workers"):
+        load_serve_config({}, config, {})
 
 
 def test_a_worker_killed_under_load_costs_clean_errors_at_most_and_the_pool_recovers(
