@@ -342,7 +342,9 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
                 admission, state, attempts, escalated=answered_by != target.tiers[0].model)
     try:
-        await generation.start()
+        # A client that leaves while its requests wait for a batch slot or prefill takes them
+        # back: they never run, nor are billed.
+        await _unless_disconnected(request, generation.start())
     except RequestRejected as error:
         await call.finish()
         raise invalid_request(str(error), param=ask.param_of(error)) from None

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import DEMO_MODEL
+from tests.conftest import DEMO_MODEL, gateway_server
 
 LONG = {"model": DEMO_MODEL, "prompt": "tell me everything", "max_tokens": 2000,
         "ignore_eos": True, "logprobs": 0}  # logprobs: every token makes an event
@@ -26,6 +26,13 @@ def wait_until_idle(server, timeout_s: float = 10.0):
         if idle or time.monotonic() > deadline:
             return metrics
         time.sleep(0.02)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
 
 
 def usage(server, name):
@@ -87,6 +94,51 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server, tenant)
     generated = metrics.num_generation_tokens - generated_before
     assert 0 < generated < 500
     assert 0 < settled_usage(server, name)["tokens_out"] - tokens_out_before <= generated
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(demo_model_dir, tmp_path_factory):
+    """A gateway whose engine runs one request at a time: the next one waits in its queue."""
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512,
+                                                 max_num_seqs=1), show_progress=False)
+    try:
+        with gateway_server(engine, tmp_path_factory.mktemp("queued")) as running:
+            yield running
+    finally:
+        engine.close()
+
+
+def _send_completion(server, key: str, body: dict) -> socket.socket:
+    """A raw connection that has sent a completion request (close it to leave)."""
+    data = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+                 + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_queued_takes_its_request_back_unbilled(one_at_a_time, stream):
+    server = one_at_a_time
+    engine = server.app.state.gateway.engines[DEMO_MODEL]
+    running_key, queued_name = server.new_tenant(f"running-{stream}"), f"queued-{stream}"
+    queued_key = server.new_tenant(queued_name)
+    with _send_completion(server, running_key, {**LONG, "stream": True}):
+        assert wait_for(lambda: engine.stats().num_running == 1)
+        with _send_completion(server, queued_key, {**LONG, "prompt": "x" * 200, "max_tokens": 100,
+                                                   "stream": stream}):
+            assert wait_for(lambda: engine.stats().num_waiting == 1)
+        # Its client left: it leaves the queue, while the running request goes on.
+        assert wait_for(lambda: engine.stats().num_waiting == 0)
+        assert engine.stats().num_running == 1
+    assert wait_until_idle(server).kv_blocks_used == 0
+    billed = settled_usage(server, queued_name)
+    assert (billed["tokens_in"], billed["tokens_out"]) == (0, 0)
 
 
 def test_finished_streams_leave_nothing_behind(server, tenant):
