@@ -87,8 +87,13 @@ class LLMEngine:
         device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids + generation_eos_ids(config.model))
+        if config.max_model_len is not None and config.max_model_len > self.spec.context_length:
+            # Positions past the trained ones give garbage, silently (vLLM refuses too).
+            raise ValueError(f"max_model_len {config.max_model_len} is more than the "
+                             f"{self.spec.context_length} tokens this model was trained for "
+                             "(max_position_embeddings in its config.json); lower max_model_len")
         num_blocks = self._num_kv_blocks(dtype, device)
-        max_len = min(config.max_model_len or self.spec.max_position_embeddings,
+        max_len = min(config.max_model_len or self.spec.context_length,
                       num_blocks * config.block_size)
         self.max_model_len = max_len
         self.model = load_model(config.model, dtype, device, max_positions=max_len,

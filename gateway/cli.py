@@ -207,7 +207,6 @@ def serve(config: ServeConfig) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.local_engine import load_engines
     from gateway.upstream import open_upstreams
 
     logging.basicConfig(level=config.log_level.upper(),
@@ -234,7 +233,10 @@ def serve(config: ServeConfig) -> int:
         logger.info("loading %s", ", ".join(f"{name} from {path}" for name, path in models.items()))
     try:
         for name, path in models.items():  # each with its own engine and memory budget
-            engines.update(load_engines({name: path}, **config.engine_options_of(name)))
+            engine = _load_engine("serve", name, path, config)
+            if engine is None:
+                return 2
+            engines[name] = engine
         try:
             app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
                              admin_key=config.admin_key, metrics_key=config.metrics_key,
@@ -260,11 +262,22 @@ def serve(config: ServeConfig) -> int:
             engine.close()
 
 
+def _load_engine(command: str, name: str, path: Path, config: ServeConfig) -> EngineClient | None:
+    """The engine of one local model, or None after saying why it cannot be loaded (a folder
+    that is missing, or holds a model or settings this engine cannot run)."""
+    from gateway.local_engine import load_engines
+
+    try:
+        return load_engines({name: path}, **config.engine_options_of(name))[name]
+    except (OSError, ValueError) as error:
+        print(f"switchboard {command}: cannot serve {name!r} from {path}: {error}", file=sys.stderr)
+        return None
+
+
 def run_worker(config: ServeConfig) -> int:
     """Load the one model's engine, then serve the internal API until interrupted."""
     import uvicorn
 
-    from gateway.local_engine import load_engines
     from gateway.worker import Worker, create_worker_app, tokenizer_files
     from store.blobs import BlobStore
     from store.workers import WorkerRegistry
@@ -288,7 +301,9 @@ def run_worker(config: ServeConfig) -> int:
     models = models or _demo_model(config.data_dir)
     (name, path), = models.items()
     logger.info("loading %s from %s", name, path)
-    engine = load_engines({name: path}, **config.engine_options_of(name))[name]
+    engine = _load_engine("worker", name, path, config)
+    if engine is None:
+        return 2
     try:
         worker = Worker(model=name, engine=engine, url=url,
                         blobs=BlobStore(config.data_dir / "worker-adapters"),

@@ -230,6 +230,16 @@ def test_each_local_model_can_have_its_own_kv_cache_budget(tmp_path):
         load_serve_config({}, config, {})
 
 
+def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_path, capsys):
+    data = ["--data-dir", str(tmp_path / "data")]
+    assert main(["serve", "--model", f"gone={tmp_path / 'nowhere'}", *data]) == 2
+    assert "cannot serve 'gone' from" in capsys.readouterr().err  # once a traceback
+    too_long = ["serve", "--model", f"demo={demo_model_dir}", "--max-model-len", "100000", *data]
+    assert main(too_long) == 2
+    assert "max_model_len 100000 is more than the 2048 tokens this model was trained for" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["serve", "worker"])
 def test_an_unreachable_redis_is_refused_before_any_model_loads(command, tmp_path, capsys):
     assert main([command, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2

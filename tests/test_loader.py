@@ -53,6 +53,22 @@ def test_legacy_rope_layout_is_read():
     assert spec.num_kv_heads == 2 and spec.head_dim == 4
 
 
+def test_the_context_is_the_trained_positions_stretched_by_linear_rope_scaling(tmp_path):
+    base = {"architectures": ["LlamaForCausalLM"], **TINY_CONFIG, "max_position_embeddings": 4096}
+    assert ModelSpec.from_dict(base).context_length == 4096
+    linear = {**base, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert ModelSpec.from_dict(linear).context_length == 16384
+    llama3 = {**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 512}}
+    assert ModelSpec.from_dict(llama3).context_length == 4096  # already the scaled length
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "m")
+    trained = ModelSpec.from_folder(folder).context_length
+    assert LLMEngine(EngineConfig(model=str(folder), max_model_len=trained, num_kv_blocks=1024),
+                     show_progress=False).max_model_len == trained
+    with pytest.raises(ValueError, match=f"more than the {trained} tokens this model was trained for"):
+        LLMEngine(EngineConfig(model=str(folder), max_model_len=trained + 1), show_progress=False)
+
+
 TINY_CONFIG = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
                "num_attention_heads": 2}
 

@@ -30,6 +30,7 @@ class ModelSpec:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
+    """The positions it was trained for (before a linear rope scaling stretches them)."""
     rope_theta: float
     rope_scaling: dict | None
     qkv_bias: bool
@@ -47,6 +48,14 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence it serves as trained: its positions, times a linear rope
+        scaling's factor (llama3 scaling sets max_position_embeddings to the scaled length)."""
+        scaling = self.rope_scaling or {}
+        factor = scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0
+        return int(self.max_position_embeddings * factor)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
