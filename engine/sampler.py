@@ -15,7 +15,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def make_request_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return torch.Generator(device=self.device).manual_seed(_mixed_seed(seed))
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """logits: [num_requests, vocab] float32, row i belongs to requests[i]. A request whose row
@@ -105,3 +105,16 @@ class Sampler:
             values, ids = torch.topk(row, k)
             top = list(zip(ids.tolist(), values.tolist()))
         return TokenLogprobs(token, float(row[token]), top)
+
+
+_UINT64 = (1 << 64) - 1
+
+
+def _mixed_seed(seed: int) -> int:
+    """`seed` (any 64-bit integer) through splitmix64's mixer. torch's CPU generator seeds its
+    Mersenne Twister with the low 32 bits alone, so seeds 0 and 2**32 (or -1 and 2**63 - 1) would
+    sample the same; mixed first, every bit of the seed counts."""
+    z = (seed + 0x9E3779B97F4A7C15) & _UINT64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _UINT64
+    return z ^ (z >> 31)

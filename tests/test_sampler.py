@@ -38,6 +38,20 @@ def test_seeded_requests_are_reproducible_regardless_of_batch():
     assert len(set(draw(0))) > 1
 
 
+def test_seeds_differing_only_in_their_high_bits_sample_differently():
+    # torch's CPU generator reads a seed's low 32 bits only: these pairs once sampled alike.
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.zeros(1, 1000)
+
+    def draw(seed: int) -> list[int]:
+        request = make(SamplingParams(temperature=1.0, seed=seed), seeded=sampler)
+        return [sampler.sample(logits, [request])[0].token_id for _ in range(8)]
+
+    for low, high in [(0, 2**32), (-1, 2**63 - 1), (7, 7 + 2**40)]:
+        assert draw(low) != draw(high), (low, high)
+    assert draw(2**63 - 1) == draw(2**63 - 1)
+
+
 def test_top_k_one_is_greedy_and_top_k_limits_support():
     sampler = Sampler(0, torch.device("cpu"))
     logits = torch.tensor([[1.0, 2.0, 3.0, 2.9, -1.0]])
