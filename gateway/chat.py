@@ -19,7 +19,6 @@ from gateway.serving import (Call, decode_body, refuse_unsupported, resolve_targ
                              sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
 from gateway.state import gateway_state
-from gateway.text_codec import name_bytes
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -127,11 +126,13 @@ async def _stream(call: Call, name: Callable[[int], str] | None, num_top: int | 
 
 def _logprobs(engine: EngineClient, name: Callable[[int], str], logprobs: list[TokenLogprob],
               num_top: int) -> ChatLogprobs:
-    """Logprobs as the chat API has them: each token named by `name`, with its own bytes whatever
-    the name (token ids included), so that a character split between tokens joins back whole."""
+    """Logprobs as the chat API has them: each token named by `name`, with the bytes it adds to
+    the text whatever the name (token ids included), so that a character split between tokens
+    joins back whole; a special token, like the EOS that ends a reply, adds none: null bytes."""
 
     def entry(token_id: int, logprob: float) -> TopLogprob:
-        return TopLogprob(name(token_id), logprob, list(name_bytes(engine.token_text(token_id))))
+        data = engine.text_bytes(token_id)
+        return TopLogprob(name(token_id), logprob, list(data) if data else None)
 
     content = []
     for lp in logprobs:

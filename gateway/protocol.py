@@ -177,13 +177,13 @@ class Completion(msgspec.Struct, kw_only=True):
 class TopLogprob(msgspec.Struct):
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: list[int] | None  # None for a token with no text, like EOS (as OpenAI's spec allows)
 
 
 class ChatTokenLogprob(msgspec.Struct):
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: list[int] | None
     top_logprobs: list[TopLogprob]
 
 

@@ -190,6 +190,19 @@ def test_chat_bytes_are_each_token_s_own_and_join_into_the_reply(client, server,
         [("token_id:195", [0xC3]), ("token_id:169", [0xA9])] * 2
 
 
+def test_the_eos_that_ends_a_chat_has_null_bytes_so_the_bytes_join_into_the_reply(client):
+    # EOS (id 257) is all but certain once min_tokens allows it: the reply is 2 tokens, then EOS.
+    chat = client.chat.completions.create(
+        model=DEMO_MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+        logprobs=True, top_logprobs=1, temperature=0,
+        extra_body={"min_tokens": 2, "logit_bias": {"257": 100}})
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop"
+    content = choice.logprobs.content
+    assert (len(content), content[-1].token, content[-1].bytes) == (3, "</s>", None)
+    assert b"".join(bytes(t.bytes or b"") for t in content) == choice.message.content.encode()
+
+
 # Completions: top_logprobs and text_offset.
 
 def test_top_logprobs_keep_the_chosen_token_s_logprob_and_every_alternative(client):
