@@ -138,6 +138,12 @@ class KVCacheManager:
                 self.cached_blocks[block_hash] = block_id
                 self.hash_of_block[block_id] = block_hash
 
+    def full_block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks among the request's first `num_tokens` tokens."""
+        num_full = num_tokens // self.block_size
+        self._extend_block_hashes(request, num_full)
+        return request.block_hashes[:num_full]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block hash (e.g. after a weight update)."""
         self.cached_blocks.clear()

@@ -132,12 +132,17 @@ class Scheduler:
             break
 
         if not preempted:  # a step that had to preempt admits nothing: the pool is full
-            scheduled += self._admit_waiting(budget)
+            scheduled += self._admit_waiting(budget, scheduled)
         self._prefetch_waiting_adapters()
         return SchedulerOutput(scheduled, preempted)
 
-    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Admit waiting requests into the budget left, in priority/FCFS order.
+
+        A request whose next prompt block another request computes in this step (the choices
+        of one n > 1 call, a shared system prompt arriving in a burst) waits one step, and then
+        reads that block, and the ones after it that are ready, from the prefix cache instead of
+        computing them again.
 
         KV memory is first come, first served: the first request that does not fit stops admission.
         Adapter slots are not: a request whose adapter cannot get a slot now waits without blocking
@@ -146,6 +151,7 @@ class Scheduler:
         steady stream for resident adapters could starve it forever.
         """
         admitted = []
+        in_flight = {block for item in scheduled for block in self._blocks_computed_by(item)}
         slot_blocked = False
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -158,6 +164,9 @@ class Scheduler:
                 continue
             # Cached blocks would skip the positions whose logits prompt logprobs come from.
             hits = [] if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
+            if not request.needs_prompt_logprobs and self._next_block_is_in_flight(request, hits, in_flight):
+                index += 1
+                continue
             num_new = min(request.num_tokens - len(hits) * self.kv.block_size, budget)
             if not self.kv.can_allocate(request, num_new, hits):
                 break
@@ -170,8 +179,23 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(ScheduledRequest(request, num_new))
+            in_flight.update(self._blocks_computed_by(admitted[-1]))
             budget -= num_new
         return admitted
+
+    def _blocks_computed_by(self, item: ScheduledRequest) -> list[bytes]:
+        """Hashes of the full blocks that `item` completes in this step."""
+        if not self.kv.enable_prefix_caching:
+            return []
+        request = item.request
+        done = request.num_computed_tokens // self.kv.block_size
+        return self.kv.full_block_hashes(request, request.num_computed_tokens + item.num_tokens)[done:]
+
+    def _next_block_is_in_flight(self, request: Request, hits: list[int], in_flight: set[bytes]) -> bool:
+        """Whether the first prompt block `request` would compute is being computed in this step."""
+        hashes = request.block_hashes  # NOTE: get_computed_blocks hashed every block it may hit
+        max_hit_blocks = (request.num_tokens - 1) // self.kv.block_size
+        return len(hits) < min(max_hit_blocks, len(hashes)) and hashes[len(hits)] in in_flight
 
     def _can_get_slot(self, request: Request) -> bool:
         if self.adapter_slots is None:

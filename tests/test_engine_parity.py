@@ -100,6 +100,19 @@ def test_prefix_cache_hits_keep_outputs_unchanged(family):
     assert_matches_transformers(references + references, tokens, logprobs)
 
 
+def test_copies_of_a_prompt_arriving_together_compute_it_once(family):
+    # As the n choices of one call do: the first computes the prompt, the others wait one step
+    # (or follow its chunks) and read its blocks from the prefix cache.
+    folder, prompts, references = family
+    copies = [prompts[3]] * 4  # 140 tokens
+    for budget in (2048, 48):
+        engine, tokens, logprobs = run_engine(folder, copies, prompt_for_step=[0] * 4, block_size=8,
+                                              max_num_batched_tokens=budget)
+        assert_matches_transformers([references[3]] * 4, tokens, logprobs)
+        computed = engine.scheduler.stats.num_prompt_tokens_computed
+        assert computed == 140 + 3 * (140 - 136), (budget, computed)  # the 17 full blocks: once
+
+
 def test_raw_logits_of_a_mixed_batch_match_transformers(family):
     """One forward pass over a decode token and two prefill chunks, logits compared directly."""
     folder, prompts, references = family
