@@ -115,12 +115,15 @@ class WorkerPool:
             await asyncio.to_thread(_write_folder, folder, files)
         return await asyncio.to_thread(self._load_tokenizer, folder)
 
-    def candidates(self, model: str, exclude: set[str]) -> list[Candidate]:
-        """The model's workers that are up, with their load as this gateway best knows it."""
+    def candidates(self, model: str, exclude: set[str], *,
+                   adapters: bool = False) -> list[Candidate]:
+        """The model's workers that are up (only those that serve adapters, with `adapters`),
+        with their load as this gateway best knows it."""
         return [Candidate(r.id, self.load_of(r), frozenset(r.adapters_device),
                           frozenset(r.adapters_host))
                 for r in self.workers.values()
-                if r.model == model and r.id not in exclude and r.id not in self._down]
+                if r.model == model and r.id not in exclude and r.id not in self._down
+                and (r.supports_adapters or not adapters)]
 
     def load_of(self, record: WorkerRecord) -> int:
         """The worker's load now: other gateways' requests as of its last heartbeat, plus this
@@ -151,13 +154,19 @@ class RemoteEngineClient(TextCodec):
         super().__init__(tokenizer)
         self.model = model
         self._pool = pool
+        self._max_model_len = 0
 
     def _records(self) -> list[WorkerRecord]:
         return [r for r in self._pool.workers.values() if r.model == self.model]
 
     @property
     def max_model_len(self) -> int:
-        return min((r.max_model_len for r in self._records()), default=0)
+        """The shortest context of the model's workers; while none is registered (say, during
+        a restart), the one they had last, so that no answer is sized for a context of 0."""
+        lengths = [r.max_model_len for r in self._records()]
+        if lengths:
+            self._max_model_len = min(lengths)
+        return self._max_model_len
 
     @property
     def supports_adapters(self) -> bool:
@@ -169,7 +178,7 @@ class RemoteEngineClient(TextCodec):
         pool, tried = self._pool, set()
         parts = await _adapter_parts(folder)
         for _ in range(_MAX_PLACEMENTS):
-            candidates = await self._candidates(tried)
+            candidates = await self._candidates(tried, adapters=True)
             if not candidates:
                 break
             worker = pool.workers[place(candidates, "check").id]
@@ -190,14 +199,15 @@ class RemoteEngineClient(TextCodec):
             return msgspec.json.decode(response.content, type=AdapterInfo)
         raise EngineUnavailable(self._no_worker())
 
-    async def _candidates(self, tried: set[str]) -> list[Candidate]:
-        """The model's workers to place on, less those `tried`."""
-        candidates = self._pool.candidates(self.model, tried)
+    async def _candidates(self, tried: set[str], *, adapters: bool) -> list[Candidate]:
+        """The model's workers to place on (those that serve adapters, with `adapters`), less
+        those `tried`."""
+        candidates = self._pool.candidates(self.model, tried, adapters=adapters)
         if not candidates and not tried:
             # NOTE: the pool's view is up to poll_s old: a worker may have (re)joined since.
             with contextlib.suppress(Exception):
                 await self._pool.refresh()
-            candidates = self._pool.candidates(self.model, tried)
+            candidates = self._pool.candidates(self.model, tried, adapters=adapters)
         return candidates
 
     async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
@@ -241,7 +251,7 @@ class RemoteEngineClient(TextCodec):
         pool, tried = self._pool, set()
         digest = None if adapter is None else adapter.digest
         for _ in range(_MAX_PLACEMENTS):
-            candidates = await self._candidates(tried)
+            candidates = await self._candidates(tried, adapters=adapter is not None)
             if not candidates:
                 break
             worker = pool.workers[place(candidates, digest or request_id, digest, pool.slack).id]
@@ -251,7 +261,7 @@ class RemoteEngineClient(TextCodec):
                 return await anext(lines), lines, worker.id
             except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
                 # NOTE: the generator raised, so it is finished and its connection closed.
-                if not isinstance(error, _Retry):
+                if not isinstance(error, _Retry) or error.down:
                     pool.mark_down(worker.id)
                 logger.warning("request %s not started on worker %s (%s); placing it again",
                                request_id, worker.id, _describe(error))
@@ -273,7 +283,12 @@ class RemoteEngineClient(TextCodec):
 
 
 class _Retry(Exception):
-    """The worker refused the request in a way another worker may not."""
+    """The worker refused the request in a way another worker may not; `down`: it is not a
+    working worker at all (pass over it until it heartbeats again)."""
+
+    def __init__(self, message: str, *, down: bool = False):
+        super().__init__(message)
+        self.down = down
 
 
 async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
@@ -289,7 +304,12 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
                     if line.startswith("data: "):
                         yield msgspec.json.decode(line[6:], type=StreamLine)
                 return
-            error = msgspec.json.decode(await response.aread(), type=WorkerError)
+            try:
+                error = msgspec.json.decode(await response.aread(), type=WorkerError)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                # Not a worker's answer (a proxy's error page, a port reused by another server).
+                raise _Retry(f"HTTP {response.status_code} that is not a worker's answer",
+                             down=True) from None
         if response.status_code == 409 and adapter is not None and attempt == 0:
             await _send_adapter(pool, worker, adapter)
             continue

@@ -16,19 +16,20 @@ from tests.redis_server import redis_server, redis_url  # noqa: F401
 GHOST = "ghost"
 
 
-def _record(worker_id: str, load: int = 0, beat_at: float = 0.0) -> WorkerRecord:
-    """A worker of GHOST at an address where nothing listens."""
+def _record(worker_id: str, load: int = 0, beat_at: float = 0.0, **fields) -> WorkerRecord:
+    """A worker of GHOST at an address where nothing listens (unless `fields` say otherwise)."""
     stats = EngineStats(num_running=load, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
                         prefix_cache_hit_rate=0.0, num_prompt_tokens=0, num_generation_tokens=0,
                         num_preemptions=0)
-    return WorkerRecord(id=worker_id, url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
-                        max_loras=1, tokenizer=None, num_running=load, num_waiting=0,
-                        adapters_device=[], adapters_host=[], stats=msgspec.json.encode(stats),
-                        beat_at=beat_at)
+    values = dict(id=worker_id, url="http://127.0.0.1:1", model=GHOST, max_model_len=64,
+                  max_loras=1, tokenizer=None, num_running=load, num_waiting=0,
+                  adapters_device=[], adapters_host=[], stats=msgspec.json.encode(stats),
+                  beat_at=beat_at)
+    return WorkerRecord(**{**values, **fields})
 
 
-def _register_unreachable_worker(url: str) -> None:
-    record = _record("gone")
+def _register_unreachable_worker(url: str, record: WorkerRecord | None = None) -> None:
+    record = record or _record("gone")
 
     async def register() -> None:
         registry = WorkerRegistry.open(url)
@@ -36,6 +37,18 @@ def _register_unreachable_worker(url: str) -> None:
         await registry.close()
 
     asyncio.run(register())
+
+
+class _Registry:
+    """What WorkerPool.refresh() reads; nothing here needs Redis."""
+
+    records: list[WorkerRecord] = []
+
+    async def internal_key(self) -> str:
+        return "k"
+
+    async def workers(self) -> list[WorkerRecord]:
+        return self.records
 
 
 def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path):  # noqa: F811
@@ -70,16 +83,7 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     from gateway.remote import WorkerPool
     from routing.placement import place
 
-    class Registry:  # what refresh() reads; nothing here needs Redis
-        records: list[WorkerRecord] = []
-
-        async def internal_key(self) -> str:
-            return "k"
-
-        async def workers(self) -> list[WorkerRecord]:
-            return self.records
-
-    registry = Registry()
+    registry = _Registry()
     pool = WorkerPool(registry, tmp_path, lambda folder: None, lambda name, client: None)
     # Our 16 requests ran on "a" when it last heartbeat; "b" also runs 3 of another gateway's.
     pool.inflight = {"a": 16, "b": 0}
@@ -93,3 +97,45 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
         chosen.append(worker)
     assert chosen.count("a") == 5 and chosen.count("b") == 3  # even: 5 + 0 and 3 + 3
     asyncio.run(pool.http.aclose())
+
+
+def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context_outlives_a_restart(
+        tmp_path):
+    from gateway.remote import RemoteEngineClient, WorkerPool
+
+    registry = _Registry()
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, lambda name, client: None)
+    registry.records = [_record("lora", max_loras=4), _record("plain", max_loras=0)]
+    asyncio.run(pool.refresh())
+    assert {c.id for c in pool.candidates(GHOST, set())} == {"lora", "plain"}
+    assert [c.id for c in pool.candidates(GHOST, set(), adapters=True)] == ["lora"]
+    client = RemoteEngineClient(GHOST, pool, None)
+    assert client.max_model_len == 64
+    registry.records = []  # every worker restarting at once
+    asyncio.run(pool.refresh())
+    assert client.max_model_len == 64  # it was 0: an answer without max_tokens got 1 token
+    asyncio.run(pool.http.aclose())
+
+
+def test_a_worker_address_that_answers_no_worker_json_is_passed_over(redis_url, tmp_path):  # noqa: F811
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    from tests.conftest import run_server
+
+    async def bad_gateway(request):
+        return HTMLResponse("<html><body>502 Bad Gateway</body></html>", status_code=502)
+
+    proxy = Starlette(routes=[Route("/{path:path}", bad_gateway, methods=["GET", "POST", "PUT"])])
+    with run_server(proxy) as proxy_url:
+        _register_unreachable_worker(redis_url, _record("proxied", url=proxy_url))
+        with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
+                           load_tokenizer=lambda folder: None) as server:
+            key = server.new_tenant("acme")
+            reply = httpx.post(server.url + "/v1/completions", timeout=10,
+                               headers={"Authorization": f"Bearer {key}"},
+                               json={"model": GHOST, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert reply.status_code == 503, reply.text  # was a 500 (JSON is malformed)
+    assert reply.json()["error"]["code"] == "engine_unavailable"
+
