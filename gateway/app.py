@@ -56,9 +56,11 @@ def _log_admin_key(key: str) -> None:
 
 
 def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute],
-                 default_route: str | None) -> None:
+                 default_route: str | None, *, workers: bool = False) -> None:
     """ValueError unless the default route is declared and every route's tiers are served (any
-    mix of local models and upstreams: each tier reads a prompt with its own tokenizer)."""
+    mix of local models and upstreams: each tier reads a prompt with its own tokenizer). With
+    `workers`, a tier no worker serves yet is only logged: workers may start after the gateway
+    (its calls answer 503 `engine_unavailable` until one does)."""
     if default_route is not None and default_route not in routes:
         raise ValueError(f"the default route {default_route!r} is not declared; routes: "
                          f"{', '.join(routes) or 'none'}")
@@ -66,7 +68,10 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
         if route.name in engines:
             raise ValueError(f"route {route.name!r} has the name of a served model; rename one of them")
         missing = [m for m in route.tiers if m not in engines]
-        if missing:
+        if missing and workers:
+            logger.warning("route %r names models no engine worker serves yet: %s", route.name,
+                           ", ".join(missing))
+        elif missing:
             raise ValueError(f"route {route.name!r} names models that are not served: "
                              f"{', '.join(missing)}")
 
@@ -91,7 +96,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
     With `workers_url` (a Redis URL), the models of the engine workers registered there are
     served too (gateway/remote.py), their tokenizers read by `load_tokenizer`; routes are then
-    checked once the registry has been read, so their models may be served by workers.
+    checked once the registry has been read, so their models may be served by workers (even
+    workers that start later).
     """
     routes = routes or {}
     engines = dict(engines)  # NOTE: the worker pool adds the models its workers serve
@@ -120,7 +126,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
                                   load_tokenizer, engines.setdefault)
                 await pool.start()
-                check_routes(engines, routes, default_route)
+                check_routes(engines, routes, default_route, workers=True)
             yield
         finally:
             if pool is not None:

@@ -131,6 +131,11 @@ class EngineClient(Protocol):
         raises RequestRejected if the engine refuses the request, later ones EngineFailure;
         leaving the loop early aborts it."""
 
+    async def ensure_available(self) -> None:
+        """EngineUnavailable (saying what to do) when no request could start now, as when every
+        remote worker of the model is down; checked before a call is admitted, so that a call
+        that could only get a 503 does not use up its tenant's rate limit."""
+
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters."""
 

@@ -72,7 +72,7 @@ class LocalEngineClient(TextCodec):
             async for output in outputs:
                 if output.finish_reason == "error":  # this request alone failed in the engine
                     message = output.error or "the engine failed the request"
-                    if adapter is not None:  # the folder is this server's: its path means nothing to the client
+                    if adapter is not None:  # the folder is this server's: its path means nothing
                         message = message.replace(adapter.path, "the adapter's stored files")
                     raise EngineFailure(message)
                 yield _chunk(output)
@@ -84,6 +84,9 @@ class LocalEngineClient(TextCodec):
             raise EngineFailure(str(error)) from None
         finally:
             await outputs.aclose()  # aborts the engine request if this stream is closed early
+
+    async def ensure_available(self) -> None:
+        """Always: the engine runs in this process."""
 
     def stats(self) -> EngineStats:
         m = self._engine.metrics()

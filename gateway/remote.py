@@ -6,8 +6,10 @@ its record's lifetime (a few heartbeats), and one that refuses connections leave
 it heartbeats again. Each request is placed by routing.placement over the model's workers.
 
 Failover: until a request's first chunk arrives nothing has reached the client, so a worker that
-cannot be reached, refuses for being busy or closing, or drops the connection before the first
-chunk, is passed over and the request placed again on another worker. Once chunks flow, a cut
+cannot be reached, refuses for being busy or closing, drops the connection, or falls silent
+(STREAM_SILENCE_S without even a keepalive) before the first chunk, is passed over and the
+request placed again on another worker. A request queued on a busy worker waits there: its
+stream carries keepalives. Once chunks flow, a cut
 stream is an EngineFailure (the gateway ends the response with a clean error). A worker whose
 engine failed the request (500 `engine_failure`) is not passed over: that is the request's
 EngineFailure, with the engine's reason, as from a local engine.
@@ -32,8 +34,8 @@ from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, Eng
                                    RequestRejected, SamplingOptions)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
-from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
-                                StreamLine, WorkerError)
+from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
+                                GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES
 from store.workers import WorkerRecord, WorkerRegistry, keep_running
@@ -41,8 +43,12 @@ from store.workers import WorkerRecord, WorkerRegistry, keep_running
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLL_S = 0.5
-DEFAULT_READ_TIMEOUT_S = 60.0
+DEFAULT_READ_TIMEOUT_S = 60.0  # adapter files and checks
 _CONNECT_TIMEOUT_S = 2.0
+# A generate stream is never silent for more than KEEPALIVE_S while its worker lives (queued
+# requests included); this long without a byte, the worker is taken for hung.
+STREAM_SILENCE_S = 6 * KEEPALIVE_S
+_STREAM_TIMEOUT = httpx.Timeout(STREAM_SILENCE_S, connect=_CONNECT_TIMEOUT_S)
 _MAX_PLACEMENTS = 3  # workers tried for one request before it fails
 
 
@@ -97,12 +103,20 @@ class WorkerPool:
         self._down = {i: beat for i, beat in self._down.items()
                       if i in self.workers and self.workers[i].beat_at <= beat}
         for record in records:
-            if record.model not in self.clients:
+            client = self.clients.get(record.model)
+            if client is None:
                 tokenizer = await self._tokenizer(record.tokenizer)
-                self.clients[record.model] = client = RemoteEngineClient(record.model, self,
-                                                                         tokenizer)
+                self.clients[record.model] = client = RemoteEngineClient(
+                    record.model, self, tokenizer, record.tokenizer)
                 self._on_model(record.model, client)
                 logger.info("serving %s on the workers registered in Redis", record.model)
+            elif record.tokenizer != client.tokenizer_digest and all(
+                    r.tokenizer == record.tokenizer for r in records if r.model == record.model):
+                # Every worker of the model now has other tokenizer files (a rolling upgrade
+                # done): prompts must be read as they read them.
+                client.use_tokenizer(await self._tokenizer(record.tokenizer), record.tokenizer)
+                logger.info("%s's workers have a new tokenizer (%s): reading prompts with it",
+                            record.model, record.tokenizer)
 
     async def _tokenizer(self, digest: str | None) -> Any:
         if digest is None:
@@ -150,8 +164,13 @@ class WorkerPool:
 class RemoteEngineClient(TextCodec):
     """One model served by the workers in a WorkerPool."""
 
-    def __init__(self, model: str, pool: WorkerPool, tokenizer: Any):
+    def use_tokenizer(self, tokenizer: Any | None, digest: str | None = None) -> None:
+        super().use_tokenizer(tokenizer)
+        self.tokenizer_digest = digest
+
+    def __init__(self, model: str, pool: WorkerPool, tokenizer: Any, tokenizer_digest: str | None):
         super().__init__(tokenizer)
+        self.tokenizer_digest = tokenizer_digest  # of the workers' tokenizer files it reads with
         self.model = model
         self._pool = pool
         self._max_model_len = 0
@@ -258,14 +277,23 @@ class RemoteEngineClient(TextCodec):
             tried.add(worker.id)
             lines = _stream_lines(pool, worker, body, adapter)
             try:
-                return await anext(lines), lines, worker.id
+                first = await anext(lines)
             except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
                 # NOTE: the generator raised, so it is finished and its connection closed.
                 if not isinstance(error, _Retry) or error.down:
                     pool.mark_down(worker.id)
                 logger.warning("request %s not started on worker %s (%s); placing it again",
                                request_id, worker.id, _describe(error))
+                continue
+            if first.rejected is not None:
+                await lines.aclose()
+                raise RequestRejected(first.rejected.message, first.rejected.param)
+            return first, lines, worker.id
         raise EngineUnavailable(self._no_worker())
+
+    async def ensure_available(self) -> None:
+        if not await self._candidates(set(), adapters=False):
+            raise EngineUnavailable(self._no_worker())
 
     def _no_worker(self) -> str:
         return (f"no engine worker serving {self.model!r} is available now; start one with "
@@ -298,7 +326,7 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
     is wrong), EngineFailure (its engine failed it) or _Retry."""
     for attempt in range(2):
         async with pool.http.stream("POST", worker.url + GENERATE_PATH, content=body,
-                                    headers=pool.headers()) as response:
+                                    headers=pool.headers(), timeout=_STREAM_TIMEOUT) as response:
             if response.status_code == 200:
                 async for line in sse_lines(response.aiter_bytes()):
                     if line.startswith("data: "):

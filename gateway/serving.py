@@ -23,8 +23,8 @@ from starlette.responses import Response
 
 from gateway.admission import Admission, admit
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
-from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, RequestRejected,
-                                   SamplingOptions)
+from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, EngineUnavailable,
+                                   RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
 from gateway.generation import Ask, Generation, Reading, Tier, tokenizer_key
@@ -106,6 +106,8 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
         folder = await adapter_folder(state, target.adapter)
         adapter = (target.adapter.base_model, AdapterRef(target.adapter.digest, str(folder)))
     models = target.route.tiers if target.route is not None else (target.base_model,)
+    if missing := [m for m in models if m not in state.engines]:  # a route over workers not up yet
+        raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(missing)} yet"))
     tiers = tuple(Tier(m, state.engines[m], adapter[1] if adapter and adapter[0] == m else None)
                   for m in models)
     return Target(tiers, target.route)
@@ -300,6 +302,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         readings = await asyncio.to_thread(lambda: [ask.read(tier) for tier in target.tiers])
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.param_of(error) or ask.prompt_param) from None
+    await _ensure_some_tier_available(target)
     if ask.max_tokens is None:
         limits = await _call_limits(state, tenant)
         if limits is not None:
@@ -355,6 +358,19 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         await call.finish()
         raise
     return call
+
+
+async def _ensure_some_tier_available(target: Target) -> None:
+    """A 503 before admission when no tier's engine could take the call now, which then does
+    not cost its tenant rate limit (a route needs one tier: it runs the others' calls there)."""
+    refusal = None
+    for tier in target.tiers:
+        try:
+            await tier.engine.ensure_available()
+            return
+        except EngineUnavailable as error:
+            refusal = refusal or error
+    raise engine_failed(refusal)
 
 
 def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],

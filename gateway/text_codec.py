@@ -44,6 +44,11 @@ class TextCodec:
     max_model_len: int
 
     def __init__(self, tokenizer: Any | None):
+        self.use_tokenizer(tokenizer)
+
+    def use_tokenizer(self, tokenizer: Any | None) -> None:
+        """Read text with `tokenizer` from now on (a model's workers were upgraded)."""
+        self.__dict__.pop("max_token_bytes", None)  # NOTE: the cached_property's value
         self._tokenizer = tokenizer
         self._token_bytes = None
         self._special_ids: frozenset[int] = frozenset()

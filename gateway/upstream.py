@@ -274,6 +274,9 @@ class UpstreamEngineClient:
         finally:
             relay.cancel()  # closes the upstream request when this stream is left early
 
+    async def ensure_available(self) -> None:
+        """Always: only a request finds out whether the upstream answers."""
+
     def stats(self) -> EngineStats:
         """Requests in flight as running, and the tokens counted; the rest is the upstream's."""
         return EngineStats(num_running=self._num_in_flight, num_waiting=0, kv_blocks_total=0,

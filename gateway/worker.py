@@ -30,8 +30,8 @@ from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
 from gateway.local_engine import LocalEngineClient
 from gateway.sse import EventStreamResponse, event
-from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody,
-                                StreamLine, WorkerError)
+from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
+                                GenerateBody, StreamLine, WorkerError)
 from store import UNAVAILABLE_ERRORS, RedisStore
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.errors import InvalidName
@@ -149,25 +149,53 @@ async def generate(request: Request) -> Response:
         if folder is None:
             return _error(409, "adapter_missing", f"send the files of adapter {body.adapter}")
         adapter = AdapterRef(body.adapter, str(folder))
-    stream = worker.engine.generate(body.prompt_token_ids, body.options,
-                                    request_id=body.request_id, tenant=body.tenant,
-                                    adapter=adapter)
-    try:
-        first = await anext(stream)
-    except RequestRejected as error:
-        return _error(400, "rejected", str(error), error.param)
-    except EngineFailure as error:
-        return _error(500, "engine_failure", str(error))
-    return EventStreamResponse(_lines(first, stream), on_close=stream.aclose)
+    answer = _KeptAlive(worker.engine.generate(body.prompt_token_ids, body.options,
+                                               request_id=body.request_id, tenant=body.tenant,
+                                               adapter=adapter))
+    # NOTE: answered at once, not after the first chunk: a request queued behind others for
+    # minutes is not a silent worker (the keepalives say so).
+    return EventStreamResponse(answer.lines(), on_close=answer.close)
 
 
-async def _lines(first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[bytes]:
-    yield event(StreamLine(chunk=first))
-    try:
-        async for chunk in rest:
-            yield event(StreamLine(chunk=chunk))
-    except EngineFailure as error:
-        yield event(StreamLine(error=str(error)))
+class _KeptAlive:
+    """An engine answer as generate-stream lines, read ahead by a task of its own so that a
+    keepalive comment goes out whenever the next line takes longer than KEEPALIVE_S."""
+
+    def __init__(self, stream: AsyncIterator[GenerationChunk]):
+        self._stream = stream
+        self._lines: asyncio.Queue[StreamLine | None] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for chunk in self._stream:
+                self._lines.put_nowait(StreamLine(chunk=chunk))
+        except RequestRejected as error:
+            self._lines.put_nowait(StreamLine(rejected=WorkerError("rejected", str(error),
+                                                                   error.param)))
+        except EngineFailure as error:
+            self._lines.put_nowait(StreamLine(error=str(error)))
+        finally:
+            self._lines.put_nowait(None)
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    line = await self._lines.get()
+            except TimeoutError:
+                yield b": keepalive\n\n"
+                continue
+            if line is None:
+                return
+            yield event(line)
+
+    async def close(self) -> None:
+        """Stop reading; an answer still running is aborted (its stream closes)."""
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        await self._stream.aclose()
 
 
 async def put_adapter(request: Request) -> Response:

@@ -3,10 +3,13 @@
 A worker serves one model. Gateways send the internal key (store.workers) as a bearer token.
 
 - POST GENERATE_PATH, body GenerateBody: the answer is a stream of server-sent events, each a
-  StreamLine: chunks, or one error that ends a stream already started. Before the stream starts,
-  a refused request is a WorkerError with an HTTP status: 400 `rejected` (the request itself is
-  wrong), 409 `adapter_missing` (send the adapter's files, then ask again), 404 `unknown_model`,
-  401 `unauthorized`, 503 `unavailable` (the worker is shutting down), 500 `engine_failure`.
+  StreamLine: chunks, or one error that ends the stream: `rejected` (the engine refused the
+  request; before any chunk) or `error` (the engine failed it). While the request waits (queued
+  behind others, or between chunks), a comment line comes every KEEPALIVE_S, so that a gateway
+  tells a busy worker from a hung one by silence alone. Refused before the stream starts, with an
+  HTTP status and a WorkerError: 400 `rejected` (a malformed body), 409 `adapter_missing` (send
+  the adapter's files, then ask again), 404 `unknown_model`, 401 `unauthorized`, 503
+  `unavailable` (the worker is shutting down).
 - PUT ADAPTERS_PATH/<digest>, multipart with the adapter's two files: the worker keeps them under
   their digest (checked) for the requests that name it.
 - POST CHECK_ADAPTER_PATH, multipart with the two files: AdapterInfo, or 422 `adapter_rejected`.
@@ -19,6 +22,7 @@ import msgspec
 from gateway.engine_client import GenerationChunk, SamplingOptions
 
 GENERATE_PATH = "/internal/generate"
+KEEPALIVE_S = 2.0  # the longest a generate stream stays silent
 ADAPTERS_PATH = "/internal/adapters"
 CHECK_ADAPTER_PATH = "/internal/check-adapter"
 
@@ -32,12 +36,13 @@ class GenerateBody(msgspec.Struct, frozen=True, kw_only=True):
     adapter: str | None = None  # the digest of the adapter to run with (its files are on the worker)
 
 
-class StreamLine(msgspec.Struct, frozen=True, omit_defaults=True):
-    chunk: GenerationChunk | None = None
-    error: str | None = None  # the engine failed mid-stream: the request is gone
-
-
 class WorkerError(msgspec.Struct, frozen=True):
     kind: str
     message: str
     param: str | None = None  # a refused request's field at fault (RequestRejected.param)
+
+
+class StreamLine(msgspec.Struct, frozen=True, omit_defaults=True):
+    chunk: GenerationChunk | None = None
+    error: str | None = None  # the engine failed the request: it is gone
+    rejected: WorkerError | None = None  # the engine refused the request (the first line)

@@ -159,5 +159,8 @@ class IdleEngineParts:
                            prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
                            num_generation_tokens=0, num_preemptions=0)
 
+    async def ensure_available(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

@@ -156,3 +156,53 @@ def test_sampling_fields_reach_the_engine_and_cross_to_a_worker_intact(scripted,
         finish_reason="length", num_prompt_tokens=3, num_output_tokens=1, num_cached_tokens=0,
         prompt_logprobs=[TokenLogprob(7, -1.5, [(2, -0.25)]), TokenLogprob(9, -3.0, [])]))
     assert msgspec.json.decode(msgspec.json.encode(line), type=StreamLine) == line
+
+
+def test_a_worker_stream_keeps_alive_while_its_request_waits_and_closing_aborts_it(monkeypatch):
+    """A worker answers at once and sends keepalives until the engine's first chunk (a request
+    queued for minutes once looked like a dead worker); refusals and failures are lines."""
+    import asyncio
+
+    import gateway.worker
+    from gateway.worker import _KeptAlive
+
+    monkeypatch.setattr(gateway.worker, "KEEPALIVE_S", 0.05)
+    chunk = GenerationChunk(token_ids=[65], text="A", logprobs=[], finished=True,
+                            finish_reason="length", num_prompt_tokens=1, num_output_tokens=1,
+                            num_cached_tokens=0)
+    aborted = []
+
+    async def queued_then_answers():
+        await asyncio.sleep(0.3)
+        yield chunk
+
+    async def refused():
+        raise RequestRejected("min_tokens must be in [0, max_tokens]", "min_tokens")
+        yield chunk
+
+    async def stuck():
+        try:
+            await asyncio.Event().wait()
+            yield chunk
+        finally:
+            aborted.append(True)
+
+    async def lines_of(stream, limit: int | None = None) -> list[bytes]:
+        answer, lines = _KeptAlive(stream), []
+        try:
+            async for line in answer.lines():
+                lines.append(line)
+                if len(lines) == limit:
+                    break
+        finally:
+            await answer.close()
+        return lines
+
+    answered = asyncio.run(lines_of(queued_then_answers()))
+    assert set(answered[:-1]) == {b": keepalive\n\n"} and len(answered) >= 4
+    assert msgspec.json.decode(answered[-1][6:], type=StreamLine) == StreamLine(chunk=chunk)
+    [line] = asyncio.run(lines_of(refused()))
+    rejected = msgspec.json.decode(line[6:], type=StreamLine).rejected
+    assert (rejected.message, rejected.param) == ("min_tokens must be in [0, max_tokens]", "min_tokens")
+    assert asyncio.run(lines_of(stuck(), limit=2)) == [b": keepalive\n\n"] * 2
+    assert aborted == [True]  # the gateway went away: the engine request is aborted

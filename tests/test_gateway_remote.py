@@ -56,7 +56,7 @@ def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path
     with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
                        load_tokenizer=lambda folder: None) as server:
         url = server.url
-        key = server.new_tenant("acme")
+        key = server.new_tenant("acme", rpm=2)
         headers = {"Authorization": f"Bearer {key}"}
         models = httpx.get(url + "/v1/models", headers=headers).json()["data"]
         assert [m["id"] for m in models] == [GHOST]
@@ -77,6 +77,13 @@ def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path
         again = upload()
         assert again.status_code == 503, again.text
         assert httpx.get(url + "/v1/adapters", headers=headers).json()["data"] == []
+        # Known to be down, it costs no rate limit: 503s, never a 429 (rpm 2), none billed.
+        for _ in range(3):
+            reply = httpx.post(url + "/v1/completions", headers=headers, timeout=10,
+                               json={"model": GHOST, "prompt": [1, 2, 3], "max_tokens": 2})
+            assert reply.status_code == 503, reply.text
+        usage = server.admin("GET", "/admin/tenants/acme").json()["usage"]
+        assert usage["requests"] == 0
 
 
 def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tmp_path):
@@ -109,7 +116,7 @@ def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context
     asyncio.run(pool.refresh())
     assert {c.id for c in pool.candidates(GHOST, set())} == {"lora", "plain"}
     assert [c.id for c in pool.candidates(GHOST, set(), adapters=True)] == ["lora"]
-    client = RemoteEngineClient(GHOST, pool, None)
+    client = RemoteEngineClient(GHOST, pool, None, None)
     assert client.max_model_len == 64
     registry.records = []  # every worker restarting at once
     asyncio.run(pool.refresh())
@@ -139,3 +146,45 @@ def test_a_worker_address_that_answers_no_worker_json_is_passed_over(redis_url, 
     assert reply.status_code == 503, reply.text  # was a 500 (JSON is malformed)
     assert reply.json()["error"]["code"] == "engine_unavailable"
 
+
+
+def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(redis_url, tmp_path):  # noqa: F811
+    from routing.routes import parse_routes
+
+    routes = parse_routes({"auto": {"tiers": [GHOST, "later"], "threshold": 0.5}}, None)
+    # No worker serves either model yet: the gateway once exited at startup (a crash loop for
+    # a gateway restarted while its workers restart).
+    with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url, routes=routes,
+                       default_route="auto", load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("early")
+        reply = httpx.post(server.url + "/v1/completions", timeout=10,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "engine_unavailable" and "no engine worker serves" in error["message"]
+
+
+def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_model_dir, tmp_path):
+    import shutil
+
+    from engine.tokenizer import load_tokenizer
+    from gateway.remote import WorkerPool
+
+    for digest, template in [("old", "{{ messages[0]['content'] }}"),
+                             ("new", "NEW {{ messages[0]['content'] }}")]:
+        shutil.copytree(demo_model_dir, tmp_path / digest, ignore=shutil.ignore_patterns("*.safetensors"))
+        (tmp_path / digest / "chat_template.jinja").write_text(template)
+    registry, models = _Registry(), {}
+    pool = WorkerPool(registry, tmp_path, load_tokenizer, models.setdefault)
+    registry.records = [_record("a", tokenizer="old"), _record("b", tokenizer="old")]
+    asyncio.run(pool.refresh())
+    chat = [{"role": "user", "content": "hi"}]
+    assert models[GHOST].render_chat(chat) == "hi"
+    registry.records = [_record("a", tokenizer="old"), _record("b", tokenizer="new")]
+    asyncio.run(pool.refresh())  # halfway through an upgrade: still the old one
+    assert models[GHOST].render_chat(chat) == "hi"
+    registry.records = [_record("b", tokenizer="new"), _record("c", tokenizer="new")]
+    asyncio.run(pool.refresh())  # it once kept the old template for good
+    assert models[GHOST].render_chat(chat) == "NEW hi"
+    asyncio.run(pool.http.aclose())
