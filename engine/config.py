@@ -43,6 +43,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch  # NOTE: here, so that reading a config does not load torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: this machine's torch sees no CUDA "
+                                 f"device (torch {torch.__version__}); use device 'cpu'")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -5,6 +5,8 @@ Key plaintexts appear exactly once, in the reply that creates them; listings sho
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,17 +21,21 @@ from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, St
 from store.blobs import collect_garbage
 
 
-class TenantCreate(msgspec.Struct, kw_only=True):
-    """POST /admin/tenants. Limits left out (or null) are unlimited."""
+_Limit = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /admin/tenants. Limits left out (or null) are unlimited; a field this API does not
+    know is refused, since a misspelt limit would leave the tenant unlimited."""
 
     name: str
-    rpm: int | None = None
-    tpm: int | None = None
-    monthly_token_budget: int | None = None
-    monthly_spend_budget_usd: float | None = None
+    rpm: _Limit | None = None
+    tpm: _Limit | None = None
+    monthly_token_budget: _Limit | None = None
+    monthly_spend_budget_usd: Annotated[float, msgspec.Meta(gt=0)] | None = None
     allowed_models: list[str] | None = None
     default_route: str | None = None
-    strong_share: float | None = None
+    strong_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):

@@ -189,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
     if command in ("serve", "worker"):
-        if command == "worker":
-            args.setdefault("port", WORKER_PORT)
+        # NOTE: a default below every source: a config file's port counts for workers too.
+        defaults = {"port": WORKER_PORT} if command == "worker" else {}
         try:
-            config = load_serve_config(args, args.pop("config", None))
+            config = load_serve_config(args, args.pop("config", None), defaults=defaults)
         except (ValueError, TypeError) as error:
             print(f"switchboard {command}: {error}", file=sys.stderr)
             return 2

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import msgspec
+
 DEFAULT_DATA_DIR = Path("data")
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 _SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
@@ -26,6 +28,8 @@ _UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "
                   "max_model_len"}
 _UPSTREAM_APIS = ("completions", "chat")  # the OpenAI APIs an upstream may be reached by
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_STORE_SCHEMES = ("sqlite://", "redis://", "rediss://", "unix://")  # what store.open_store opens
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,20 @@ class ServeConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        for name in ("admin_key", "metrics_key"):
+            # A key read from a secret file often ends with a newline no request can send.
+            key = getattr(self, name)
+            if key is not None:
+                key = key.strip()
+                if not key or any(ch.isspace() for ch in key):
+                    raise ValueError(f"{name} must be one word without spaces, got {len(key)} "
+                                     "characters with whitespace inside or nothing at all")
+                setattr(self, name, key)
+        if self.log_level.lower() not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        if self.store is not None and not self.store.startswith(_STORE_SCHEMES):
+            raise ValueError(f"unknown store URL {self.store!r}: use sqlite:///path/to/file.db or "
+                             "redis://host:port/0")
         self.data_dir = Path(self.data_dir)
         if self.adapter_dir is not None:
             self.adapter_dir = Path(self.adapter_dir)
@@ -290,19 +308,23 @@ def _integer(where: str, key: str, value: Any, minimum: int, unit: str) -> int:
 
 def parse_size(text: str | int) -> int:
     """Bytes from "4GiB", "512M", "1024" (binary units)."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
-    match = _SIZE_RE.fullmatch(text.strip())
+    match = _SIZE_RE.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None:
         raise ValueError(f"cannot read {text!r} as a size: use bytes or e.g. 512MiB, 4GiB")
     return int(match.group(1)) << _SIZE_SHIFTS[match.group(2).upper()]
 
 
 def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
-                      environ: dict[str, str] | None = None) -> ServeConfig:
-    """Merge the sources; `cli` holds only the options given on the command line."""
+                      environ: dict[str, str] | None = None,
+                      defaults: dict[str, Any] | None = None) -> ServeConfig:
+    """Merge the sources; `cli` holds only the options given on the command line, `defaults` the
+    command's own defaults (below every source). ValueError naming the setting for any value of
+    the wrong type or range."""
     environ = os.environ if environ is None else environ
-    merged = _read_toml(config_file) if config_file is not None else {}
+    merged = dict(defaults or {})
+    merged.update(_read_toml(config_file) if config_file is not None else {})
     merged.update({key: environ[var] for key, var in _ENV.items() if environ.get(var)})
     merged.update(cli)
     for size in ("kv_cache_memory", "max_upload_size"):
@@ -310,7 +332,16 @@ def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
             merged[size] = parse_size(merged[size])
     if isinstance(merged.get("model"), str):
         merged["model"] = [merged["model"]]
-    return ServeConfig(**merged)
+    try:  # NOTE: checks every field's type (a TOML file may hold anything), then __post_init__
+        return msgspec.convert(merged, ServeConfig, dec_hook=_path)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"invalid setting: {str(error).replace('$.', '')}") from None
+
+
+def _path(kind: type, value: Any) -> Any:
+    if kind is Path and isinstance(value, (str, Path)):
+        return Path(value)
+    raise NotImplementedError(f"{kind} is not read from settings")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 STORE_UNAVAILABLE_MESSAGE = ("the gateway cannot reach its store (tenants, keys, limits) at the "
                              "moment; retry shortly")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
-_MSGSPEC_MISSING = re.compile(r"missing required field `(.*)`")
+_MSGSPEC_MISSING = re.compile(r"(?:missing required|contains unknown) field `(.*)`")
 
 
 class ErrorBody(msgspec.Struct, kw_only=True):

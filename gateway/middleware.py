@@ -7,6 +7,7 @@ reads it when the response is complete, so a stream is logged once, with its fin
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,6 +17,13 @@ from gateway.metrics import GatewayMetrics
 logger = logging.getLogger("gateway.access")
 
 _COUNTED_PREFIX = "/v1/"
+# Line breaks and other control characters, which a client could put in a path or a model name
+# to forge log lines of its own.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escaped(text: str) -> str:
+    return _CONTROL.sub(lambda match: ascii(match.group())[1:-1], text)
 
 
 class AccessLog:
@@ -52,5 +60,5 @@ class AccessLog:
         if "completion_tokens" in state:
             tokens = f" prompt_tokens={state['prompt_tokens']} " \
                      f"completion_tokens={state['completion_tokens']}"
-        logger.info("%s %s %d tenant=%s model=%s%s %.3fs", scope["method"], path, status,
-                    tenant, model, tokens, elapsed)
+        logger.info("%s %s %d tenant=%s model=%s%s %.3fs", scope["method"], _escaped(path), status,
+                    tenant, _escaped(model), tokens, elapsed)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from gateway.cli import main
 from gateway.config import ServeConfig, load_serve_config, parse_size
@@ -91,6 +92,39 @@ def test_parse_size(text, size):
 def test_invalid_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("text, message", [
+    # Each once a traceback (AttributeError, TypeError) or a message that named no setting.
+    ("kv_cache_memory = 1.5", "cannot read 1.5 as a size"),
+    ("model = [5]", "Expected `str`, got `int` - at `model[0]`"),
+    ("model = 5", "Expected `array`, got `int` - at `model`"),
+    ("models = [1]", "Expected `object`, got `array` - at `models`"),
+    ("host = 5", "Expected `str`, got `int` - at `host`"),
+    ('max_num_seqs = "32"', "Expected `int | null`, got `str` - at `max_num_seqs`"),
+    ("max_model_len = 100.7", "got `float` - at `max_model_len`"),
+    ('log_level = "verbose"', "log_level must be one of debug, info"),
+    ('store = "postgres://db/x"', "unknown store URL 'postgres://db/x'"),
+    ('admin_key = "two words"', "admin_key must be one word"),
+])
+def test_config_values_of_the_wrong_type_exit_2_naming_the_setting(tmp_path, capsys, text, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(text + "\n")
+    assert main(["serve", "--config", str(config), "--data-dir", str(tmp_path / "data")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # refused before anything loads
+
+
+def test_keys_from_secret_files_lose_their_newline_and_a_worker_s_port_comes_from_its_file(tmp_path):
+    keys = load_serve_config({}, None, {"SWITCHBOARD_ADMIN_KEY": "sb-admin-secret\n",
+                                        "SWITCHBOARD_METRICS_KEY": " metrics-secret\r\n"})
+    assert (keys.admin_key, keys.metrics_key) == ("sb-admin-secret", "metrics-secret")
+    config = tmp_path / "worker.toml"
+    config.write_text("port = 56001\n")
+    worker_defaults = {"port": 9000}
+    assert load_serve_config({}, config, {}, defaults=worker_defaults).port == 56001
+    assert load_serve_config({}, None, {}, defaults=worker_defaults).port == 9000
+    assert load_serve_config({"port": 1234}, config, {}, defaults=worker_defaults).port == 1234
 
 
 def test_unknown_config_keys_exit_2_with_the_reason(tmp_path, capsys):
@@ -238,6 +272,9 @@ def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_pa
     assert main(too_long) == 2
     assert "max_model_len 100000 is more than the 2048 tokens this model was trained for" in \
         capsys.readouterr().err
+    if not torch.cuda.is_available():  # once an AssertionError from deep in torch
+        assert main(["serve", "--model", f"demo={demo_model_dir}", "--device", "cuda", *data]) == 2
+        assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])

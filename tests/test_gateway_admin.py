@@ -62,7 +62,7 @@ def test_admin_endpoints_need_the_admin_key(server, tenant):
 def test_tenant_lifecycle(server):
     name = f"t{next(_names)}"
     created = server.admin("POST", "/admin/tenants",
-                           json={"name": name, "rpm": 10, "tpm": 1000, "unknown": "ignored"})
+                           json={"name": name, "rpm": 10, "tpm": 1000})
     assert created.status_code == 201
     assert (created.json()["name"], created.json()["rpm"], created.json()["tpm"]) == (name, 10, 1000)
     assert server.admin("POST", "/admin/tenants", json={"name": name}).status_code == 409
@@ -79,15 +79,22 @@ def test_tenant_lifecycle(server):
 
 @pytest.mark.parametrize("body, param", [
     ({"name": "bad/name"}, "name"),
-    ({"name": "ok", "rpm": 0}, None),
+    ({"name": "ok", "rpm": 0}, "rpm"),
+    ({"name": "ok", "rpm": -1}, "rpm"),
+    ({"name": "ok", "monthly_spend_budget_usd": 0}, "monthly_spend_budget_usd"),
+    ({"name": "ok", "strong_share": 2}, "strong_share"),
     ({"rpm": 3}, "name"),
     ({"name": "ok", "rpm": "many"}, "rpm"),
+    # Misspelt limits once made an unlimited tenant (201).
+    ({"name": "ok", "monthly_spend_budget": 100}, "monthly_spend_budget"),
+    ({"name": "ok", "rpm ": 10}, "rpm "),
 ])
 def test_invalid_tenants_are_bad_requests(server, body, param):
     response = server.admin("POST", "/admin/tenants", json=body)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert server.admin("GET", "/admin/tenants/ok").status_code == 404  # nothing was created
 
 
 def test_key_is_shown_once_authenticates_and_is_revoked(server, tenant):

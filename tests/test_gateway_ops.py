@@ -45,6 +45,14 @@ def test_unknown_routes_and_methods_get_openai_shaped_errors(server):
     assert wrong_method.json()["error"]["message"]
 
 
+def test_a_client_cannot_forge_access_log_lines(server, caplog):
+    forged = "\n2026-01-01 00:00:00,000 INFO gateway.access: POST /admin/tenants 201 tenant=mallory"
+    with caplog.at_level("INFO", logger="gateway.access"):
+        httpx.get(server.url + "/v1/models/x" + forged.replace("\n", "%0A").replace(" ", "%20"))
+    [line] = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert "\n" not in line and "x\\n2026-01-01" in line  # escaped, still readable
+
+
 def test_request_handling_never_imports_torch():
     code = ("import sys, gateway.app, gateway.cli; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
