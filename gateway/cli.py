@@ -161,9 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of requests the strong model should answer (default 0.4)")
     train.add_argument("--holdout", type=float, default=0.2,
                        help="fraction of the data kept for calibration and the report (default 0.2)")
-    train.add_argument("--epochs", type=int, default=60, help="training epochs (default 60)")
+    train.add_argument("--epochs", type=_positive_int, default=60, help="training epochs (default 60)")
     train.add_argument("--seed", type=int, default=0, help="seed of the split and the fit")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -351,16 +358,20 @@ def train_router_command(args: dict) -> int:
     """`switchboard router train`: fit, calibrate, save, and report."""
     from routing.learned import read_examples, train_router
 
+    if Path(args["out"]).exists() and not Path(args["out"]).is_dir():  # before minutes of training
+        print(f"switchboard router train: --out {args['out']} is a file; name a folder",
+              file=sys.stderr)
+        return 2
     try:
         with open(args["data"], encoding="utf-8") as lines:
             examples = read_examples(lines, str(args["data"]))
         router, report = train_router(examples, args["target_strong_share"],
                                       holdout_fraction=args["holdout"], seed=args["seed"],
                                       epochs=args["epochs"])
+        router.save(args["out"])
     except (OSError, ValueError) as error:
         print(f"switchboard router train: {error}", file=sys.stderr)
         return 2
-    router.save(args["out"])
     print(f"trained on {report.num_train} prompts; calibrated on {report.num_holdout} held out: "
           f"threshold {report.threshold:.4f} sends {report.strong_share:.1%} to the strong model "
           f"(target {args['target_strong_share']:.1%}); held-out ROC AUC {report.auc:.3f}\n"

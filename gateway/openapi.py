@@ -70,13 +70,20 @@ def openapi_path(path: str) -> str:
     return _CONVERTOR.sub(r"{\1}", path)
 
 
+# Endpoints that answer 201 Created (a tenant, a key, an adapter version).
+_CREATING_ROUTES = {"create_tenant", "create_key", "upload_adapter", "admin_upload_adapter"}
+_SENTENCE_END = re.compile(r"(?<=\.)\s")  # where a docstring's first sentence ends
+
+
 def _operation(route: Route, method: str) -> dict[str, Any]:
     doc = (route.endpoint.__doc__ or route.name).strip()
+    first_paragraph = " ".join(doc.split("\n\n")[0].split())
+    created = route.name in _CREATING_ROUTES
     operation: dict[str, Any] = {
-        "summary": doc.splitlines()[0],
+        "summary": _SENTENCE_END.split(first_paragraph, maxsplit=1)[0],
         "operationId": f"{method.lower()}_{route.name}",
         "responses": {
-            "200": {"description": "OK"},
+            "201" if created else "200": {"description": "Created" if created else "OK"},
             "default": {
                 "description": "An error, in OpenAI's error shape",
                 "content": {"application/json": {"schema": {"$ref": _REF_TEMPLATE.format(

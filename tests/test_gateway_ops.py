@@ -34,6 +34,12 @@ def test_openapi_lists_every_route_and_method(server):
     assert {"model", "messages", "max_completion_tokens", "top_logprobs"} <= set(schema["properties"])
     assert document["paths"]["/admin/keys/{key_id}"]["delete"]["parameters"][0]["name"] == "key_id"
     assert "security" not in document["paths"]["/health"]["get"]
+    created = {(method.upper(), path) for path, ops in document["paths"].items()
+               for method, op in ops.items() if "201" in op["responses"]}
+    assert created == {("POST", "/admin/tenants"), ("POST", "/admin/tenants/{tenant}/keys"),
+                       ("POST", "/v1/adapters"), ("POST", "/admin/tenants/{tenant}/adapters")}
+    summary = document["paths"]["/v1/models/{model}"]["get"]["summary"]  # once cut at a line's end
+    assert summary.endswith("(another tenant's adapter included: its name is not even confirmed).")
 
 
 def test_unknown_routes_and_methods_get_openai_shaped_errors(server):

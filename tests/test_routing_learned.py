@@ -94,3 +94,9 @@ def test_router_train_command(tmp_path, capsys):
     assert "sends 50.0% to the strong model" in capsys.readouterr().out
     assert LearnedRouter.load(tmp_path / "r").settings.target_strong_share == 0.5
     assert main(["router", "train", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
+    # An --out that is a file is refused before training (it once failed after, with a traceback).
+    assert main(["router", "train", str(data), "--out", str(data)]) == 2
+    assert "is a file; name a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as raised:  # 0 epochs made a router that sent everything strong
+        main(["router", "train", str(data), "--out", str(tmp_path / "r0"), "--epochs", "0"])
+    assert raised.value.code == 2
