@@ -7,6 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant, require_metrics_reader
+from gateway.engine_client import EngineUnavailable
 from gateway.errors import STORE_UNAVAILABLE_MESSAGE, model_not_found
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
@@ -19,6 +20,7 @@ from store import UNAVAILABLE_ERRORS
 class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: str  # "ok" or "unavailable"
     models: list[str]
+    unavailable_models: list[str] = []  # served, but no engine can take their requests now
     error: str | None = None  # why it is unavailable
 
 
@@ -57,22 +59,38 @@ async def _model_cards(request: Request) -> list[ModelCard]:
 
 
 async def health(request: Request) -> Response:
-    """200 while the gateway serves its models, 503 while its store is unreachable (no key needed).
+    """200 while the gateway serves its models, 503 while its store is unreachable or no model
+    has an engine that can take requests (no key needed).
 
     Every /v1 and /admin call needs the store (Redis, with several gateways), so while it cannot be
-    reached the gateway is not ready: a load balancer should send nothing to it. Use this as a
-    readiness check, not a liveness one: a restart does not bring Redis back (the gateway then
-    fails at startup), and the running gateway reconnects by itself once it is back.
+    reached the gateway is not ready: a load balancer should send nothing to it. Nor while every
+    engine worker is gone: each call would get a 503. Use this as a readiness check, not a
+    liveness one: a restart brings back neither Redis nor the workers, and the running gateway
+    reconnects to both by itself.
     """
     state = gateway_state(request)
     try:
         await state.require_store().get_admin_key_hash()  # a cheap read that every store has
     except UNAVAILABLE_ERRORS:
-        body = Health(status="unavailable", models=list(state.engines),
-                      error=STORE_UNAVAILABLE_MESSAGE)
-        return Response(msgspec.json.encode(body), 503, media_type="application/json")
-    body = Health(status="ok", models=list(state.engines))
-    return Response(msgspec.json.encode(body), media_type="application/json")
+        return _health(503, Health(status="unavailable", models=list(state.engines),
+                                   error=STORE_UNAVAILABLE_MESSAGE))
+    unavailable = []
+    for name, engine in list(state.engines.items()):
+        try:
+            await engine.ensure_available()
+        except EngineUnavailable:
+            unavailable.append(name)
+    if len(unavailable) == len(state.engines):
+        return _health(503, Health(status="unavailable", models=list(state.engines),
+                                   unavailable_models=unavailable,
+                                   error="no engine can take requests: start an engine worker "
+                                         "(switchboard worker --redis URL)"))
+    return _health(200, Health(status="ok", models=list(state.engines),
+                               unavailable_models=unavailable))
+
+
+def _health(status: int, body: Health) -> Response:
+    return Response(msgspec.json.encode(body), status, media_type="application/json")
 
 
 async def metrics(request: Request) -> Response:

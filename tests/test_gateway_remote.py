@@ -84,6 +84,9 @@ def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path
             assert reply.status_code == 503, reply.text
         usage = server.admin("GET", "/admin/tenants/acme").json()["usage"]
         assert usage["requests"] == 0
+        # Not ready while no engine can take a request (it once answered 200 "ok").
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["unavailable_models"] == [GHOST]
 
 
 def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tmp_path):
@@ -157,6 +160,7 @@ def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(r
     with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url, routes=routes,
                        default_route="auto", load_tokenizer=lambda folder: None) as server:
         key = server.new_tenant("early")
+        assert httpx.get(server.url + "/health").status_code == 503
         reply = httpx.post(server.url + "/v1/completions", timeout=10,
                            headers={"Authorization": f"Bearer {key}"},
                            json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
