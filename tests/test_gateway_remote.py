@@ -151,7 +151,8 @@ def test_a_worker_address_that_answers_no_worker_json_is_passed_over(redis_url, 
 
 
 
-def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(redis_url, tmp_path):  # noqa: F811
+def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(
+        redis_url, tmp_path):  # noqa: F811
     from routing.routes import parse_routes
 
     routes = parse_routes({"auto": {"tiers": [GHOST, "later"], "threshold": 0.5}}, None)
