@@ -77,16 +77,16 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
         if not await _first_chunks(tier, stream, limit, chunks, attempts, threshold, guard):
             continue  # the next tier is the fallback
         logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
+        score = None
         if len(logprobs) < sum(len(chunk.token_ids) for chunk in chunks):
             # An answer without its logprobs (an upstream that sends none) cannot be judged: it
             # is escalated, not taken as sure.
             logger.warning("route %s: %s answered without logprobs, so it cannot be judged; "
                            "escalating", route.name, tier.model)
-            attempts.append(Attempt(tier.model, None, threshold, *_used(chunks)))
-            await stream.aclose()
-            continue
-        score = confidence(logprobs[:limit] if limit else logprobs, route.measure, route.quantile)
-        if score >= threshold:
+        else:
+            score = confidence(logprobs[:limit] if limit else logprobs, route.measure,
+                               route.quantile)
+        if score is not None and score >= threshold:
             attempts.append(Attempt(tier.model, score, threshold, 0, 0))  # counted when it finishes
             return CascadeOutcome(tier, _replay(chunks, stream))
         attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
