@@ -189,7 +189,9 @@ class Choice:
 class Generation:
     """Runs `streams` (choice i comes from prompt `prompt_indices[i]`) and merges their chunks.
 
-    Latencies (to the first token, between tokens, to the last) are observed as chunks arrive.
+    Latencies are observed as chunks arrive, once per call however many choices it has: the
+    first token is the first of any choice, the last token the last of all; the time between
+    tokens is observed for each choice's gaps.
     """
 
     def __init__(self, streams: list[AsyncIterator[GenerationChunk]], prompt_indices: list[int],
@@ -277,7 +279,8 @@ class Generation:
     def _record(self, index: int, chunk: GenerationChunk, now: float) -> GenerationChunk:
         choice = self.choices[index]
         if choice.last_chunk_at is None:
-            self._latency.time_to_first_token.observe(now - self._arrived_at)
+            if all(c.last_chunk_at is None for c in self.choices):
+                self._latency.time_to_first_token.observe(now - self._arrived_at)
         elif chunk.token_ids:
             self._latency.time_per_output_token.observe((now - choice.last_chunk_at)
                                                         / len(chunk.token_ids))
@@ -285,7 +288,8 @@ class Generation:
         choice.add(chunk)
         if chunk.finished:
             self._num_finished += 1
-            self._latency.e2e_request_latency.observe(now - self._arrived_at)
+            if self._num_finished == len(self.choices):
+                self._latency.e2e_request_latency.observe(now - self._arrived_at)
         return chunk
 
     async def _pump(self, index: int, stream: AsyncIterator[GenerationChunk]) -> None:

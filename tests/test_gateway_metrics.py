@@ -84,6 +84,30 @@ def test_metrics_after_traffic(server):
     assert "# TYPE switchboard_time_to_first_token_seconds histogram" in text
 
 
+def test_latency_is_observed_once_per_call_however_many_choices(server):
+    """A call with n = 3 is one request to the client: one time to first token, one end to end;
+    each choice's gaps between tokens are observed."""
+    key = server.new_tenant("three-choices")
+    names = ("time_to_first_token", "time_per_output_token", "e2e_request_latency")
+
+    def counts() -> dict[str, float]:
+        text = server.admin("GET", "/metrics").text
+        return {n: sample(text, f"switchboard_{n}_seconds_count", model=DEMO_MODEL) for n in names}
+
+    httpx.post(server.url + "/v1/completions", json={"model": DEMO_MODEL, "prompt": "warm",
+               "max_tokens": 1}, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    before = counts()
+    response = httpx.post(server.url + "/v1/completions",
+                          json={"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 5, "n": 3,
+                                "ignore_eos": True, "temperature": 1.0, "seed": 7},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 3
+    after = counts()
+    assert after["time_to_first_token"] - before["time_to_first_token"] == 1
+    assert after["e2e_request_latency"] - before["e2e_request_latency"] == 1
+    assert after["time_per_output_token"] - before["time_per_output_token"] >= 3
+
+
 def test_metrics_need_the_metrics_key_or_the_admin_key(demo_engine, tmp_path):
     """The series name tenants and their adapters: no tenant, and no caller without a key, reads them."""
     with gateway_server(demo_engine, tmp_path, metrics_key="scrape-me") as server:
