@@ -1,8 +1,10 @@
 """Admission: a tenant's rate limits and monthly budget, checked before any engine work.
 
 The rate check pays the request's estimated tokens (prompt + max_tokens for every choice) into
-the tenant's tpm bucket up front; the budget holds the same estimate until the call settles with
-the tokens it really used (streamed ones included, also when the client went away).
+the tenant's tpm bucket up front, and the call gives back what it did not use when it settles;
+the budget holds the same estimate until the call settles with the tokens it really used
+(streamed ones included, also when the client went away). A call refused after admission (the
+budget, or the engine, said no) costs nothing.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Coroutine
 
 from gateway.errors import ApiError
 from store import Reservation, Store, Tenant
@@ -25,8 +28,10 @@ HOLD_TTL_S = 600.0
 class Admission:
     """A call let in under its tenant's limits; `settle` once with the real counts."""
 
-    def __init__(self, store: Store, reservation: Reservation, hold_ttl_s: float = HOLD_TTL_S):
+    def __init__(self, store: Store, tenant: Tenant, reservation: Reservation,
+                 hold_ttl_s: float = HOLD_TTL_S):
         self._store = store
+        self._tenant = tenant
         self._reservation = reservation
         self._renewal = asyncio.create_task(self._keep_held(hold_ttl_s))
 
@@ -43,10 +48,20 @@ class Admission:
                                exc_info=True)
 
     async def settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
-        """Bill the real counts and release the hold. Runs as its own task, so a cancelled caller
-        (a client that disconnected) still bills what was generated."""
+        """Bill the real counts, release the hold and give the tpm bucket back the tokens held
+        for but not used. Runs as its own task, so a cancelled caller (a client that
+        disconnected) still bills what was generated."""
+        await self._finally(self._settle(tokens_in, tokens_out, spend_usd))
+
+    async def withdraw(self, *, refund_requests: bool) -> None:
+        """End a call that used nothing: drop its hold, billing and counting nothing, and give
+        back the tokens it paid into tpm, and its request into rpm when `refund_requests` (it
+        was refused with an error, not left by its client)."""
+        await self._finally(self._withdraw(refund_requests))
+
+    async def _finally(self, ending: Coroutine[None, None, None]) -> None:
         self._renewal.cancel()
-        task = asyncio.create_task(self._settle(tokens_in, tokens_out, spend_usd))
+        task = asyncio.create_task(ending)
         _pending.add(task)
         task.add_done_callback(_pending.discard)
         await asyncio.shield(task)
@@ -55,8 +70,19 @@ class Admission:
         try:
             await self._store.settle(self._reservation, tokens_in=tokens_in,
                                      tokens_out=tokens_out, spend_usd=spend_usd)
+            unused = self._reservation.tokens - tokens_in - tokens_out
+            if unused > 0:
+                await self._store.refund_rate(self._tenant, requests=0, tokens=unused)
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle usage of tenant %s", self._reservation.tenant)
+
+    async def _withdraw(self, refund_requests: bool) -> None:
+        try:
+            await self._store.release(self._reservation)
+            await self._store.refund_rate(self._tenant, requests=int(refund_requests),
+                                          tokens=self._reservation.tokens)
+        except Exception:  # the hold lapses on its own
+            logger.exception("could not release the hold of tenant %s", self._reservation.tenant)
 
 
 def _or_unlimited(value: float | None, unit: str = "") -> str:
@@ -86,6 +112,7 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
     reservation = await store.reserve_tokens(tenant, estimated_tokens,
                                              spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
     if reservation is None:
+        await store.refund_rate(tenant, requests=1, tokens=estimated_tokens)
         raise ApiError(429, f"tenant {tenant.name!r} has used its monthly budget (tokens: "
                        f"{_or_unlimited(tenant.monthly_token_budget)}, spend: "
                        f"{_or_unlimited(tenant.monthly_spend_budget_usd, ' USD')}); this request "
@@ -93,4 +120,4 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                        "ask your administrator to raise it",
                        type="insufficient_quota", code="insufficient_quota",
                        headers={"x-should-retry": "false"})
-    return Admission(store, reservation, hold_ttl_s)
+    return Admission(store, tenant, reservation, hold_ttl_s)

@@ -238,8 +238,9 @@ class Call:
             raise engine_failed(error) from None
         return True
 
-    async def finish(self) -> None:
-        """Stop what still runs, then count and bill the tokens really used (once)."""
+    async def finish(self, *, refused: bool = False) -> None:
+        """Stop what still runs, then count and bill the tokens really used (once). `refused`:
+        the call ends with an error before its answer began (see `_bill`)."""
         if self.is_finished:
             return
         self.is_finished = True
@@ -247,7 +248,7 @@ class Call:
         if self.target.route is not None:
             self.state.metrics.count_route(self.target.route.name, self.answered_by,
                                            self.escalated, [a.model for a in self.attempts])
-        await _bill(self.request, self.admission, self.tenant.name, self.uses())
+        await _bill(self.request, self.admission, self.tenant.name, self.uses(), refused=refused)
 
 
 def _number(value: float | None) -> str:
@@ -271,9 +272,15 @@ def _uses_of(state: GatewayState, attempts: list[Attempt]) -> list[_Use]:
                  state.price_of(a.model).cost(a.tokens_in, a.tokens_out)) for a in attempts]
 
 
-async def _bill(request: Request, admission: Admission, tenant: str, uses: list[_Use]) -> None:
+async def _bill(request: Request, admission: Admission, tenant: str, uses: list[_Use], *,
+                refused: bool = False) -> None:
     """Count a call's tokens and spend under the models that used them, then charge their sum to
-    its tenant: the one place a call is billed."""
+    its tenant: the one place a call is billed. A call that used no tokens is neither billed nor
+    counted as a request, and, when `refused` (it got an error: the engine refused it or failed
+    before starting it), does not count against rpm either, as the gateway's own 400s do not."""
+    if not any(use.tokens_in or use.tokens_out for use in uses):
+        await admission.withdraw(refund_requests=refused)
+        return
     metrics = gateway_state(request).metrics
     for use in uses:
         metrics.count_tokens(tenant, use.model, use.tokens_in, use.tokens_out)
@@ -349,10 +356,10 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         # back: they never run, nor are billed.
         await _unless_disconnected(request, generation.start())
     except RequestRejected as error:
-        await call.finish()
+        await call.finish(refused=True)
         raise invalid_request(str(error), param=ask.param_of(error)) from None
     except EngineFailure as error:
-        await call.finish()
+        await call.finish(refused=True)
         raise engine_failed(error) from None
     except BaseException:
         await call.finish()

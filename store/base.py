@@ -109,6 +109,12 @@ class Store(Protocol):
     ) -> RateDecision:
         """Atomically check the tenant's rpm and tpm buckets; if both allow, pay into both."""
 
+    async def refund_rate(
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+    ) -> None:
+        """Give back what a call paid into the rate buckets (it was refused after paying); a
+        bucket never fills past its limit."""
+
     async def reserve_tokens(
         self,
         tenant: Tenant,
@@ -131,6 +137,10 @@ class Store(Protocol):
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
     ) -> None:
         """Release the hold and add the request's real counts to its month; call once."""
+
+    async def release(self, reservation: Reservation) -> None:
+        """Drop the hold of a call that used nothing, billing and counting nothing; call once,
+        instead of `settle`."""
 
     async def get_usage(
         self, tenant: str, month: str | None = None, *, now: float | None = None

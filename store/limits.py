@@ -27,11 +27,12 @@ def month_of(now: float) -> str:
 
 
 def rate_costs(tenant: Tenant, requests: int, tokens: int) -> dict[str, tuple[int, int]]:
-    """{kind: (limit, cost)} for the buckets a request of this size must pay into."""
+    """{kind: (limit, cost)} for the buckets a request of this size must pay into (a negative
+    cost gives back what a call refused after admission paid)."""
     costs = {}
-    if tenant.rpm is not None and requests > 0:
+    if tenant.rpm is not None and requests != 0:
         costs["rpm"] = (tenant.rpm, requests)
-    if tenant.tpm is not None and tokens > 0:
+    if tenant.tpm is not None and tokens != 0:
         costs["tpm"] = (tenant.tpm, tokens)
     return costs
 
@@ -55,7 +56,7 @@ def take(
             wait = WINDOW_S if cost > limit else (cost - level) * WINDOW_S / limit
             if wait > retry_after:
                 retry_after, limited_by = wait, kind
-        new_buckets[kind] = (level - cost, max(updated_at, now))
+        new_buckets[kind] = (min(float(limit), level - cost), max(updated_at, now))
     if limited_by is not None:
         return RateDecision(False, retry_after, limited_by), {}
     return RateDecision(True), new_buckets

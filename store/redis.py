@@ -322,6 +322,11 @@ class RedisStore:
         )
         return RateDecision(bool(allowed), float(retry_after), limited_by or None)
 
+    async def refund_rate(
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+    ) -> None:
+        await self.check_and_consume_rate(tenant, requests=-requests, tokens=-tokens, now=now)
+
     async def reserve_tokens(
         self,
         tenant: Tenant,
@@ -366,6 +371,10 @@ class RedisStore:
                 pipe.hincrbyfloat(usage, "spend_usd", spend_usd)
 
         await self._redis.transaction(settle, k.tenant(reservation.tenant))
+
+    async def release(self, reservation: Reservation) -> None:
+        await self._redis.hdel(self._keys.holds(reservation.tenant, reservation.month),
+                               reservation.id)
 
     async def get_usage(
         self, tenant: str, month: str | None = None, *, now: float | None = None

@@ -6,7 +6,8 @@ check and the write. They mirror store.limits (take, budget_allows); numbers cro
 """
 
 # KEYS[1]: the tenant's bucket hash ("<kind>:level", "<kind>:ts" fields; missing = full bucket).
-# ARGV: now, window_s, then one (kind, limit, cost) triple per bucket to pay.
+# ARGV: now, window_s, then one (kind, limit, cost) triple per bucket to pay (a negative cost is
+# a refund, never refused).
 # Returns {allowed (0/1), retry_after, limited_by}.
 RATE = """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -21,7 +22,7 @@ for i = 3, #ARGV, 3 do
     if cost <= limit then wait = (cost - level) * window / limit end
     if wait > retry_after then retry_after, limited_by = wait, kind end
   end
-  paid[#paid + 1] = {kind, level - cost, math.max(ts, now)}
+  paid[#paid + 1] = {kind, math.min(limit, level - cost), math.max(ts, now)}
 end
 if limited_by ~= '' then
   return {0, string.format('%.17g', retry_after), limited_by}

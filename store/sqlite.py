@@ -391,6 +391,11 @@ class SqliteStore:
 
         return await self._write(consume)
 
+    async def refund_rate(
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+    ) -> None:
+        await self.check_and_consume_rate(tenant, requests=-requests, tokens=-tokens, now=now)
+
     async def reserve_tokens(
         self,
         tenant: Tenant,
@@ -447,6 +452,11 @@ class SqliteStore:
             )
 
         await self._write(settle)
+
+    async def release(self, reservation: Reservation) -> None:
+        await self._write(
+            lambda conn: conn.execute("DELETE FROM reservations WHERE id = ?", (reservation.id,))
+        )
 
     async def get_usage(
         self, tenant: str, month: str | None = None, *, now: float | None = None

@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+from engine.demo import demo_config
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, gateway_server, run_server
 from tests.redis_server import redis_server  # noqa: F401
 
@@ -136,14 +137,38 @@ def test_rpm_limit_allows_exactly_that_many_then_429_with_retry_after(server):
         client.completions.create(model=DEMO_MODEL, prompt="hi", max_tokens=1)
 
 
-def test_tpm_counts_prompt_plus_max_tokens(server):
+def test_tpm_holds_prompt_plus_max_tokens_and_gives_back_what_was_not_used(server):
     key = server.new_tenant(f"t{next(_names)}", tpm=40)
     too_large = complete(server, key, max_tokens=50)
     assert too_large.status_code == 400 and too_large.json()["error"]["code"] == "request_too_large"
-    # "hi" is 3 prompt tokens (BOS + 2 bytes): 3 + 17 = 20 tokens, twice fills the bucket of 40.
-    assert [complete(server, key, max_tokens=17).status_code for _ in range(2)] == [200, 200]
-    limited = complete(server, key, max_tokens=17)
+    # "hi" is 3 prompt tokens (BOS + 2 bytes). Each call pays 3 + 25 up front, more than the 40
+    # leave twice; an EOS forced first ends it after 1 token, and it gives back the other 24.
+    eos = {str(demo_config().eos_token_id): 100}
+    for _ in range(3):
+        ended = complete(server, key, max_tokens=25, logit_bias=eos)
+        assert ended.status_code == 200 and ended.json()["usage"]["total_tokens"] == 4, ended.text
+    # 3 + 17 = 20 tokens used in full, twice, with the 12 used above: no room left.
+    assert complete(server, key, max_tokens=17, ignore_eos=True).status_code == 200
+    limited = complete(server, key, max_tokens=17, ignore_eos=True)
     assert limited.status_code == 429 and "tpm" in limited.json()["error"]["message"]
+
+
+def test_a_call_refused_after_admission_costs_nothing(server):
+    """Refused for the monthly budget, or by the engine (a token id outside the vocabulary): no
+    rpm or tpm used, nothing billed, no request counted."""
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, rpm=2, tpm=400, monthly_token_budget=200)
+    over_budget = complete(server, key, max_tokens=350)
+    assert over_budget.status_code == 429
+    assert over_budget.json()["error"]["code"] == "insufficient_quota"
+    for _ in range(3):  # 3 + 150 tokens each: all three would not fit in 400 a minute
+        refused = complete(server, key, max_tokens=150, logit_bias={"99999": 1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
+    answers = [complete(server, key, max_tokens=5, ignore_eos=True) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200]
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["requests"], usage["tokens_in"] + usage["tokens_out"]) == (2, 16)
+    assert complete(server, key, max_tokens=5).status_code == 429  # rpm: 2 a minute
 
 
 def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):

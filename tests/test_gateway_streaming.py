@@ -138,7 +138,7 @@ def test_a_client_that_leaves_while_queued_takes_its_request_back_unbilled(one_a
         assert engine.stats().num_running == 1
     assert wait_until_idle(server).kv_blocks_used == 0
     billed = settled_usage(server, queued_name)
-    assert (billed["tokens_in"], billed["tokens_out"]) == (0, 0)
+    assert (billed["requests"], billed["tokens_in"], billed["tokens_out"]) == (0, 0, 0)
 
 
 def test_finished_streams_leave_nothing_behind(server, tenant):

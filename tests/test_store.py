@@ -281,6 +281,28 @@ async def test_refused_request_consumes_nothing(store: Store) -> None:
     assert too_big == RateDecision(False, 60.0, "tpm")
 
 
+async def test_refunds_give_back_what_was_paid_but_never_past_the_limit(store: Store) -> None:
+    acme = await make_tenant(store, rpm=2, tpm=100)
+    assert (await store.check_and_consume_rate(acme, tokens=90, now=T0)).allowed
+    await store.refund_rate(acme, requests=1, tokens=60, now=T0)
+    assert (await store.check_and_consume_rate(acme, tokens=70, now=T0)).allowed  # 100 - 30
+    assert not (await store.check_and_consume_rate(acme, tokens=1, now=T0)).allowed
+    await store.refund_rate(acme, requests=5, tokens=500, now=T0)  # full, not 5 requests' worth
+    assert (await store.check_and_consume_rate(acme, tokens=100, now=T0)).allowed
+    assert (await store.check_and_consume_rate(acme, tokens=0, now=T0)).allowed
+    assert not (await store.check_and_consume_rate(acme, tokens=0, now=T0)).allowed
+
+
+async def test_a_released_hold_bills_and_counts_nothing(store: Store) -> None:
+    acme = await make_tenant(store, monthly_token_budget=100)
+    held = await store.reserve_tokens(acme, 100, now=T0)
+    assert held is not None and await store.reserve_tokens(acme, 1, now=T0) is None
+    await store.release(held)
+    usage = await store.get_usage("acme", now=T0)
+    assert (usage.requests, usage.tokens_in, usage.reserved_tokens) == (0, 0, 0)
+    assert await store.reserve_tokens(acme, 100, now=T0) is not None
+
+
 async def test_concurrent_consumers_get_exactly_n(
     store: Store, store_url: str, tmp_path: Path
 ) -> None:
