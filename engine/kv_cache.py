@@ -18,14 +18,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: bytes, adapter_id: str | None, token_ids: list[int]) -> bytes:
-    """Chained hash of one full block: the prefix before it, the adapter, and its tokens.
+def hash_block(parent: bytes, tenant: str | None, adapter_id: str | None,
+               token_ids: list[int]) -> bytes:
+    """Chained hash of one full block: the prefix before it, the tenant, the adapter, its tokens.
 
     NOTE: the adapter identity is part of the key because LoRA changes K and V; two requests share a
-    block only if they used the same adapter version (or none) on the same prefix.
+    block only if they used the same adapter version (or none) on the same prefix. The tenant is
+    because a hit shows (in `cached_tokens`, and in the time to the first token) that the prefix
+    was sent before: shared across tenants, one could probe another's prompts. Requests without a
+    tenant (the engine used directly) share among themselves.
     """
     digest = hashlib.sha256(parent)
-    digest.update((adapter_id or "").encode() + b"\x00")
+    for scope in (tenant, adapter_id):
+        encoded = (scope or "").encode()
+        digest.update(len(encoded).to_bytes(4, "little") + encoded)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -155,7 +161,7 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else b""
-            hashes.append(hash_block(parent, request.adapter_id,
+            hashes.append(hash_block(parent, request.tenant, request.adapter_id,
                                      request.token_ids_slice(i * bs, (i + 1) * bs)))
 
     def _touch(self, block_id: int) -> None:

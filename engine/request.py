@@ -145,6 +145,7 @@ class Request:
     priority: int = 0
     """Lower runs first (the vLLM convention)."""
     tenant: str | None = None
+    """Who sent it; part of the prefix-cache key, so tenants never share cached blocks."""
     adapter_id: str | None = None
     """Identity of the LoRA adapter; part of the prefix-cache key because LoRA changes K and V."""
     arrival_time: float = field(default_factory=time.monotonic)

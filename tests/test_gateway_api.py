@@ -418,3 +418,19 @@ def test_malformed_json_is_a_bad_request(server, key):
                              ("/admin/tenants", b'{"name": "\xff"}', ADMIN_KEY)]:
         response = httpx.post(server.url + path, content=body, headers={"Authorization": f"Bearer {auth}"})
         assert response.status_code == 400 and "UTF-8" in response.json()["error"]["message"], path
+
+
+def test_tenants_never_hit_each_others_cached_prompts(server):
+    """`cached_tokens` (and a faster first token) would tell one tenant what another had sent."""
+    secret = "The board meets on Friday to approve the merger with Acme. " * 2  # several KV blocks
+
+    def cached(key: str) -> int:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+        completion = client.completions.create(model=DEMO_MODEL, prompt=secret, max_tokens=1)
+        client.close()
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    alice, bob = server.new_tenant("cache-alice"), server.new_tenant("cache-bob")
+    assert cached(alice) == 0
+    assert cached(bob) == 0
+    assert cached(alice) > 0  # a tenant's own prompts are still cached

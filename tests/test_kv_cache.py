@@ -48,14 +48,29 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 
 
 def test_adapter_identity_is_part_of_the_block_hash():
-    assert hash_block(b"", None, [1, 2]) != hash_block(b"", "adapter-sha", [1, 2])
-    assert hash_block(b"", "a", [1, 2]) != hash_block(b"", "b", [1, 2])
+    assert hash_block(b"", None, None, [1, 2]) != hash_block(b"", None, "adapter-sha", [1, 2])
+    assert hash_block(b"", None, "a", [1, 2]) != hash_block(b"", None, "b", [1, 2])
     kv = KVCacheManager(num_blocks=8, block_size=4)
     base = create_request(prompt=list(range(9)))
     compute_prompt(kv, base)
     tuned = create_request(prompt=list(range(9)))
     tuned.adapter_id = "sha256:abc"
     assert kv.get_computed_blocks(tuned) == []
+
+
+def test_tenants_never_share_cached_blocks():
+    """A hit would tell one tenant that another sent the same prefix."""
+    assert hash_block(b"", "ab", "c", [1]) != hash_block(b"", "a", "bc", [1])
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    alice = create_request(prompt=list(range(9)))
+    alice.tenant = "alice"
+    compute_prompt(kv, alice)
+    bob = create_request(prompt=list(range(9)))
+    bob.tenant = "bob"
+    assert kv.get_computed_blocks(bob) == []
+    alice_again = create_request(prompt=list(range(9)))
+    alice_again.tenant = "alice"
+    assert kv.get_computed_blocks(alice_again) == alice.block_ids[:2]
 
 
 def test_freed_cached_blocks_are_reused_until_evicted():
