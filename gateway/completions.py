@@ -60,8 +60,9 @@ async def create_completion(request: Request) -> Response:
                 text, entries, offsets = echo.apply(
                     c.prompt_index, call.generation.prompt_logprobs(c.prompt_index), text, entries,
                     offsets)
+            finish_reason = c.finish_reason if echo is None else echo.finish_reason(c.finish_reason)
             choices.append(CompletionChoice(c.index, text, name and _logprobs(name, entries, offsets),
-                                            c.finish_reason))
+                                            finish_reason))
         return Completion(id=call.id, created=call.created, model=call.model, choices=choices,
                           usage=call.usage())
 
@@ -106,6 +107,11 @@ class Echo:
         prompt_entries = [(ids[0], None, None), *_entries(prompt_logprobs or [])]
         return (self.texts[prompt_index] + text, prompt_entries + entries,
                 self.offsets[prompt_index] + offsets)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """With max_tokens 0 a choice ends with `length` (its 0 tokens), whatever ended the one
+        token the engine sampled and this leaves out (an EOS, a stop string)."""
+        return "length" if self.drop_output and engine_reason is not None else engine_reason
 
 
 class TextOffsets:
@@ -209,7 +215,9 @@ async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: 
             if not (text or chunk.finished or (name and entries)):
                 continue
             logprobs = None if name is None else _logprobs(name, entries, offsets)
-            choice = CompletionChoice(index, text, logprobs, chunk.finish_reason)
+            finish_reason = chunk.finish_reason if echo is None else echo.finish_reason(
+                chunk.finish_reason)
+            choice = CompletionChoice(index, text, logprobs, finish_reason)
             yield event(Completion(id=call.id, created=call.created, model=call.model,
                                    choices=[choice]))
     except EngineFailure as error:

@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+from engine.demo import demo_config
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.conftest import ADMIN_KEY, DEMO_MODEL
@@ -302,6 +303,14 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     streamed_zero = list(client.completions.create(model=DEMO_MODEL, prompt=PROMPT, max_tokens=0,
                                                    echo=True, stream=True))
     assert "".join(e.choices[0].text for e in streamed_zero) == PROMPT
+    # Its 0 tokens end it with `length`, even when the token sampled and left out was an EOS.
+    eos = {"logit_bias": {str(demo_config().eos_token_id): 100}}
+    assert streamed_zero[-1].choices[0].finish_reason == "length"
+    for stream in (False, True):
+        reply = client.completions.create(model=DEMO_MODEL, prompt=PROMPT, max_tokens=0, echo=True,
+                                          stream=stream, **eos)
+        last = list(reply)[-1] if stream else reply
+        assert last.choices[0].finish_reason == "length"
 
     # n > 1 and several prompts: one choice of each prompt scores it, and every choice echoes it.
     short = offline_greedy(offline, prompt_ids[:4], 3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
