@@ -78,6 +78,9 @@ ROLE_ID, CONTENT_ID, NAME_ID = -1, -2, -3  # the marks of a chat's fields (no te
 _FIELD_MARKS = {"role": ROLE_ID, "content": CONTENT_ID, "name": NAME_ID}
 _FIELD_KEYS = {mark: key for key, mark in _FIELD_MARKS.items()}
 _API_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
+# The special tokens an upstream may add to a prompt it reads as text (a BOS, and some add more),
+# which the prompt's bytes do not count.
+_SPECIAL_TOKENS_ROOM = 8
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # others read as "stop"
 _REJECTED_STATUSES = (400, 413, 422)  # the request itself was wrong: the caller can fix it
 _MAX_IDLE_CONNECTIONS = 32
@@ -308,8 +311,10 @@ class UpstreamEngineClient:
 
     def _request_body(self, prompt_token_ids: list[int], options: SamplingOptions) -> bytes:
         body = {"model": self._source.model, "stream": True,
-                "stream_options": {"include_usage": True}, "max_tokens": options.max_tokens,
-                "temperature": options.temperature, "top_p": options.top_p}
+                "stream_options": {"include_usage": True}, "temperature": options.temperature,
+                "top_p": options.top_p}
+        if (max_tokens := self._upstream_max_tokens(prompt_token_ids, options)) is not None:
+            body["max_tokens"] = max_tokens
         # NOTE: logprobs always asked: their tokens are how output tokens are counted
         if self._source.api == "chat":
             body |= {"messages": _messages(prompt_token_ids), "logprobs": True}
@@ -325,6 +330,20 @@ class UpstreamEngineClient:
             if value := getattr(options, name):  # sent only when set, like the extras below
                 body[name] = value
         return msgspec.json.encode(body | _vllm_extras(options))
+
+    def _upstream_max_tokens(self, prompt_token_ids: list[int], options: SamplingOptions
+                             ) -> int | None:
+        """What to ask the upstream for. An answer that may run to the end of the context (a
+        chat that left max_tokens out) cannot be sent as it is: the prompt's count here is its
+        bytes, and the upstream adds its special tokens, and the chat API its template, so it
+        would refuse the call as too long. The chat API is sent no max_tokens (it then fills
+        what its context leaves), the completions API (where it defaults to 16) leaves room for
+        the special tokens."""
+        if len(prompt_token_ids) + options.max_tokens < self.max_model_len:
+            return options.max_tokens
+        if self._source.api == "chat":
+            return None
+        return max(1, options.max_tokens - _SPECIAL_TOKENS_ROOM)
 
     async def _relay(self, body: bytes, request_id: str, num_prompt_bytes: int,
                      with_logprobs: bool, put: Callable[[object], object]) -> None:

@@ -28,6 +28,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 from starlette.types import Receive, Scope, Send
 
+from engine.demo import demo_config
 from gateway.config import UpstreamSource, load_serve_config
 from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
 from gateway.upstream import (CONTENT_ID, FIRST_TOKEN_ID, NAME_ID, ROLE_ID, RenderedChat,
@@ -149,6 +150,11 @@ def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[G
         "demo": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S, max_model_len=1 << 16),
         "demo-chat": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S, max_model_len=1 << 16,
                                     api="chat"),
+        # Its context as it is, as an operator declares it.
+        "demo-exact": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S,
+                                     max_model_len=demo_engine.max_model_len),
+        "demo-chat-exact": UpstreamSource(url, DEMO_MODEL, KEY_ENV, TIMEOUT_S, api="chat",
+                                          max_model_len=demo_engine.max_model_len),
         "hosted": UpstreamSource(stalling + "/hosted/v1", "chat-model", None, TIMEOUT_S,
                                  api="chat"),
         "small": UpstreamSource(url, "small", KEY_ENV, TIMEOUT_S),
@@ -695,6 +701,21 @@ def test_a_hosted_chat_api_gets_the_messages_and_sampling_options(front, hosted)
         ([{"role": "user", "content": "hi"}], 3, True, 1)
     assert plain["choices"][0]["logprobs"]["top_logprobs"] == [{"o": -0.1, "k": -2.5},
                                                                {"k": -0.2, "o": -1.75}]
+
+
+def test_a_chat_without_max_tokens_fills_what_the_upstream_s_context_leaves(front, hosted):
+    """The upstream counts more prompt tokens than the gateway does (its BOS, its chat template):
+    the rest of the context as the gateway counts it would be refused there as too long."""
+    server, key = front
+    ends_at_once = {"logit_bias": {str(demo_config().eos_token_id): 100}}
+    for model in ("demo-exact", "demo-chat-exact"):
+        answer = chat(server.url, key, model=model, messages=CHAT, **ends_at_once)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "stop"
+    assert chat(server.url, key, model="hosted", messages=CHAT).status_code == 200
+    assert "max_tokens" not in hosted.requests[-1][1]  # the hosted API's default: the rest
+    chat(server.url, key, model="hosted", messages=CHAT, max_tokens=5)
+    assert hosted.requests[-1][1]["max_tokens"] == 5
 
 
 def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_count(front, hosted):
