@@ -58,6 +58,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import httpx
@@ -101,6 +102,9 @@ class _ChatTokenLogprob(msgspec.Struct):
     token: str
     logprob: float
     top_logprobs: list[_TopLogprob] | None = None
+    # null for a token that adds no text (a special token, as the EOS ending a reply); absent
+    # where the upstream does not say
+    bytes: list[int] | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class _Logprobs(msgspec.Struct):
@@ -111,16 +115,23 @@ class _Logprobs(msgspec.Struct):
     top_logprobs: list[dict[str, float] | None] | None = None
     content: list[_ChatTokenLogprob] | None = None
 
-    def entries(self) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
-        """(token, logprob, top alternatives) of each token; None if the lists differ in length."""
+    def entries(self) -> list[_Entry] | None:
+        """Each token's entry; None if the lists differ in length."""
         if self.content is not None:
-            return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs or ()])
-                    for e in self.content]
+            return [_Entry(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs or ()],
+                           e.bytes is None) for e in self.content]
         tops = self.top_logprobs or [None] * len(self.tokens)
         if not len(self.tokens) == len(self.token_logprobs) == len(tops):
             return None
-        return [(token, logprob, list((top or {}).items()))
+        return [_Entry(token, logprob, list((top or {}).items()), False)
                 for token, logprob, top in zip(self.tokens, self.token_logprobs, tops)]
+
+
+class _Entry(NamedTuple):
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # the top alternatives
+    is_textless: bool  # the upstream said it adds no text (the completions API never says)
 
 
 class _Delta(msgspec.Struct):
@@ -199,7 +210,8 @@ class UpstreamEngineClient:
         self._api_key = api_key
         self._where = f"the upstream of {name!r} ({_origin(source.url)})"
         self._url = source.url.rstrip("/") + _API_PATHS[source.api]
-        self._token_ids: dict[str, int] = {}
+        self._token_ids: dict[tuple[str, bool], int] = {}  # (name, adds no text): id
+        self._textless_ids: set[int] = set()
         self._token_texts: list[str] = []  # NOTE: appended to only on the client's loop
         self._num_in_flight = 0
         self._num_prompt_tokens = 0
@@ -242,7 +254,7 @@ class UpstreamEngineClient:
         return self._token_texts[index] if 0 <= index < len(self._token_texts) else ""
 
     def text_bytes(self, token_id: int) -> bytes:
-        return name_bytes(self.token_text(token_id))
+        return b"" if token_id in self._textless_ids else name_bytes(self.token_text(token_id))
 
     @property
     def supports_adapters(self) -> bool:
@@ -436,12 +448,12 @@ class UpstreamEngineClient:
         if entries is None:
             raise EngineFailure(f"{self._where} sent logprobs whose lists differ in length")
         text = choice.piece
-        token_ids = [self._token_id(token) for token, _, _ in entries] or \
+        token_ids = [self._token_id(e.token, e.is_textless) for e in entries] or \
             ([TEXT_PIECE_ID] if text else [])
         self._num_generation_tokens += len(token_ids)
         counts.num_tokens_seen += len(token_ids)
-        logprobs = [TokenLogprob(token_id, logprob, self._best_first(top))
-                    for token_id, (_, logprob, top) in zip(token_ids, entries)] \
+        logprobs = [TokenLogprob(token_id, e.logprob, self._best_first(e.top, e.token, token_id))
+                    for token_id, e in zip(token_ids, entries)] \
             if with_logprobs else []
         return GenerationChunk(
             token_ids=token_ids, text=text, logprobs=logprobs,
@@ -449,16 +461,23 @@ class UpstreamEngineClient:
             num_prompt_tokens=counts.num_prompt_tokens, num_output_tokens=counts.num_output_tokens,
             num_cached_tokens=counts.num_cached_tokens)
 
-    def _best_first(self, top: list[tuple[str, float]]) -> list[tuple[int, float]]:
+    def _best_first(self, top: list[tuple[str, float]], chosen: str, chosen_id: int
+                    ) -> list[tuple[int, float]]:
+        """The alternatives by id, best first; the chosen token among them has its id."""
         ranked = sorted(top, key=lambda item: item[1], reverse=True)
-        return [(self._token_id(token), logprob) for token, logprob in ranked]
+        return [(chosen_id if token == chosen else self._token_id(token), logprob)
+                for token, logprob in ranked]
 
-    def _token_id(self, token: str) -> int:
-        token_id = self._token_ids.get(token)
+    def _token_id(self, token: str, is_textless: bool = False) -> int:
+        """The id of a token of the upstream's: one for its text, another for the same name
+        standing for no text (a special token "</s>" against the text "</s>")."""
+        token_id = self._token_ids.get((token, is_textless))
         if token_id is None:
             token_id = FIRST_TOKEN_ID + len(self._token_texts)
             self._token_texts.append(token)
-            self._token_ids[token] = token_id
+            self._token_ids[(token, is_textless)] = token_id
+            if is_textless:
+                self._textless_ids.add(token_id)
         return token_id
 
     def _scrub(self, message: str) -> str:

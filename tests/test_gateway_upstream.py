@@ -640,6 +640,24 @@ def test_a_route_escalates_from_a_local_model_to_a_chat_upstream(front, upstream
         "demo-chat"))
 
 
+def test_a_chat_upstream_s_special_tokens_add_no_bytes_as_the_upstream_says(front, upstream):
+    """Its `bytes` are null for a token that adds no text (the EOS), so the bytes join back into
+    the reply, through the gateway as at the upstream."""
+    server, key = front
+    eos = str(demo_config().eos_token_id)
+    body = {"messages": CHAT, "logprobs": True, "top_logprobs": 1, "max_tokens": 3,
+            "ignore_eos": True, "logit_bias": {eos: 100}}
+    direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    proxied = chat(server.url, key, model="demo-chat", **body).json()
+    for answer in (direct, proxied):
+        content = answer["choices"][0]["logprobs"]["content"]
+        assert [(e["token"], e["bytes"]) for e in content] == [("</s>", None)] * 3
+        assert answer["choices"][0]["message"]["content"] == ""
+    tops = [[[(t["token"], t["bytes"]) for t in e["top_logprobs"]]
+             for e in answer["choices"][0]["logprobs"]["content"]] for answer in (direct, proxied)]
+    assert tops[0] == tops[1]
+
+
 def test_a_chat_upstream_tier_is_judged_by_its_logprobs(front, upstream):
     server, key = front
     direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, messages=CHAT,
