@@ -133,26 +133,36 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                        code="engine_unavailable") from None
     # NOTE: staged under the blob root, so the files are linked into place, not copied.
     digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
-    store = state.require_store()
-    # Before the record: other gateways fetch the files as soon as they can see it.
-    await _share_files(store, digest, uploaded.folder)
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
+    store = state.require_store()
     try:
-        await confirm_tenant()
-        stored = await store.put_adapter_record(record)
+        return await _record_adapter(state, record, uploaded.folder, confirm_tenant)
     except NotFound:  # the tenant was deleted meanwhile: its blob must not linger
         await collect_garbage(state.blobs, store, [digest])
         raise not_found(f"tenant {tenant.name!r} does not exist", code="tenant_not_found") from None
     except ApiError:  # the same, found out by confirm_tenant
         await collect_garbage(state.blobs, store, [digest])
         raise
-    # A delete of another record with the same files may have collected the blob between our puts
-    # and our record (see collect_garbage); the record now references it, so put it back.
-    if state.blobs.path(digest) is None:
-        await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
-    await _share_files(store, digest, uploaded.folder)  # a no-op unless it was collected
+
+
+async def _record_adapter(state: GatewayState, record: AdapterRecord, folder: Path,
+                          confirm_tenant: Callable[[], Awaitable[None]]) -> AdapterRecord:
+    """Store `record` as the next version of its name, its files (those of `folder`) in place."""
+    store = state.require_store()
+    # NOTE: held until the record references the blob: a delete of another record with the same
+    # files may have collected it since our put, but none can from here on (see collect_garbage).
+    async with state.blobs.locks.hold(record.digest):
+        if state.blobs.path(record.digest) is None:
+            await asyncio.to_thread(state.blobs.put, folder, link=True)
+        # Before the record: other gateways fetch the files as soon as they can see it.
+        await _share_files(store, record.digest, folder)
+        await confirm_tenant()
+        stored = await store.put_adapter_record(record)
+    # Another gateway's delete may have dropped the shared copy between our put and our record;
+    # the record now keeps it from any other (see SharedBlobs.delete_unreferenced), so put it back.
+    await _share_files(store, record.digest, folder)  # a no-op unless it was dropped
     return stored
 
 

@@ -121,18 +121,15 @@ async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
     folder = state.blobs.path(adapter.digest)
     shared = state.require_store().shared_blobs
     if folder is None and shared is not None:
-        lock = state.blob_fetches.setdefault(adapter.digest, asyncio.Lock())
         try:
-            async with lock:  # the request holding it may have fetched the files meanwhile
+            # The request holding it may have fetched the files meanwhile.
+            async with state.blobs.locks.hold(adapter.digest):
                 folder = (state.blobs.path(adapter.digest)
                           or await fetch_blob(state.blobs, shared, adapter.digest))
         except StoreError as error:
             raise ApiError(503, f"the files of adapter {adapter.name!r} are damaged in the store "
                            f"and were not used ({error}); upload the adapter again",
                            type="server_error", code="adapter_files_damaged") from None
-        finally:
-            if not lock.locked() and state.blob_fetches.get(adapter.digest) is lock:
-                del state.blob_fetches[adapter.digest]
     if folder is None:
         where = "this server's adapter folder" + (" and the store" if shared is not None else "")
         raise ApiError(503, f"the files of adapter {adapter.name!r} are missing from {where}; "

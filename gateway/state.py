@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -36,8 +35,6 @@ class GatewayState:
     metrics_key_hash: str | None = None  # of the key that may read /metrics (the admin key may too)
     learned: LearnedRouting = field(default_factory=LearnedRouting)
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
-    # by digest: held while that blob is fetched from the store (gateway.serving.adapter_folder)
-    blob_fetches: dict[str, asyncio.Lock] = field(default_factory=dict)
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @property

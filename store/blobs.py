@@ -11,13 +11,15 @@ front of them: fetch_blob copies a blob the folder lacks from the store, checkin
 """
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from store.base import SharedBlobs, Store
@@ -41,11 +43,45 @@ def digest_files(folder: Path, names: Sequence[str] = ADAPTER_FILES) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class _DigestLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    num_users: int = 0  # holding it or waiting for it
+
+
+class DigestLocks:
+    """One asyncio lock per blob digest, made on first use and dropped once no one holds or
+    awaits it. A blob's presence is decided in steps that must not interleave with another
+    task's: a delete's "unreferenced?" and its delete; an upload's "stored?" and its record; a
+    fetch's "missing?" and its fetch. Each holds the digest's lock across its steps."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _DigestLock] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, digest: str) -> AsyncIterator[None]:
+        entry = self._locks.setdefault(digest, _DigestLock())
+        entry.num_users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            # NOTE: counted, not lock.locked(): a released lock reads unlocked before the waiter it
+            # wakes takes it, and a fresh lock made then would let a third task in beside it.
+            entry.num_users -= 1
+            if entry.num_users == 0:
+                del self._locks[digest]
+
+
 class BlobStore:
-    """Adapter file sets by digest. Blocking file IO: call from a thread in async code."""
+    """Adapter file sets by digest. Blocking file IO: call from a thread in async code.
+
+    `locks` (asyncio) order the tasks of one process that store, fetch or delete a blob; see
+    collect_garbage."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.locks = DigestLocks()
         root.mkdir(parents=True, exist_ok=True)
 
     def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES, *, link: bool = False,
@@ -137,19 +173,21 @@ async def collect_garbage(
     """Delete the blobs (all local ones, or just `digests`) that no adapter record references,
     from the folder and from the store's shared copies; returns those deleted from the folder.
 
-    NOTE: uploads put the blob before the record, so a blob whose record is being written at
-    this moment can be collected; run this after deletes, not concurrently with uploads of the
-    same files, or re-put the blob when a record's blob is missing.
+    NOTE: each blob's `blobs.locks` lock is held from the check of its references to its delete,
+    so an upload of the same files, which holds it from making sure the blob is stored to writing
+    its record (gateway.adapter_api), comes wholly before (and is seen referencing it) or wholly
+    after (and stores the blob again). Never call this while holding one of those locks.
     """
     await asyncio.to_thread(blobs.remove_stale_temp, time.time())
     removed = []
     for digest in blobs.digests() if digests is None else digests:
-        if await store.is_digest_referenced(digest):
-            continue
-        if store.shared_blobs is not None:
-            await store.shared_blobs.delete_unreferenced(digest)
-        if await asyncio.to_thread(blobs.delete, digest):
-            removed.append(digest)
+        async with blobs.locks.hold(digest):
+            if await store.is_digest_referenced(digest):
+                continue
+            if store.shared_blobs is not None:
+                await store.shared_blobs.delete_unreferenced(digest)
+            if await asyncio.to_thread(blobs.delete, digest):
+                removed.append(digest)
     return removed
 
 

@@ -4,6 +4,7 @@ tenant isolation cell by cell; and bad uploads that must leave the store and blo
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import io
 import itertools
@@ -249,6 +250,38 @@ def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
     assert httpx.delete(server.url + "/v1/adapters/same-files", headers=auth(key_b)).status_code == 200
     assert blobs.path(digest) is None
     assert httpx.delete(server.url + "/v1/adapters/mine", headers=auth(key_a)).status_code == 404
+
+
+def test_an_upload_of_the_files_a_delete_is_collecting_keeps_them(server, adapters, monkeypatch):
+    """Tenant A deletes an adapter while tenant B uploads the same files: the delete finds that no
+    record references them before B's record is written. B's 201 must still mean usable files."""
+    state = server.app.state.gateway
+    (_, key_a), (_, key_b) = _two_tenants(server)
+    files = unique_files(adapters["all-r8"])
+    digest = upload(server, key_a, "going", files).json()["digest"]
+    checked, answered = threading.Event(), threading.Event()
+    is_digest_referenced = state.store.is_digest_referenced
+
+    async def referenced_then_wait(candidate: str) -> bool:
+        referenced = await is_digest_referenced(candidate)
+        if candidate == digest and not checked.is_set():
+            checked.set()
+            # The delete goes on once B's upload is answered, or once it has waited long enough
+            # that the upload is surely waiting for the delete instead.
+            await asyncio.to_thread(answered.wait, 3)
+        return referenced
+
+    monkeypatch.setattr(state.store, "is_digest_referenced", referenced_then_wait)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        deleted = pool.submit(httpx.delete, server.url + "/v1/adapters/going", headers=auth(key_a),
+                              timeout=60)
+        assert checked.wait(30)
+        kept = upload(server, key_b, "staying", files)
+        answered.set()
+        assert deleted.result().status_code == 200
+    assert kept.status_code == 201 and kept.json()["digest"] == digest, kept.text
+    assert state.blobs.path(digest) is not None
+    assert greedy_ids(server, key_b, "staying") == adapters["expected"]["all-r8"]
 
 
 def test_deleting_a_tenant_collects_its_adapter_files(server, tenant, adapters):

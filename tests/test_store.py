@@ -649,3 +649,24 @@ async def test_collect_garbage_keeps_referenced_blobs(store: Store, tmp_path: Pa
     await store.put_adapter_record(msgspec.structs.replace(adapter("acme", "sql"), digest=kept))
     assert await collect_garbage(blobs, store) == [dropped]
     assert blobs.digests() == [kept]
+
+
+async def test_digest_locks_let_one_task_at_a_time_hold_a_digest(tmp_path: Path) -> None:
+    locks = BlobStore(tmp_path / "blobs").locks
+    holders: list[int] = []
+    most_holders = 0
+
+    async def hold(task: int) -> None:
+        nonlocal most_holders
+        for _ in range(task):  # arrive `task` turns of the event loop late: some just as a
+            await asyncio.sleep(0)  # holder lets go, before the waiter it woke has run
+        async with locks.hold(DIGEST_A):
+            holders.append(task)
+            most_holders = max(most_holders, len(holders))
+            for _ in range(2):
+                await asyncio.sleep(0)
+            holders.remove(task)
+
+    await asyncio.gather(*(hold(task) for task in range(6)))
+    assert most_holders == 1
+    assert locks._locks == {}  # dropped once free
