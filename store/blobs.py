@@ -144,7 +144,13 @@ class BlobStore:
     def remove_stale_temp(self, now: float) -> None:
         """Remove leftovers of puts and deletes that crashed (older than an hour)."""
         for p in self.root.iterdir():
-            if p.name.startswith((".tmp-", ".trash-")) and now - p.stat().st_mtime > _STALE_TMP_S:
+            if not p.name.startswith((".tmp-", ".trash-")):
+                continue
+            try:
+                modified = p.stat().st_mtime
+            except FileNotFoundError:  # another task's put or delete finished since the listing
+                continue
+            if now - modified > _STALE_TMP_S:
                 shutil.rmtree(p, ignore_errors=True)
 
 

@@ -670,3 +670,23 @@ async def test_digest_locks_let_one_task_at_a_time_hold_a_digest(tmp_path: Path)
     await asyncio.gather(*(hold(task) for task in range(6)))
     assert most_holders == 1
     assert locks._locks == {}  # dropped once free
+
+
+def test_stale_temp_cleanup_skips_folders_that_vanish_meanwhile(tmp_path: Path) -> None:
+    """Uploads and deletes running beside the cleanup rename or remove their own .tmp-/.trash-
+    folders at any moment, e.g. between its listing of the folder and its look at one of them."""
+
+    class FinishedAfterListing(type(tmp_path)):
+        def iterdir(self):
+            listed = list(super().iterdir())
+            for running in (".tmp-upload-running", ".trash-running"):
+                shutil.rmtree(self / running)
+            return iter(listed)
+
+    blobs = BlobStore(FinishedAfterListing(tmp_path / "blobs"))
+    for name in (".tmp-upload-running", ".trash-running", ".tmp-crashed"):
+        (blobs.root / name).mkdir()
+    crashed_at = time.time() - 2 * 3600
+    os.utime(blobs.root / ".tmp-crashed", (crashed_at, crashed_at))
+    blobs.remove_stale_temp(time.time())
+    assert sorted(os.listdir(blobs.root)) == []
