@@ -106,6 +106,13 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
     for field, why in _UNSUPPORTED_FIELDS.items():
         if cfg.get(field):
             raise AdapterValidationError(f"{why} ({CONFIG_NAME} has {field}={cfg[field]!r})")
+    if _changes_base_weights(init := cfg.get("init_lora_weights")):
+        raise AdapterValidationError(
+            f"init_lora_weights={reprlib.repr(init)} is not supported: PEFT changes the base model's weights "
+            "as it loads such an adapter (PiSSA, CorDA and OLoRA subtract their initial LoRA "
+            "weights, LoftQ quantizes them), and here adapters share one base model; save a PiSSA, "
+            "CorDA or OLoRA adapter as plain LoRA with save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...), or retrain without LoftQ")
     if (cfg.get("bias") or "none") != "none":
         raise AdapterValidationError(
             f"bias={cfg['bias']!r} trains the base model's biases, which tenants cannot share; "
@@ -129,6 +136,15 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
         rank_pattern=_field(cfg, "rank_pattern", _pattern_dict, regexes, _positive_int),
         alpha_pattern=_field(cfg, "alpha_pattern", _pattern_dict, regexes, _number),
     )
+
+
+def _changes_base_weights(init_lora_weights) -> bool:
+    """Whether PEFT, loading an adapter of this init_lora_weights, rewrites the base weights it
+    wraps: the tests of peft 0.21's LoraLayer.update_layer. Converted adapters say True."""
+    if not isinstance(init_lora_weights, str):
+        return False
+    return (init_lora_weights.startswith(("pissa", "corda")) or init_lora_weights.lower() == "olora"
+            or init_lora_weights == "loftq")
 
 
 def _field(cfg: dict, field: str, parse, *args, default=None):

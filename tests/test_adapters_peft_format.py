@@ -18,8 +18,8 @@ from adapters.peft_config import read_lora_settings
 from adapters.peft_regex import PositionSets, Regexes, _StepBudget
 from adapters.targets import module_key
 from store.blobs import digest_files
-from tests.helpers import (ALL_PROJECTIONS, make_peft_model, peft_lora_layers,
-                                         save_peft_adapter, tiny_spec)
+from tests.helpers import (ALL_PROJECTIONS, make_hf_model, make_peft_model, peft_lora_layers,
+                           save_peft_adapter, tiny_spec)
 
 SPEC = tiny_spec()
 MAX_RANK = 16
@@ -125,6 +125,35 @@ def test_lora_delta_equals_peft_module_output(tmp_path):
             torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_pissa_or_olora_adapter_saved_as_plain_lora_loads_as_it_was_trained(tmp_path, init):
+    """PEFT converts such an adapter (trained over base weights it changed) into plain LoRA of twice
+    the rank over the original base weights, saved with init_lora_weights=True."""
+    from peft import LoraConfig, get_peft_model
+
+    base = make_hf_model()
+    original = {name: w.clone() for name, w in base.state_dict().items()}
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=list(ALL_PROJECTIONS),
+                                            init_lora_weights=init)).eval()
+    model.peft_config["default"].init_lora_weights = True
+    model.save_pretrained(tmp_path / "initial")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # training
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.save_pretrained(tmp_path / "converted",
+                          path_initial_model_for_weight_conversion=str(tmp_path / "initial"))
+    adapter = load_adapter(tmp_path / "converted", SPEC, MAX_RANK)
+    with torch.no_grad():
+        for key, layer in peft_lora_layers(model).items():
+            m, weight = adapter.modules[key], original[f"{module_key(*key)}.weight"]
+            x = torch.randn(6, layer.in_features, generator=gen)
+            ours = x @ weight.T + (x @ m.lora_a.T @ m.lora_b.T) * m.scaling
+            assert m.rank == 4
+            torch.testing.assert_close(ours, layer(x), rtol=1e-4, atol=1e-4)
+
+
 def test_adapter_name_segment_is_accepted(tmp_path):
     save_peft_adapter(tmp_path, target_modules=["q_proj"])
     path = tmp_path / "adapter_model.safetensors"
@@ -214,6 +243,11 @@ REJECTIONS = {
     "ia3": (_ia3, "peft_type 'IA3' is not supported"),
     "prompt tuning": (_edit_config(peft_type="PROMPT_TUNING"), "only LoRA adapters"),
     "dora": (_remake(use_dora=True), "DoRA"),
+    "pissa": (_remake(r=2, init_lora_weights="pissa"), "init_lora_weights='pissa' is not supported"),
+    "pissa, fast SVD": (_edit_config(init_lora_weights="pissa_niter_4"), "'pissa_niter_4' is not supported"),
+    "olora": (_remake(r=2, init_lora_weights="olora"), "'olora' is not supported"),
+    "corda": (_edit_config(init_lora_weights="corda"), "'corda' is not supported"),
+    "loftq": (_edit_config(init_lora_weights="loftq"), "'loftq' is not supported"),
     "modules_to_save": (_remake(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
     "embedding": (_remake(target_modules=["embed_tokens", "q_proj"]), "embeddings .* not supported yet"),
     "lm_head": (_remake(target_modules=["lm_head"]), r"lm_head \(lm_head\) is not supported yet"),

@@ -413,6 +413,8 @@ BAD_UPLOADS = {
         a["all-r8"], target_modules="(?:a?){60000}")), 400, "invalid_adapter", "too long to match"),
     "DoRA": (lambda a: ("d", DEMO_MODEL, _with_config(a["all-r8"], use_dora=True)),
              400, "invalid_adapter", "DoRA"),
+    "PiSSA": (lambda a: ("p", DEMO_MODEL, _with_config(a["all-r8"], init_lora_weights="pissa")),
+              400, "invalid_adapter", "path_initial_model_for_weight_conversion"),
 }
 
 
