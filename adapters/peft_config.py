@@ -77,8 +77,15 @@ class LoraSettings:
     def rank(self, key: str) -> int:
         return _pattern_value(self.rank_pattern, key, self.r)
 
+    def alpha(self, key: str) -> float:
+        return _pattern_value(self.alpha_pattern, key, self.lora_alpha)
+
+    def alpha_field(self, key: str) -> str:
+        """The field that alpha(key) comes from, for messages."""
+        return "alpha_pattern" if any(p.matches(key) for p in self.alpha_pattern) else "lora_alpha"
+
     def scaling(self, key: str) -> float:
-        rank, alpha = self.rank(key), _pattern_value(self.alpha_pattern, key, self.lora_alpha)
+        rank, alpha = self.rank(key), self.alpha(key)
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 

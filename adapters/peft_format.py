@@ -166,6 +166,7 @@ def _check_header(f, key: tuple[int, str], names: tuple[str, str], settings: Lor
         raise AdapterValidationError(
             f"{name} has rank {rank}, above this server's max_lora_rank {max_lora_rank}; "
             f"retrain with r <= {max_lora_rank}")
+    _check_scaling(name, settings)
     for tensor_name, want in zip(names, ([rank, in_features], [out_features, rank])):
         tensor = f.get_slice(tensor_name)
         if tensor.get_dtype() not in _DTYPES:
@@ -178,6 +179,19 @@ def _check_header(f, key: tuple[int, str], names: tuple[str, str], settings: Lor
                 f"adapter_config.json; {name} maps {in_features} to {out_features} features in the base "
                 "model): the adapter belongs to a different base model, or its config does not match "
                 "its weights")
+
+
+def _check_scaling(name: str, settings: LoraSettings) -> None:
+    # NOTE: packing (adapters/slots.py) folds a fused slice's scaling into its B rows as a ratio to
+    # the largest scaling of the layer's slot, at most 1 in magnitude: only scalings can overflow.
+    scaling = settings.scaling(name)
+    if not torch.tensor(scaling, dtype=torch.float32).isfinite():
+        field, rank = settings.alpha_field(name), settings.rank(name)
+        over, divisor = ("sqrt(r)", f"sqrt({rank})") if settings.use_rslora else ("r", str(rank))
+        raise AdapterValidationError(
+            f"{name} is scaled by {field} / {over} = {settings.alpha(name):g} / {divisor} = "
+            f"{scaling:g}, past the float32 range (about 3.4e38) in which the server applies it; "
+            f"lower {field}")
 
 
 def _read_module(f, key: tuple[int, str], names: tuple[str, str], settings: LoraSettings) -> LoraModule:

@@ -113,6 +113,12 @@ def test_all_linear_written_literally(tmp_path):
     assert set(adapter.modules) == {(i, p) for i in (0, 1) for p in ALL_PROJECTIONS}
 
 
+def test_a_scaling_near_the_float32_limit_loads(tmp_path):
+    save_peft_adapter(tmp_path, r=4, lora_alpha=1.2e39, alpha_pattern={"v_proj": -1.2e39})
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert {module.scaling for module in adapter.modules.values()} == {3e38, -3e38}
+
+
 def test_lora_delta_equals_peft_module_output(tmp_path):
     model = save_peft_adapter(tmp_path, r=5, lora_alpha=7, rank_pattern={"gate_proj": 3}, use_rslora=True)
     adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
@@ -248,6 +254,12 @@ REJECTIONS = {
     "olora": (_remake(r=2, init_lora_weights="olora"), "'olora' is not supported"),
     "corda": (_edit_config(init_lora_weights="corda"), "'corda' is not supported"),
     "loftq": (_edit_config(init_lora_weights="loftq"), "'loftq' is not supported"),
+    "scaling past float32": (_edit_config(lora_alpha=1e308),
+                             r"down_proj is scaled by lora_alpha / r = 1e\+308 / 4 = 2.5e\+307, past"),
+    "rsLoRA scaling past float32": (_edit_config(lora_alpha=7e38, use_rslora=True),
+                                    r"lora_alpha / sqrt\(r\) = 7e\+38 / sqrt\(4\) = 3.5e\+38, past"),
+    "pattern scaling past float32": (_edit_config(alpha_pattern={"v_proj": -2e39}),
+                                     r"v_proj is scaled by alpha_pattern / r = .*; lower alpha_pattern"),
     "modules_to_save": (_remake(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
     "embedding": (_remake(target_modules=["embed_tokens", "q_proj"]), "embeddings .* not supported yet"),
     "lm_head": (_remake(target_modules=["lm_head"]), r"lm_head \(lm_head\) is not supported yet"),

@@ -415,6 +415,8 @@ BAD_UPLOADS = {
              400, "invalid_adapter", "DoRA"),
     "PiSSA": (lambda a: ("p", DEMO_MODEL, _with_config(a["all-r8"], init_lora_weights="pissa")),
               400, "invalid_adapter", "path_initial_model_for_weight_conversion"),
+    "scaling past float32": (lambda a: ("s", DEMO_MODEL, _with_config(a["all-r8"], lora_alpha=1e308)),
+                             400, "invalid_adapter", "lower lora_alpha"),
 }
 
 
