@@ -2,8 +2,9 @@
 
 The body is multipart/form-data with the text fields `name` and `base_model`, and either the
 file parts `adapter_config.json` and `adapter_model.safetensors` or one part `file` holding a
-tar (optionally gzipped) of the adapter folder. Files are written under fixed names into a fresh
-temporary folder: nothing the client names (part file names, archive paths) ever becomes a path.
+tar (optionally gzipped) of the adapter folder; each part once. Files are written under fixed
+names into a fresh temporary folder: nothing the client names (part file names, archive paths)
+ever becomes a path.
 Validation of the adapter itself is the engine's (EngineClient.check_adapter); this module only
 makes sure the two files arrive, complete and within the size limit.
 """
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import Message
 
@@ -65,8 +67,8 @@ async def read_adapter_upload(request: Request, max_bytes: int,
     Raises ApiError: 413 past `max_bytes` (of body, or of files unpacked from an archive), 400 for
     anything that is not the documented form.
     """
-    content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip()
+    if media_type.lower() != "multipart/form-data":  # media types are case-insensitive
         raise invalid_request(f"adapter uploads are multipart: {_USAGE}", code="invalid_upload")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -76,8 +78,11 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         form = await capped.form(max_files=2, max_fields=4, max_part_size=64 * 1024)
     except _BodyTooLarge:
         raise _too_large(max_bytes) from None
+    except HTTPException as error:  # how starlette reports a form it cannot parse
+        raise invalid_request(f"{error.detail.rstrip('.')}: {_USAGE}", code="invalid_upload") from None
     folder = Path(tempfile.mkdtemp(prefix=".tmp-upload-", dir=staging))
     try:
+        _refuse_repeated_parts(form)
         fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
         files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
         await asyncio.to_thread(_write_files, files, folder, max_bytes)
@@ -102,6 +107,15 @@ def _capped_receive(request: Request, max_bytes: int):
         return message
 
     return receive
+
+
+def _refuse_repeated_parts(form: FormData) -> None:
+    """Each part may come once: which of two `name` fields (or files) was meant is a guess."""
+    names = [name for name, _ in form.multi_items()]
+    repeated = next((name for name in names if names.count(name) > 1), None)
+    if repeated is not None:
+        raise invalid_request(f"the form has the part {repeated!r} more than once; send it once: "
+                              f"{_USAGE}", param=repeated, code="invalid_upload")
 
 
 def _field(fields: dict[str, str], name: str) -> str:

@@ -472,6 +472,67 @@ def test_uploads_need_multipart_and_both_fields(server, tenant, adapters):
     assert anonymous.status_code == 401
 
 
+def _raw_form(body: bytes, content_type: str = "multipart/form-data; boundary=b") -> dict:
+    return {"content": body, "headers": {"Content-Type": content_type}}
+
+
+def _fields(**fields) -> dict:
+    return {"data": {"name": "f", "base_model": DEMO_MODEL, **fields}}
+
+
+FORMS = {
+    # case: (build(adapters) -> httpx.post arguments, param, words in the message); all 400
+    # invalid_upload. The parser's refusals:
+    "no boundary": (lambda a: _raw_form(b"x", "multipart/form-data"), None, "boundary"),
+    "no multipart framing": (lambda a: _raw_form(b"garbage\r\n\r\n"), None, "invalid multipart"),
+    "a part without a name": (lambda a: _raw_form(b"--b\r\nX: y\r\n\r\nabc\r\n--b--\r\n"), None,
+                              "content-disposition"),
+    "a file part twice": (lambda a: {**_fields(), "files": [
+        ("adapter_config.json", files_of(a["all-r8"])["adapter_config.json"]),
+        *files_of(a["all-r8"]).items()]}, None, "too many files"),
+    "a field too large": (lambda a: {**_fields(name="x" * (70 << 10)), "files": files_of(a["all-r8"])},
+                          None, "maximum size"),
+    "too many fields": (lambda a: {**_fields(c="1", d="2", e="3"), "files": files_of(a["all-r8"])}, None,
+                        "too many fields"),
+    # Parts sent twice: which one was meant is a guess.
+    "name twice": (lambda a: {**_fields(name=["a", "b"]), "files": files_of(a["all-r8"])}, "name",
+                   "'name' more than once"),
+    "base_model twice": (lambda a: {**_fields(base_model=[DEMO_MODEL, DEMO_MODEL]),
+                                    "files": files_of(a["all-r8"])}, "base_model", "more than once"),
+    "archive twice": (lambda a: {**_fields(), "files": [("file", ("a.tar.gz", b"1")),
+                                                        ("file", ("b.tar.gz", b"2"))]}, "file",
+                      "'file' more than once"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORMS))
+def test_forms_that_cannot_be_read_are_invalid_uploads(server, tenant, adapters, case):
+    name, key = tenant
+    build, param, words = FORMS[case]
+    before = _snapshot(server, name)
+    arguments = build(adapters)
+    headers = {**auth(key), **arguments.pop("headers", {})}
+    refused = httpx.post(server.url + "/v1/adapters", headers=headers, timeout=60, **arguments)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_upload", param), error
+    assert words in error["message"].lower() and "multipart/form-data with" in error["message"]
+    assert _snapshot(server, name) == before
+
+
+def test_the_multipart_media_type_is_case_insensitive(server, tenant, adapters):
+    _, key = tenant
+    request = httpx.Request("POST", server.url + "/v1/adapters", headers=auth(key),
+                            data={"name": "cased", "base_model": DEMO_MODEL},
+                            files=files_of(adapters["attn-r4"]))
+    headers = dict(request.headers)
+    headers["content-type"] = headers["content-type"].replace("multipart/form-data",
+                                                              "Multipart/Form-Data")
+    stored = httpx.post(request.url, content=request.read(), headers=headers, timeout=60)
+    assert stored.status_code == 201, stored.text
+    assert greedy_ids(server, key, "cased") == adapters["expected"]["attn-r4"]
+
+
 def test_an_engine_without_lora_refuses_uploads(demo_model_dir, tmp_path):
     from engine.config import EngineConfig
     from gateway.local_engine import LocalEngineClient
