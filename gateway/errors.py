@@ -15,7 +15,7 @@ from store import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 
-STORE_UNAVAILABLE_MESSAGE = ("the gateway cannot reach its store (tenants, keys, limits) at the "
+STORE_UNAVAILABLE_MESSAGE = ("the gateway cannot use its store (tenants, keys, limits) at the "
                              "moment; retry shortly")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _MSGSPEC_MISSING = re.compile(r"(?:missing required|contains unknown) field `(.*)`")
@@ -95,9 +95,9 @@ async def handle_http_exception(request: Request, error: HTTPException) -> Respo
 
 
 async def handle_store_unavailable(request: Request, error: Exception) -> Response:
-    """A 503 for a call that needed the store while it (Redis) could not be reached; the store's
-    client reconnects by itself once it is back."""
-    logger.warning("%s %s: the store is unreachable: %s", request.method, request.url.path, error)
+    """A 503 for a call that needed the store while it could not be used (Redis unreachable, the
+    SQLite file locked by another process); the store recovers by itself once it is back."""
+    logger.warning("%s %s: the store is unavailable: %s", request.method, request.url.path, error)
     return ApiError(503, STORE_UNAVAILABLE_MESSAGE, type="server_error", code="store_unavailable",
                     headers={"Retry-After": "2"}).response()
 

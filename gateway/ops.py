@@ -59,18 +59,19 @@ async def _model_cards(request: Request) -> list[ModelCard]:
 
 
 async def health(request: Request) -> Response:
-    """200 while the gateway serves its models, 503 while its store is unreachable or no model
+    """200 while the gateway serves its models, 503 while its store cannot take writes or no model
     has an engine that can take requests (no key needed).
 
-    Every /v1 and /admin call needs the store (Redis, with several gateways), so while it cannot be
-    reached the gateway is not ready: a load balancer should send nothing to it. Nor while every
-    engine worker is gone: each call would get a 503. Use this as a readiness check, not a
-    liveness one: a restart brings back neither Redis nor the workers, and the running gateway
-    reconnects to both by itself.
+    Every /v1 and /admin call needs the store, and completions write to it (rate limits, budget
+    holds), so while it cannot take writes (Redis is unreachable, another process holds the
+    SQLite file's write lock) the gateway is not ready: a load balancer should send nothing to
+    it. Nor while every engine worker is gone: each call would get a 503. Use this as a readiness
+    check, not a liveness one: restarting the gateway mends none of these, and the running
+    gateway recovers by itself once they are mended.
     """
     state = gateway_state(request)
     try:
-        await state.require_store().get_admin_key_hash()  # a cheap read that every store has
+        await state.require_store().ensure_writable()
     except UNAVAILABLE_ERRORS:
         return _health(503, Health(status="unavailable", models=list(state.engines),
                                    error=STORE_UNAVAILABLE_MESSAGE))

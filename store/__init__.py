@@ -1,16 +1,19 @@
 """Tenants, hashed API keys, adapter records, usage and budgets behind one `Store` protocol.
 
-A call to a store whose server cannot be reached (Redis down) raises one of UNAVAILABLE_ERRORS:
-the caller should say "retry shortly"; the store reconnects by itself once the server is back.
+A call that the store cannot do now raises one of UNAVAILABLE_ERRORS: Redis cannot be reached,
+or another process held the SQLite file's write lock too long. The caller should say "retry
+shortly"; the store needs no reopening once Redis is back or the lock is let go.
 """
 
 from pathlib import Path
 
 from store.base import Store
-from store.errors import AlreadyExists, InvalidName, NotFound, StoreError
+from store.errors import AlreadyExists, InvalidName, NotFound, StoreError, StoreUnavailable
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
-from store.redis import UNAVAILABLE_ERRORS, RedisStore
+from store.redis import REDIS_UNAVAILABLE_ERRORS, RedisStore
 from store.sqlite import SqliteStore
+
+UNAVAILABLE_ERRORS = (*REDIS_UNAVAILABLE_ERRORS, StoreUnavailable)
 
 DEFAULT_SQLITE_NAME = "switchboard.db"
 
@@ -26,6 +29,7 @@ __all__ = [
     "SqliteStore",
     "Store",
     "StoreError",
+    "StoreUnavailable",
     "Tenant",
     "UNAVAILABLE_ERRORS",
     "Usage",

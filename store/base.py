@@ -42,6 +42,10 @@ class Store(Protocol):
     async def close(self) -> None:
         """Release connections and threads."""
 
+    async def ensure_writable(self) -> None:
+        """Return once the store takes writes; one of store.UNAVAILABLE_ERRORS if it cannot now
+        (Redis cannot be reached, another process holds the SQLite file's write lock)."""
+
     # Tenants.
 
     async def create_tenant(self, tenant: Tenant) -> Tenant:

@@ -15,3 +15,8 @@ class NotFound(StoreError):
 
 class AlreadyExists(StoreError):
     """The tenant being created already exists."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot do the call now (another process held SQLite's write lock past
+    store.sqlite.LOCK_TIMEOUT_S); retry shortly. Not a StoreError: nothing was wrong with the call."""

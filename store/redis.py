@@ -7,8 +7,8 @@ and budget holds are Lua scripts (store.redis_lua), so concurrent consumers in a
 processes never exceed a limit.
 
 While Redis cannot be reached, calls fail fast (refused at once, stuck after _TIMEOUT_S) with one
-of UNAVAILABLE_ERRORS. Nothing needs reopening when it is back: the connection pool reconnects,
-and redis-py re-sends a script that a restarted server no longer has (NOSCRIPT).
+of REDIS_UNAVAILABLE_ERRORS. Nothing needs reopening when it is back: the connection pool
+reconnects, and redis-py re-sends a script that a restarted server no longer has (NOSCRIPT).
 """
 
 import re
@@ -29,7 +29,7 @@ from store.redis_blobs import RedisBlobs
 
 # Redis is down, unreachable, stuck, or still loading its data after a restart (BusyLoadingError
 # is a ConnectionError): the call did not happen or its outcome is unknown; retry later.
-UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 
 
@@ -113,7 +113,7 @@ class RedisStore:
             for decode in (True, False))
         try:
             await client.ping()
-        except UNAVAILABLE_ERRORS as error:
+        except REDIS_UNAVAILABLE_ERRORS as error:
             await client.aclose()
             await blob_client.aclose()
             # NOTE: from None: the message holds the cause, and startup logs show only this.
@@ -125,6 +125,9 @@ class RedisStore:
     async def close(self) -> None:
         await self._redis.aclose()
         await self.shared_blobs.close()
+
+    async def ensure_writable(self) -> None:
+        await self._redis.ping()
 
     # Tenants.
 

@@ -4,8 +4,9 @@ A call is a transaction of a few indexed statements (tens of microseconds), so i
 the event loop thread, on a connection that never waits for the file's write lock: handing every
 call to a thread would cost more than the call. A call that would wait (another process, or a
 bulk call of this one, is writing) goes to the store's worker thread instead, which waits for the
-lock up to 30 s; so do calls whose result grows with the data (listings, deleting a tenant), and
-the WAL checkpoints, whose fsync must not stall the loop.
+lock until LOCK_TIMEOUT_S after the call was made, then raises StoreUnavailable; so do calls whose
+result grows with the data (listings, deleting a tenant), and the WAL checkpoints, whose fsync
+must not stall the loop.
 
 NOTE: every write is a `BEGIN IMMEDIATE` transaction, so check-then-write sequences (rate buckets,
 budget holds, version numbers) stay exact within a process and across processes sharing the file.
@@ -27,7 +28,7 @@ from typing import TypeVar
 
 import msgspec
 
-from store.errors import AlreadyExists, NotFound
+from store.errors import AlreadyExists, NotFound, StoreUnavailable
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import budget_allows, month_of, new_reservation, now_or, rate_costs, take
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
@@ -38,7 +39,13 @@ logger = logging.getLogger(__name__)
 
 AUTH_CACHE_TTL_S = 2.0
 _AUTH_CACHE_MAX_KEYS = 10_000
-_LOCK_TIMEOUT_S = 30.0
+# The longest a call waits for another process's write lock (a gateway sharing the file, a script,
+# an sqlite3 shell left inside a transaction), as long as a call waits for a stuck Redis: past it
+# the request gets a 503 to retry rather than hanging.
+LOCK_TIMEOUT_S = 2.0
+# The least a call waits for the lock, even one whose time went on queueing behind this process's
+# own calls: enough to ride out another process's writes, which hold it for microseconds.
+_MIN_LOCK_WAIT_MS = 50
 # How long a checkpoint's last step waits for another process's readers and writers before it
 # settles for copying what it can; this process's writes wait behind it meanwhile.
 _CHECKPOINT_LOCK_TIMEOUT_MS = 100
@@ -100,7 +107,7 @@ class SqliteStore:
 
     def _connect_worker(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = _connect(self.path, lock_timeout_s=_LOCK_TIMEOUT_S)
+        conn = _connect(self.path, lock_timeout_s=LOCK_TIMEOUT_S)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(_SCHEMA)
         self._conn = conn
@@ -127,8 +134,25 @@ class SqliteStore:
         return await self._run(_WRITE, fn)
 
     async def _on_worker(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn` on the worker thread, which waits for the lock if it must."""
-        return await self._call(lambda: _transaction(self._conn, begin, fn))
+        """Run `fn` on the worker thread, which waits for the lock if it must, until LOCK_TIMEOUT_S
+        from now: calls queued behind one that waits do not each wait that long anew."""
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        return await self._call(lambda: self._worker_transaction(begin, fn, deadline))
+
+    def _worker_transaction(self, begin: str, fn: Callable[[sqlite3.Connection], T],
+                            deadline: float) -> T:
+        conn = self._conn
+        assert conn is not None, "SqliteStore used after close()"
+        # NOTE: every call sets its own wait, so a checkpoint's shorter one never outlives it.
+        wait_ms = max(_MIN_LOCK_WAIT_MS, round((deadline - time.monotonic()) * 1000))
+        conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
+        try:
+            return _transaction(conn, begin, fn)
+        except sqlite3.OperationalError as error:
+            if not _is_busy(error):
+                raise
+            raise StoreUnavailable(f"the SQLite store {self.path} stayed locked by another process "
+                                   f"for {LOCK_TIMEOUT_S:g} s") from error
 
     async def _run(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn` right here if the lock it needs is free, else on the worker thread."""
@@ -139,7 +163,7 @@ class SqliteStore:
             try:
                 result = _transaction(conn, begin, fn)
             except sqlite3.OperationalError as error:
-                if error.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                if not _is_busy(error):
                     raise
                 # Rolled back, so it can run again: on the worker, which waits for the lock.
             else:
@@ -172,7 +196,11 @@ class SqliteStore:
             logger.exception("WAL checkpoint of %s failed", self.path)
         finally:
             self._is_holding_writes = False
-            conn.execute(f"PRAGMA busy_timeout = {int(_LOCK_TIMEOUT_S * 1000)}")
+
+    async def ensure_writable(self) -> None:
+        # An empty write transaction: it takes the write lock (waiting as any write does) and
+        # writes nothing.
+        await self._write(lambda conn: None)
 
     def _forget_keys(self) -> None:
         """Drop cached authentications, including lookups in flight (keys may be revoked)."""
@@ -476,6 +504,11 @@ def _connect(path: Path, lock_timeout_s: float) -> sqlite3.Connection:
                            check_same_thread=False)
     conn.execute("PRAGMA synchronous=NORMAL")
     return conn
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    """Whether `error` is SQLITE_BUSY: another connection holds the lock the call needed."""
+    return error.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
 
 
 def _transaction(conn: sqlite3.Connection | None, begin: str,

@@ -1,12 +1,16 @@
 """/health, /openapi.json, errors outside the API routes, and the gateway's torch-free import."""
 
+import sqlite3
 import subprocess
 import sys
+import time
 
 import httpx
 
 from gateway.app import ROUTES
+from gateway.errors import STORE_UNAVAILABLE_MESSAGE
 from gateway.openapi import openapi_path
+from store.sqlite import LOCK_TIMEOUT_S
 from tests.conftest import DEMO_MODEL
 
 
@@ -14,6 +18,30 @@ def test_health_needs_no_key(server):
     response = httpx.get(server.url + "/health")
     assert response.status_code == 200
     assert response.json() == {"status": "ok", "models": [DEMO_MODEL]}
+
+
+def test_a_sqlite_store_locked_by_another_process_answers_503_to_retry(server):
+    key = server.new_tenant("locked-out", rpm=100)
+    completion = {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1}
+    other = sqlite3.connect(server.app.state.gateway.store.path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # an sqlite3 shell, a script's long write
+        started = time.monotonic()
+        refused = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                             headers={"Authorization": f"Bearer {key}"})
+        assert time.monotonic() - started < 2 * LOCK_TIMEOUT_S
+        assert (refused.status_code, refused.headers["retry-after"]) == (503, "2"), refused.text
+        assert refused.json()["error"]["code"] == "store_unavailable"
+        health = httpx.get(server.url + "/health", timeout=60)
+        assert health.status_code == 503
+        assert health.json()["error"] == STORE_UNAVAILABLE_MESSAGE
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert httpx.get(server.url + "/health").status_code == 200
+    answered = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"})
+    assert answered.status_code == 200, answered.text
 
 
 def test_openapi_lists_every_route_and_method(server):

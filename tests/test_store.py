@@ -33,6 +33,7 @@ from store import (
 from gateway.admission import admit
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
+from store.sqlite import LOCK_TIMEOUT_S
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.anyio
@@ -510,6 +511,31 @@ async def test_sqlite_call_waits_for_another_writer_off_the_loop(tmp_path: Path)
         other.execute("COMMIT")
         assert (await call).allowed
         assert not (await store.check_and_consume_rate(acme, now=T0)).allowed  # paid once
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_sqlite_calls_locked_out_by_another_process_are_unavailable_after_one_wait(
+    tmp_path: Path,
+) -> None:
+    store = await SqliteStore.open(tmp_path / "store.db")
+    other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
+    try:
+        acme = await make_tenant(store, rpm=1)
+        other.execute("BEGIN IMMEDIATE")  # and never lets go in time
+        started = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(store.check_and_consume_rate(acme, now=T0) for _ in range(3)),
+            store.ensure_writable(), return_exceptions=True)
+        waited = time.monotonic() - started
+        assert all(isinstance(o, UNAVAILABLE_ERRORS) for o in outcomes), outcomes
+        assert "stayed locked by another process" in str(outcomes[0])
+        assert LOCK_TIMEOUT_S <= waited < 2 * LOCK_TIMEOUT_S  # one wait for all, not one each
+        assert await store.get_tenant("acme") == acme  # reads go on
+        other.execute("ROLLBACK")
+        await store.ensure_writable()
+        assert (await store.check_and_consume_rate(acme, now=T0)).allowed  # nothing was paid
     finally:
         other.close()
         await store.close()
