@@ -219,7 +219,9 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    if (problem := _redis_problem(config.store)) is not None:  # before minutes of model loading
+    # NOTE: before minutes of model loading.
+    problem = _redis_problem(config.store) or _sqlite_problem(config.store, config.data_dir)
+    if problem is not None:
         print(f"switchboard serve: {problem}", file=sys.stderr)
         return 2
     models, upstreams = config.model_paths(), config.upstreams()
@@ -345,6 +347,26 @@ def _redis_problem(url: str | None) -> str | None:
         asyncio.run(ping())
     except UNAVAILABLE_ERRORS as error:
         return str(error)
+    return None
+
+
+def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:
+    """Why the SQLite store at `url` (None: the default one in `data_dir`) cannot be used, naming
+    the setting that chose it (None: it can, or `url` is not SQLite)."""
+    import asyncio
+
+    from store import UNAVAILABLE_ERRORS, StoreError, open_store
+
+    if url is not None and not url.startswith("sqlite://"):
+        return None
+
+    async def open_and_close() -> None:
+        await (await open_store(url, data_dir)).close()
+
+    try:
+        asyncio.run(open_and_close())
+    except (StoreError, *UNAVAILABLE_ERRORS) as error:
+        return f"{'--data-dir' if url is None else '--store'}: {error}"
     return None
 
 

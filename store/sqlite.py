@@ -28,7 +28,7 @@ from typing import TypeVar
 
 import msgspec
 
-from store.errors import AlreadyExists, NotFound, StoreUnavailable
+from store.errors import AlreadyExists, NotFound, StoreError, StoreUnavailable
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import budget_allows, month_of, new_reservation, now_or, rate_costs, take
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
@@ -96,10 +96,21 @@ class SqliteStore:
 
     @classmethod
     async def open(cls, path: Path, auth_cache_ttl_s: float = AUTH_CACHE_TTL_S) -> "SqliteStore":
-        """Open (creating if needed) the database file at `path`, for use on this thread's loop."""
+        """Open (creating if needed) the database file at `path`, for use on this thread's loop.
+
+        StoreError if it cannot be used (its folder cannot be made, it is not a database, this
+        process may not write it); StoreUnavailable while another process holds it locked.
+        """
         store = cls(path, auth_cache_ttl_s)
-        await store._call(store._connect_worker)
-        store._inline_conn = _connect(path, lock_timeout_s=0.0)
+        try:
+            await store._call(store._connect_worker)
+            store._inline_conn = _connect(path, lock_timeout_s=0.0)
+        except (OSError, sqlite3.Error) as error:
+            await store.close()
+            if isinstance(error, sqlite3.OperationalError) and _is_busy(error):
+                raise store._locked() from error
+            # NOTE: from None: the message holds the cause, and startup logs show only this.
+            raise StoreError(f"cannot use {path} as the SQLite store: {error}") from None
         # NOTE: checkpoints run on the worker thread (see _count_inline_write).
         store._inline_conn.execute("PRAGMA wal_autocheckpoint=0")
         store._inline_thread = threading.get_ident()
@@ -107,10 +118,17 @@ class SqliteStore:
 
     def _connect_worker(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = _connect(self.path, lock_timeout_s=LOCK_TIMEOUT_S)
+        self._conn = conn = _connect(self.path, lock_timeout_s=LOCK_TIMEOUT_S)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(_SCHEMA)
-        self._conn = conn
+        # NOTE: a file this process may not write opens read-only without a word, and commits
+        # write transactions that write nothing: only a write (this one, rolled back) fails.
+        conn.execute(_WRITE)
+        try:
+            conn.execute("INSERT OR REPLACE INTO settings VALUES ('write_check', '')")
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
 
     async def close(self) -> None:
         if self._inline_conn is not None:
@@ -151,8 +169,11 @@ class SqliteStore:
         except sqlite3.OperationalError as error:
             if not _is_busy(error):
                 raise
-            raise StoreUnavailable(f"the SQLite store {self.path} stayed locked by another process "
-                                   f"for {LOCK_TIMEOUT_S:g} s") from error
+            raise self._locked() from error
+
+    def _locked(self) -> StoreUnavailable:
+        return StoreUnavailable(f"the SQLite store {self.path} stayed locked by another process "
+                                f"for {LOCK_TIMEOUT_S:g} s")
 
     async def _run(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn` right here if the lock it needs is free, else on the worker thread."""

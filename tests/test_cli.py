@@ -1,8 +1,10 @@
 """The `switchboard` command: help, settings from options/env/TOML, and a real `serve` run."""
 
+import contextlib
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -282,3 +284,43 @@ def test_an_unreachable_redis_is_refused_before_any_model_loads(command, tmp_pat
     assert main([command, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2
     assert "cannot reach the Redis store at 127.0.0.1:1/0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing loaded or written
+
+
+@contextlib.contextmanager
+def _immutable(path: Path):
+    """`path` made unwritable even for root (which file modes do not stop) while the block runs."""
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (it needs root and a file system with it)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("problem, setting, reason", [
+    ("its folder is a file", "--store", "[Errno 17] File exists"),
+    ("not a database", "--store", "file is not a database"),
+    ("the default store is not a database", "--data-dir", "file is not a database"),
+    ("read-only", "--store", "attempt to write a readonly database"),
+])
+def test_an_unusable_sqlite_store_is_refused_before_any_model_loads(problem, setting, reason,
+                                                                     tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = data / "store.db"
+    if problem == "its folder is a file":
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "file" / "store.db"
+    elif problem == "the default store is not a database":
+        path = data / "switchboard.db"
+    if "not a database" in problem:
+        path.write_text("some notes, not a database\n")
+    if problem == "read-only":
+        sqlite3.connect(path).close()
+    store = [] if setting == "--data-dir" else ["--store", f"sqlite://{path}"]
+    argv = ["serve", "--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(data), *store]
+    with _immutable(path) if problem == "read-only" else contextlib.nullcontext():
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"switchboard serve: {setting}: cannot use {path} as the SQLite store: {reason}" in err
+    assert "cannot serve 'gone'" not in err  # refused before the model was looked at

@@ -430,6 +430,9 @@ async def test_open_store_urls(tmp_path: Path) -> None:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     with pytest.raises(StoreError, match="unknown store URL 'postgres://x'"):
         await open_store("postgres://x", tmp_path)
+    (tmp_path / "notes.db").write_text("some notes, not a database\n")
+    with pytest.raises(StoreError, match="notes.db as the SQLite store: file is not a database"):
+        await open_store("sqlite://notes.db", tmp_path)
 
 
 # Redis: down, stuck, restarted.
