@@ -14,6 +14,10 @@ from store.errors import StoreError
 from store.models import RateDecision, Reservation, Tenant, Usage
 
 WINDOW_S = 60.0
+# Spend is float dollars, summed one call at a time, so a budget met exactly can come out a rounding
+# error over it ($0.1 + $0.1 + $0.1 > $0.3): spend within this of the budget counts as at it. It is
+# far below a micro-dollar, so what it lets through is never worth a cent.
+SPEND_TOLERANCE_USD = 1e-9
 
 
 def now_or(now: float | None) -> float:
@@ -71,12 +75,11 @@ def budget_allows(tenant: Tenant, usage: Usage, tokens: int, spend_usd: float) -
         used = usage.tokens_in + usage.tokens_out + usage.reserved_tokens
         if used + tokens > tenant.monthly_token_budget:
             return False
-    if tenant.monthly_spend_budget_usd is not None:
+    budget_usd = tenant.monthly_spend_budget_usd
+    if budget_usd is not None:
         spent = usage.spend_usd + usage.reserved_spend_usd
-        if (
-            spent >= tenant.monthly_spend_budget_usd
-            or spent + spend_usd > tenant.monthly_spend_budget_usd
-        ):
+        is_used_up = spent >= budget_usd - SPEND_TOLERANCE_USD
+        if is_used_up or spent + spend_usd > budget_usd + SPEND_TOLERANCE_USD:
             return False
     return True
 

@@ -23,7 +23,8 @@ from redis.backoff import NoBackoff
 from store import redis_lua
 from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
-from store.limits import WINDOW_S, month_of, new_reservation, now_or, rate_costs
+from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, month_of, new_reservation, now_or,
+                          rate_costs)
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 from store.redis_blobs import RedisBlobs
 
@@ -343,7 +344,8 @@ class RedisStore:
         r = new_reservation(tenant, tokens, spend_usd, now, ttl_s)
         budgets = (tenant.monthly_token_budget, tenant.monthly_spend_budget_usd)
         args = [repr(now), *("" if b is None else repr(b) for b in budgets)]
-        args += [tokens, repr(float(spend_usd)), r.id, repr(r.expires_at), int(ttl_s) + 1]
+        args += [tokens, repr(float(spend_usd)), r.id, repr(r.expires_at), int(ttl_s) + 1,
+                 repr(SPEND_TOLERANCE_USD)]
         keys = [self._keys.usage(r.tenant, r.month), self._keys.holds(r.tenant, r.month)]
         return r if await self._reserve_script(keys=keys, args=args) else None
 

@@ -38,7 +38,8 @@ return {1, '0', ''}
 
 # KEYS[1]: the month's usage hash; KEYS[2]: its holds hash (id -> "tokens spend expires_at").
 # ARGV: now, token_budget or '', spend_budget or '', tokens, spend_usd, hold id, expires_at,
-# key_ttl_s. Drops lapsed holds; returns 1 and stores the hold if the budgets cover it, else 0.
+# key_ttl_s, spend_tolerance (limits.SPEND_TOLERANCE_USD). Drops lapsed holds; returns 1 and
+# stores the hold if the budgets cover it, else 0.
 RESERVE = """
 local now = tonumber(ARGV[1])
 local held_tokens, held_spend = 0, 0
@@ -59,7 +60,8 @@ if ARGV[2] ~= '' then
 end
 if ARGV[3] ~= '' then
   local spent, budget = (tonumber(usage[3]) or 0) + held_spend, tonumber(ARGV[3])
-  if spent >= budget or spent + spend > budget then return 0 end
+  local tolerance = tonumber(ARGV[9])
+  if spent >= budget - tolerance or spent + spend > budget + tolerance then return 0 end
 end
 redis.call('HSET', KEYS[2], ARGV[6], ARGV[4] .. ' ' .. ARGV[5] .. ' ' .. ARGV[7])
 -- Holds a dead gateway never settled must not keep the hash alive forever.

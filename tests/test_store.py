@@ -356,6 +356,19 @@ async def test_spend_budget(store: Store) -> None:
     assert await store.reserve_tokens(acme, 10, spend_usd=0.0, now=T0) is None  # used up
 
 
+async def test_a_spend_budget_is_used_to_the_last_cent_despite_float_rounding(store: Store) -> None:
+    acme = await make_tenant(store, monthly_spend_budget_usd=0.3)
+    for _ in range(3):  # in floats, 0.1 + 0.1 + 0.1 > 0.3
+        held = await store.reserve_tokens(acme, 1, spend_usd=0.1, now=T0)
+        assert held is not None
+        await store.settle(held, tokens_in=1, tokens_out=0, spend_usd=0.1)
+    assert await store.reserve_tokens(acme, 1, spend_usd=1e-6, now=T0) is None
+    assert await store.reserve_tokens(acme, 1, spend_usd=0.0, now=T0) is None  # used up
+    beta = await make_tenant(store, "beta", monthly_spend_budget_usd=0.3)
+    holds = [await store.reserve_tokens(beta, 1, spend_usd=0.1, now=T0) for _ in range(4)]
+    assert [h is not None for h in holds] == [True, True, True, False]
+
+
 async def test_unsettled_reservation_lapses(store: Store) -> None:
     acme = await make_tenant(store, monthly_token_budget=100)
     assert await store.reserve_tokens(acme, 100, now=T0, ttl_s=10) is not None
