@@ -152,6 +152,11 @@ class ServeConfig:
                 if not key or any(ch.isspace() for ch in key):
                     raise ValueError(f"{name} must be one word without spaces, got {len(key)} "
                                      "characters with whitespace inside or nothing at all")
+                # NOTE: not echoed: it is a secret. Requests' headers are read as latin-1 and keys
+                # hashed as UTF-8, so a key with other characters would never match.
+                if not (key.isascii() and key.isprintable()):
+                    raise ValueError(f"{name} must be printable ASCII only, as clients send it in an "
+                                     "HTTP header: it holds other characters; choose another key")
                 setattr(self, name, key)
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")

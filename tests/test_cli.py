@@ -129,6 +129,19 @@ def test_keys_from_secret_files_lose_their_newline_and_a_worker_s_port_comes_fro
     assert load_serve_config({"port": 1234}, config, {}, defaults=worker_defaults).port == 1234
 
 
+@pytest.mark.parametrize("name", ["admin_key", "metrics_key"])
+@pytest.mark.parametrize("key", ["pässwörd-admin", "sb-bell\x07"])
+def test_keys_no_http_header_can_carry_exit_2_without_echoing_them(name, key, tmp_path, capsys):
+    option, variable = "--" + name.replace("_", "-"), "SWITCHBOARD_" + name.upper()
+    data = ["--data-dir", str(tmp_path / "data"), "--model", f"gone={tmp_path / 'nowhere'}"]
+    assert main(["serve", option, key, *data]) == 2
+    err = capsys.readouterr().err
+    assert f"{name} must be printable ASCII only" in err and key not in err
+    assert not (tmp_path / "data").exists()  # refused before anything loads
+    with pytest.raises(ValueError, match=f"{name} must be printable ASCII only"):
+        load_serve_config({}, None, {variable: key})
+
+
 def test_unknown_config_keys_exit_2_with_the_reason(tmp_path, capsys):
     config = tmp_path / "bad.toml"
     config.write_text("prot = 1\n")
