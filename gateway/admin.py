@@ -5,6 +5,7 @@ Key plaintexts appear exactly once, in the reply that creates them; listings sho
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import msgspec
@@ -22,6 +23,7 @@ from store.blobs import collect_garbage
 
 
 _Limit = Annotated[int, msgspec.Meta(gt=0)]
+_MONTH = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")  # "YYYY-MM", as store.limits.month_of writes it
 
 
 class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -111,14 +113,24 @@ async def list_tenants(request: Request) -> Response:
 
 
 async def get_tenant(request: Request) -> Response:
-    """One tenant: its limits, its keys (prefixes only) and this month's usage."""
+    """One tenant: its limits, its keys (prefixes only) and its usage this month, or in the
+    (UTC) month `?month=YYYY-MM`."""
     store = await _admin_store(request)
     name = request.path_params["tenant"]
+    month = _month_param(request)
     tenant = await store.get_tenant(name)
     if tenant is None:
         raise not_found(f"tenant {name!r} does not exist", code="tenant_not_found")
     keys = [_key_info(k) for k in await store.list_keys(name)]
-    return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name)))
+    return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name, month)))
+
+
+def _month_param(request: Request) -> str | None:
+    month = request.query_params.get("month")
+    if month is not None and not _MONTH.fullmatch(month):
+        raise invalid_request(f"month must be a month as YYYY-MM, like 2025-03, got {month!r}",
+                              param="month")
+    return month
 
 
 async def delete_tenant(request: Request) -> Response:

@@ -1,12 +1,16 @@
 """Auth, the admin API, rate limits and budgets, against both store backends."""
 
+import asyncio
 import itertools
+from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from engine.demo import demo_config
+from store import RedisStore, open_store
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, gateway_server, run_server
 from tests.redis_server import redis_server  # noqa: F401
 
@@ -96,6 +100,34 @@ def test_invalid_tenants_are_bad_requests(server, body, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert server.admin("GET", "/admin/tenants/ok").status_code == 404  # nothing was created
+
+
+def test_a_tenant_s_usage_of_a_closed_month_is_read_with_month(server, tenant, request):
+    name, _ = tenant
+    store = server.app.state.gateway.store
+    store_url = (request.getfixturevalue("redis_server") if isinstance(store, RedisStore)
+                 else f"sqlite://{store.path}")
+    asyncio.run(_bill_one_call(store_url, name, datetime(2025, 3, 15, tzinfo=UTC).timestamp()))
+    this_month = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert this_month["requests"] == 0 and this_month["month"] != "2025-03"
+    march = server.admin("GET", f"/admin/tenants/{name}", params={"month": "2025-03"}).json()
+    usage = march["usage"]
+    assert (usage["month"], usage["requests"], usage["tokens_in"], usage["tokens_out"]) == (
+        "2025-03", 1, 3, 4)
+    for bad in ("2025-13", "2025-3", "March", "2025-03-01", "２０２５-03", ""):
+        refused = server.admin("GET", f"/admin/tenants/{name}", params={"month": bad})
+        assert refused.status_code == 400, bad
+        assert refused.json()["error"]["param"] == "month"
+
+
+async def _bill_one_call(store_url: str, tenant: str, now: float) -> None:
+    """Settle one call of `tenant` at `now` through a store client of its own (another gateway)."""
+    store = await open_store(store_url, Path("."))
+    try:
+        held = await store.reserve_tokens(await store.get_tenant(tenant), 7, now=now)
+        await store.settle(held, tokens_in=3, tokens_out=4, spend_usd=0.0)
+    finally:
+        await store.close()
 
 
 def test_key_is_shown_once_authenticates_and_is_revoked(server, tenant):
