@@ -60,8 +60,8 @@ class Store(Protocol):
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         """Delete a tenant with its keys, adapter records and rate state; NotFound if missing.
 
-        Returns the adapter records removed, so the caller can collect their blobs. Monthly usage
-        is kept as a billing record.
+        Returns the adapter records removed, so the caller can collect their blobs. Its usage
+        goes too, so that a tenant made anew under the name starts from nothing.
         """
 
     # API keys.

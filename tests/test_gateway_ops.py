@@ -12,6 +12,7 @@ from gateway.errors import STORE_UNAVAILABLE_MESSAGE
 from gateway.openapi import openapi_path
 from store.sqlite import LOCK_TIMEOUT_S
 from tests.conftest import DEMO_MODEL
+from tests.test_gateway_routing import eventually
 
 
 def test_health_needs_no_key(server):
@@ -83,7 +84,13 @@ def test_a_client_cannot_forge_access_log_lines(server, caplog):
     forged = "\n2026-01-01 00:00:00,000 INFO gateway.access: POST /admin/tenants 201 tenant=mallory"
     with caplog.at_level("INFO", logger="gateway.access"):
         httpx.get(server.url + "/v1/models/x" + forged.replace("\n", "%0A").replace(" ", "%20"))
-    [line] = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+
+        def access_lines() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+
+        # NOTE: the line is logged once the response is sent, which may be after the client read it
+        assert eventually(access_lines)
+    [line] = access_lines()
     assert "\n" not in line and "x\\n2026-01-01" in line  # escaped, still readable
 
 
