@@ -218,9 +218,9 @@ def serve(config: ServeConfig) -> int:
 
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: before minutes of model loading.
-    problem = _redis_problem(config.store) or _sqlite_problem(config.store, config.data_dir)
+    problem = (_data_dir_problem(config.data_dir) or _redis_problem(config.store)
+               or _sqlite_problem(config.store, config.data_dir))
     if problem is not None:
         print(f"switchboard serve: {problem}", file=sys.stderr)
         return 2
@@ -303,10 +303,9 @@ def run_worker(config: ServeConfig) -> int:
         print(f"switchboard worker: listening on {config.host}, give --advertise-url with the "
               "address gateways reach this worker at", file=sys.stderr)
         return 2
-    if (problem := _redis_problem(config.redis)) is not None:
+    if (problem := _data_dir_problem(config.data_dir) or _redis_problem(config.redis)) is not None:
         print(f"switchboard worker: {problem}", file=sys.stderr)
         return 2
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     models = models or _demo_model(config.data_dir)
     (name, path), = models.items()
     logger.info("loading %s from %s", name, path)
@@ -347,6 +346,17 @@ def _redis_problem(url: str | None) -> str | None:
         asyncio.run(ping())
     except UNAVAILABLE_ERRORS as error:
         return str(error)
+    return None
+
+
+def _data_dir_problem(data_dir: Path) -> str | None:
+    """Why `data_dir` cannot hold the server's files (None: it can, made if it was missing)."""
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"--data-dir: cannot make the folder {data_dir}: {error.strerror or error}"
+    if not os.access(data_dir, os.W_OK | os.X_OK):
+        return f"--data-dir: {data_dir} is not a folder this process may write in"
     return None
 
 

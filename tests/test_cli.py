@@ -337,3 +337,15 @@ def test_an_unusable_sqlite_store_is_refused_before_any_model_loads(problem, set
     err = capsys.readouterr().err
     assert f"switchboard serve: {setting}: cannot use {path} as the SQLite store: {reason}" in err
     assert "cannot serve 'gone'" not in err  # refused before the model was looked at
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(command, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    data = tmp_path / "file" / "data"
+    extra = ["--redis", "redis://127.0.0.1:1/0"] if command == "worker" else []
+    argv = [command, "--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(data), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"switchboard {command}: --data-dir: cannot make the folder {data}: " in err
+    assert "Traceback" not in err and "cannot serve 'gone'" not in err
