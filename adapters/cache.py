@@ -8,7 +8,8 @@ the files the loader returns hash to the digest asked for.
 
 The scheduler uses `can_acquire` / `acquire` as a check/commit pair and `release` when a request
 stops running; device slots held by running requests (refcount > 0) are never evicted. `prefetch`
-warms both tiers for waiting requests without evicting anything.
+warms both tiers for waiting requests without evicting anything, and `drop_load` forgets a load that
+no waiting request needs any more.
 
 On CUDA, page-ins run on a side stream. A page-in into a slot that held another adapter first
 waits for the compute already queued (it may still read that slot); the runner calls
@@ -64,7 +65,10 @@ class AdapterCache:
         self._unused_slots = list(range(config.max_gpu_adapters - 1, -1, -1))
         self._host: OrderedDict[str, PackedAdapter] = OrderedDict()  # least recent first
         self._lock = threading.Lock()
-        self._loading: dict[str, Future[PackedAdapter]] = {}  # started by can_acquire / prefetch
+        # Loads started by can_acquire / prefetch for adapters that waiting requests need: running
+        # ones, and failed ones until a poll reports the error (or `drop_load`). A load that finished
+        # well leaves at the next prefetch: its adapter is in the host tier, which alone bounds it.
+        self._loading: dict[str, Future[PackedAdapter]] = {}
         self._executor = (ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
                           if config.num_load_threads else None)
         self._copy_stream = None
@@ -125,6 +129,7 @@ class AdapterCache:
         the most recent (the most urgent last): loading more would evict the first ones for the
         last ones, and reload them the next step, every step, while the queue stands still.
         """
+        self._forget_finished_loads()
         wanted = [a for a in adapter_ids if a not in self._resident][:self.config.max_cpu_adapters]
         with self._lock:
             for adapter_id in reversed(wanted):
@@ -151,9 +156,18 @@ class AdapterCache:
         NOTE: an engine with nothing to run but requests waiting on loads calls this instead of
         spinning: a spinning step loop holds the GIL and starves the loader thread (seconds per load).
         """
-        pending = list(self._loading.values())
-        if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        # NOTE: only loads still running: a finished one, not yet polled, would end the wait at once.
+        running = [future for future in self._loading.values() if not future.done()]
+        if running:
+            wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def drop_load(self, adapter_id: str) -> None:
+        """No waiting request needs the adapter any more: forget its load. One still queued never
+        runs, one running finishes into the host tier, and a failed one is never reported (a later
+        request loads the adapter again)."""
+        future = self._loading.pop(adapter_id, None)
+        if future is not None:
+            future.cancel()
 
     def slot_of(self, adapter_id: str) -> int | None:
         return self._resident.get(adapter_id)
@@ -218,6 +232,13 @@ class AdapterCache:
             return None  # a failed load stays until can_acquire or acquire raises its error
         del self._loading[adapter_id]
         return future.result()
+
+    def _forget_finished_loads(self) -> None:
+        """Drop the futures of loads that finished well: each holds its packed adapter, and the
+        request waiting for it may not poll for many steps, while the host tier evicts it for others."""
+        for adapter_id, future in list(self._loading.items()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                del self._loading[adapter_id]
 
     def _raise_if_failed(self, adapter_id: str) -> None:
         future = self._loading.get(adapter_id)

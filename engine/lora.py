@@ -27,6 +27,8 @@ class AdapterSlots(Protocol):
 
     def prefetch(self, adapter_ids: list[str]) -> None: ...
 
+    def drop_load(self, adapter_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class LoraRequest:

@@ -214,6 +214,12 @@ class Scheduler:
         if wanted:
             self.adapter_slots.prefetch(wanted)
 
+    def _drop_unwanted_load(self, adapter_id: str | None) -> None:
+        """Once no waiting request needs an adapter, the cache forgets its load: nothing else would
+        ever collect it, and a failure must not reach a request that arrives later."""
+        if adapter_id is not None and all(r.adapter_id != adapter_id for r in self.waiting):
+            self.adapter_slots.drop_load(adapter_id)
+
     def _fail(self, request: Request, error: str) -> None:
         """Finish a request with an error; the engine reports it after the step (`take_failed`)."""
         self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
@@ -264,6 +270,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+            self._drop_unwanted_load(request.adapter_id)
         self._release(request)
         request.status = status
         return request

@@ -6,11 +6,13 @@ tests/test_sgmv.py must set TRITON_INTERPRET before triton is first imported dur
 
 from __future__ import annotations
 
+import gc
 import itertools
 from pathlib import Path
 
 import torch
 
+from adapters.slots import PackedAdapter
 from adapters.targets import PROJECTION_PARENTS
 from adapters.targets import PROJECTIONS as ALL_PROJECTIONS
 from engine.kv_cache import KVCacheManager
@@ -137,6 +139,12 @@ def peft_lora_layers(model) -> dict[tuple[int, str], torch.nn.Module]:
     num_layers = len(model.base_model.model.model.layers)
     modules = {(i, p): peft_module(model, i, p) for i in range(num_layers) for p in ALL_PROJECTIONS}
     return {key: m for key, m in modules.items() if "default" in getattr(m, "lora_A", {})}
+
+
+def num_live_packed_adapters() -> int:
+    """Packed adapters alive in this process: what adapter caches hold in host memory."""
+    gc.collect()
+    return sum(type(o) is PackedAdapter for o in gc.get_objects())
 
 
 class IdleEngineParts:

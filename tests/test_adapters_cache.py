@@ -9,7 +9,7 @@ import torch
 from adapters import AdapterCache, AdapterConfig, AdapterValidationError
 from adapters.peft_format import load_adapter
 from store.blobs import BlobStore
-from tests.helpers import save_peft_adapter, tiny_spec
+from tests.helpers import num_live_packed_adapters, save_peft_adapter, tiny_spec
 from tests.test_adapters_slots import assert_slot_holds
 
 SPEC = tiny_spec()
@@ -189,6 +189,26 @@ def test_prefetch_loads_in_background(blobs):
         cache.prefetch([a])
         assert cache.acquire(a) == 0
         assert counts(cache) == (1, 0, 0, 1) and cache.stats.num_loads == 1
+    finally:
+        cache.close()
+
+
+def test_finished_loads_are_held_by_the_host_tier_alone(blobs):
+    """A finished load that no request polled yet keeps no adapter alive past the host tier's limit."""
+    store, (a, b, c, *_) = blobs
+    cache = make_cache(store, max_gpu_adapters=1, max_cpu_adapters=1, num_load_threads=1)
+    try:
+        num_packed_before = num_live_packed_adapters()
+        cache.acquire(c)  # the only slot is in use: waiting requests poll their loads, nothing more
+        for adapter_id in (a, b):
+            assert not cache.can_acquire(adapter_id)  # starts its load
+            deadline = time.monotonic() + 10
+            while adapter_id not in cache.host_ids():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        cache.prefetch([b])  # the request for a sits deeper in the queue
+        assert cache.host_ids() == [b] and cache.stats.num_host_evictions == 2
+        assert num_live_packed_adapters() - num_packed_before == 1
     finally:
         cache.close()
 

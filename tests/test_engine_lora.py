@@ -1,17 +1,21 @@
 """Multi-LoRA in one continuous batch, against PEFT's own greedy output for each adapter."""
 
 import random
+import shutil
+import threading
+import time
 
 import pytest
 import torch
 
 from adapters.config import AdapterConfig
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.engine import _IDLE_LOAD_WAIT_S, LLMEngine
 from engine.lora import LoraRequest
 from engine.request import SamplingParams
 from store.blobs import digest_files
-from tests.helpers import make_hf_model, random_prompts, save_hf_model, save_peft_adapter
+from tests.helpers import (make_hf_model, num_live_packed_adapters, random_prompts, save_hf_model,
+                           save_peft_adapter)
 
 NUM_NEW_TOKENS = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -219,3 +223,74 @@ def test_random_arrivals_aborts_and_preemptions_stay_exact_and_leak_nothing(setu
     assert metrics.adapter_disk_loads <= 2 * metrics.adapter_page_ins
     assert metrics.kv_blocks_free == metrics.kv_blocks_total and metrics.num_running == 0
     assert engine.adapter_cache.in_use() == {}
+
+
+def _hold_loads(engine: LLMEngine) -> threading.Event:
+    """Make the engine's adapter loads wait for the returned event (slow storage)."""
+    gate = threading.Event()
+    load_from_storage = engine.adapter_cache.loader
+
+    def slow_loader(adapter_id):
+        assert gate.wait(10)
+        return load_from_storage(adapter_id)
+
+    engine.adapter_cache.loader = slow_loader
+    return gate
+
+
+def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait(setup):
+    """Requests aborted while their adapters load leave no load behind: host memory holds no more
+    adapters than max_cpu_adapters, and an idle step still sleeps on the next load."""
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=1, max_cpu_adapters=2, num_load_threads=1)),
+        show_progress=False)
+    cache = engine.adapter_cache
+    num_packed_before = num_live_packed_adapters()
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("holder", prompts[0], params, lora=adapters[0])  # keeps the only slot
+    engine.step()
+    for i in range(1, 5):
+        engine.add_request(f"gone-{i}", prompts[i], params, lora=adapters[i])
+        engine.step()  # its load starts
+        cache.wait_for_loads(timeout=10)
+        engine.abort_request(f"gone-{i}")  # the client leaves while it waits for the slot
+        engine.step()
+    engine.abort_request("holder")
+    engine.step()
+    assert num_live_packed_adapters() - num_packed_before <= 2
+
+    gate = _hold_loads(engine)
+    engine.add_request("next", prompts[5], params, lora=adapters[5])
+    start = time.monotonic()
+    assert engine.step() == []  # nothing to run while adapter 5 loads: the step waits for it
+    assert time.monotonic() - start >= 0.8 * _IDLE_LOAD_WAIT_S
+    gate.set()
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for output in engine.step() for t in output.new_token_ids]
+    assert tokens == references[5][5]
+    cache.close()
+
+
+def test_a_load_failure_reaches_no_request_that_arrives_after_its_waiters_left(setup, tmp_path):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, num_load_threads=1)), show_progress=False)
+    cache = engine.adapter_cache
+    gate = _hold_loads(engine)
+    late = LoraRequest(adapters[0].adapter_id, str(tmp_path / "fetching"))  # files not there yet
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("gone", prompts[0], params, lora=late)
+    engine.step()  # its load starts
+    engine.abort_request("gone")
+    gate.set()
+    cache.wait_for_loads(timeout=10)  # the load fails: the files are missing
+    shutil.copytree(adapters[0].path, late.path)
+    engine.add_request("later", prompts[0], params, lora=late)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.error for o in outputs if o.finished] == [None]
+    assert [t for o in outputs for t in o.new_token_ids] == references[0][0]
+    cache.close()
