@@ -87,15 +87,8 @@ class LLMEngine:
         device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids + generation_eos_ids(config.model))
-        if config.max_model_len is not None and config.max_model_len > self.spec.context_length:
-            # Positions past the trained ones give garbage, silently (vLLM refuses too).
-            raise ValueError(f"max_model_len {config.max_model_len} is more than the "
-                             f"{self.spec.context_length} tokens this model was trained for "
-                             "(max_position_embeddings in its config.json); lower max_model_len")
         num_blocks = self._num_kv_blocks(dtype, device)
-        max_len = min(config.max_model_len or self.spec.context_length,
-                      num_blocks * config.block_size)
-        self.max_model_len = max_len
+        self.max_model_len = max_len = self._max_model_len(num_blocks)
         self.model = load_model(config.model, dtype, device, max_positions=max_len,
                                 show_progress=show_progress)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -248,6 +241,32 @@ class LLMEngine:
         if bad:
             raise InvalidParameter(f"{what} outside the vocabulary [0, {self.spec.vocab_size}): "
                                    f"{bad[:5]}", param)
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        """The longest sequence served: max_model_len when set, else the model's context, lowered
+        (with a warning) to what the KV cache holds. Raises ValueError for a max_model_len that the
+        model or the KV cache cannot serve."""
+        context_length, max_model_len = self.spec.context_length, self.config.max_model_len
+        num_kv_tokens = num_blocks * self.config.block_size
+        if max_model_len is None:
+            if num_kv_tokens < context_length:
+                logger.warning("the KV cache holds %d tokens (%d blocks of %d), fewer than this model's "
+                               "context of %d: max_model_len is %d; give the KV cache more memory "
+                               "to serve the whole context", num_kv_tokens, num_blocks,
+                               self.config.block_size, context_length, num_kv_tokens)
+            return min(context_length, num_kv_tokens)
+        if max_model_len > context_length:
+            # Positions past the trained ones give garbage, silently (vLLM refuses too).
+            raise ValueError(f"max_model_len {max_model_len} is more than the {context_length} tokens "
+                             "this model was trained for (max_position_embeddings in its config.json); "
+                             "lower max_model_len")
+        if max_model_len > num_kv_tokens:
+            # One sequence that long could never run, and lowering the limit silently would refuse
+            # prompts the operator asked to serve (vLLM refuses too).
+            raise ValueError(f"max_model_len {max_model_len} is more than the {num_kv_tokens} tokens "
+                             f"the KV cache holds ({num_blocks} blocks of {self.config.block_size}); "
+                             "give the KV cache more memory or lower max_model_len")
+        return max_model_len
 
     def _num_kv_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         config = self.config

@@ -287,6 +287,11 @@ def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_pa
     assert main(too_long) == 2
     assert "max_model_len 100000 is more than the 2048 tokens this model was trained for" in \
         capsys.readouterr().err
+    # 4 MiB of KV cache is 64 blocks of 16 tokens of the demo model: 1024 tokens
+    kv_too_small = ["serve", "--model", f"demo={demo_model_dir}", "--max-model-len", "2048",
+                    "--kv-cache-memory", "4MiB", *data]
+    assert main(kv_too_small) == 2
+    assert "max_model_len 2048 is more than the 1024 tokens the KV cache holds" in capsys.readouterr().err
     if not torch.cuda.is_available():  # once an AssertionError from deep in torch
         assert main(["serve", "--model", f"demo={demo_model_dir}", "--device", "cuda", *data]) == 2
         assert "torch sees no CUDA device" in capsys.readouterr().err

@@ -123,13 +123,27 @@ def test_invalid_engine_config_is_rejected(bad):
         EngineConfig(model="x", **bad)
 
 
-def test_kv_pool_sized_from_a_memory_budget(tmp_path):
+def test_kv_pool_sized_from_a_memory_budget(tmp_path, caplog):
     folder = save_hf_model(make_hf_model("llama"), tmp_path / "m")
     # 2 layers * 2 (K, V) * 16 tokens * 2 kv heads * 16 dims * 4 bytes = 8 KiB per block
-    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=40 * 8192),
-                       show_progress=False)
+    with caplog.at_level("WARNING", logger="engine.engine"):
+        engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=40 * 8192),
+                           show_progress=False)
     assert engine.kv_manager.num_blocks == 40
     assert engine.max_model_len == 40 * 16  # the pool, not max_position_embeddings, is the limit
+    assert [r.getMessage() for r in caplog.records if r.name == "engine.engine"] == [
+        "the KV cache holds 640 tokens (40 blocks of 16), fewer than this model's context of 1024: "
+        "max_model_len is 640; give the KV cache more memory to serve the whole context"]
+
+
+def test_a_max_model_len_the_kv_pool_cannot_hold_is_refused(tmp_path):
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "m")
+    assert LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=40, max_model_len=640),
+                     show_progress=False).max_model_len == 640
+    with pytest.raises(ValueError, match=r"max_model_len 641 is more than the 640 tokens the KV cache "
+                                         r"holds \(40 blocks of 16\); give the KV cache more memory or "
+                                         r"lower max_model_len"):
+        LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=40, max_model_len=641), show_progress=False)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
