@@ -132,30 +132,35 @@ class Scheduler:
             break
 
         if not preempted:  # a step that had to preempt admits nothing: the pool is full
-            scheduled += self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled, preempted)
         self._prefetch_waiting_adapters()
         return SchedulerOutput(scheduled, preempted)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-        """Admit waiting requests into the budget left, in priority/FCFS order.
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> None:
+        """Admit waiting requests into the budget left, in priority/FCFS order, onto `scheduled`.
 
         A request whose next prompt block another request computes in this step (the choices
         of one n > 1 call, a shared system prompt arriving in a burst) waits one step, and then
         reads that block, and the ones after it that are ready, from the prefix cache instead of
         computing them again.
 
-        KV memory is first come, first served: the first request that does not fit stops admission.
+        KV memory and batch slots are first come, first served within a priority: the first request
+        that does not fit stops admission, unless less urgent requests run. Then, as vLLM's priority
+        policy, the least urgent of them is preempted (even if scheduled in this step) until it fits.
+
         Adapter slots are not: a request whose adapter cannot get a slot now waits without blocking
-        requests of the base model behind it. NOTE: once one adapter request is blocked, later
-        adapter requests wait too, so the busy adapters drain and free a slot for it; otherwise a
-        steady stream for resident adapters could starve it forever.
+        requests of the base model behind it, and preempts nothing. NOTE: once one adapter request
+        is blocked, later adapter requests wait too, so the busy adapters drain and free a slot for
+        it; otherwise a steady stream for resident adapters could starve it forever.
         """
-        admitted = []
-        in_flight = {block for item in scheduled for block in self._blocks_computed_by(item)}
+        in_flight = self._blocks_in_flight(scheduled)
         slot_blocked = False
         index = 0
-        while index < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while index < len(self.waiting) and budget > 0:
             request = self.waiting[index]
+            has_seat = len(self.running) < self.config.max_num_seqs
+            if not has_seat and self._victim_for(request) is None:
+                break
             if request.adapter_id is not None and (slot_blocked or not self._can_get_slot(request)):
                 if request.is_finished:
                     continue  # its adapter failed to load: it left the queue, the next is at index
@@ -168,8 +173,16 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens - len(hits) * self.kv.block_size, budget)
-            if not self.kv.can_allocate(request, num_new, hits):
-                break
+            if not has_seat or not self.kv.can_allocate(request, num_new, hits):
+                victim = self._victim_for(request)
+                if victim is None:
+                    break
+                budget += self._preempt_for_priority(victim, scheduled)
+                preempted.append(victim.request_id)
+                in_flight = self._blocks_in_flight(scheduled)
+                # NOTE: the victim waits again behind `request` (it is less urgent), so `index`
+                # still points at `request`: try it again with the victim's seat and blocks free.
+                continue
             del self.waiting[index]
             self.kv.allocate(request, num_new, hits)
             if request.adapter_id is not None:
@@ -178,10 +191,29 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            admitted.append(ScheduledRequest(request, num_new))
-            in_flight.update(self._blocks_computed_by(admitted[-1]))
+            scheduled.append(ScheduledRequest(request, num_new))
+            in_flight.update(self._blocks_computed_by(scheduled[-1]))
             budget -= num_new
-        return admitted
+
+    def _victim_for(self, request: Request) -> Request | None:
+        """The running request to preempt for waiting `request`: the least urgent one (the latest
+        arrival among equals), if it is strictly less urgent than `request`."""
+        victim = max(self.running, key=lambda r: r.sort_key, default=None)
+        return victim if victim is not None and victim.priority > request.priority else None
+
+    def _preempt_for_priority(self, victim: Request, scheduled: list[ScheduledRequest]) -> int:
+        """Preempt a running request for a more urgent one; returns the tokens it had been
+        scheduled in this step, which go back to the budget."""
+        self.running.remove(victim)
+        self._preempt(victim)
+        item = next((item for item in scheduled if item.request is victim), None)
+        if item is None:  # the budget ran out before the victim's turn in this step
+            return 0
+        scheduled.remove(item)
+        return item.num_tokens
+
+    def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[bytes]:
+        return {block for item in scheduled for block in self._blocks_computed_by(item)}
 
     def _blocks_computed_by(self, item: ScheduledRequest) -> list[bytes]:
         """Hashes of the full blocks that `item` completes in this step."""

@@ -88,6 +88,35 @@ def test_preemption_keeps_outputs_unchanged(family):
     assert_matches_transformers(references, tokens, logprobs)
 
 
+@pytest.mark.parametrize("config", [dict(max_num_seqs=2), dict(num_kv_blocks=28, block_size=8)])
+def test_urgent_requests_preempt_less_urgent_ones_and_outputs_stay_unchanged(family, config):
+    """Two long requests of priority 10 fill the batch (or the KV cache); two of priority 0 that
+    arrive later start at once, and every request still says exactly what transformers says."""
+    folder, prompts, references = family
+    engine = LLMEngine(EngineConfig(model=str(folder), **config), show_progress=False)
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logprobs=TOP_LOGPROBS)
+    arrivals = {1: (0, 10), 3: (0, 10), 2: (2, 0), 5: (3, 0)}  # prompt -> (step, priority)
+    tokens = {i: [] for i in arrivals}
+    logprobs = {i: [] for i in arrivals}
+    first_output_step = {}
+    step = 0
+    while step <= 3 or engine.has_unfinished_requests():
+        for i, (arrival, priority) in arrivals.items():
+            if arrival == step:
+                engine.add_request(str(i), prompts[i], params, priority=priority)
+        for output in engine.step():
+            tokens[int(output.request_id)] += output.new_token_ids
+            logprobs[int(output.request_id)] += output.new_logprobs
+            first_output_step.setdefault(int(output.request_id), step)
+        step += 1
+    assert (first_output_step[2], first_output_step[5]) == (2, 3)
+    assert engine.metrics().num_preemptions > 0
+    assert_matches_transformers([references[i] for i in arrivals], list(tokens.values()),
+                                list(logprobs.values()))
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
 def test_prefix_cache_hits_keep_outputs_unchanged(family):
     folder, prompts, references = family
     repeated = prompts + prompts

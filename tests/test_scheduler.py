@@ -107,6 +107,50 @@ def test_preemption_picks_the_lowest_priority_victim():
     assert important.num_preemptions == 0
 
 
+def test_an_urgent_request_preempts_the_least_urgent_one_for_a_batch_slot():
+    scheduler = create_scheduler(max_num_seqs=2)
+    early = create_request(priority=9, max_tokens=6)
+    late = create_request(priority=9, max_tokens=6)
+    scheduler.add_request(early)
+    scheduler.add_request(late)
+    run_step(scheduler)
+    same = create_request(priority=9, max_tokens=1)  # as urgent as the running ones: it waits
+    urgent = create_request(priority=0, max_tokens=2)
+    scheduler.add_request(same)
+    scheduler.add_request(urgent)
+    output = run_step(scheduler)
+    assert output.preempted_ids == [late.request_id]  # the latest arrival among the least urgent
+    assert [(s.request.request_id, s.num_tokens) for s in output.scheduled] == [
+        (early.request_id, 1), (urgent.request_id, 8)]
+    preempted = []
+    while scheduler.has_unfinished_requests():
+        preempted += run_step(scheduler).preempted_ids
+    assert preempted == []
+    assert [r.num_output_tokens for r in (early, late, same, urgent)] == [6, 6, 1, 2]
+    assert (late.num_preemptions, scheduler.stats.num_preemptions) == (1, 1)
+
+
+def test_an_urgent_request_preempts_the_least_urgent_one_for_kv_blocks():
+    scheduler = create_scheduler(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    first = create_request(num_prompt_tokens=12, max_tokens=4, priority=5)
+    second = create_request(num_prompt_tokens=12, max_tokens=4, priority=5)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    run_step(scheduler)  # 6 of the 8 blocks
+    urgent = create_request(num_prompt_tokens=8, max_tokens=1, priority=0)
+    scheduler.add_request(urgent)
+    output = run_step(scheduler)
+    # The two decodes take the last two blocks; the urgent prompt needs two more.
+    assert output.preempted_ids == [second.request_id]
+    assert [(s.request.request_id, s.num_tokens) for s in output.scheduled] == [
+        (first.request_id, 1), (urgent.request_id, 8)]
+    assert urgent.status == RequestStatus.FINISHED_LENGTH
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler)
+    assert [r.num_output_tokens for r in (first, second)] == [4, 4]
+    assert scheduler.kv.num_free_blocks == 8
+
+
 def test_no_starvation_under_a_steady_stream_of_arrivals():
     # An early long request must finish although short requests keep arriving every step.
     scheduler = create_scheduler(num_blocks=64, max_num_batched_tokens=12, max_num_seqs=4)
