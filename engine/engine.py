@@ -126,6 +126,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                           priority=priority, tenant=tenant,
                           adapter_id=lora.adapter_id if lora else None)
+        self._check_something_is_sampleable(request)
         if lora is not None:
             self._adapter_paths[lora.adapter_id] = Path(lora.path)
         if params.seed is not None:
@@ -241,6 +242,21 @@ class LLMEngine:
         if bad:
             raise InvalidParameter(f"{what} outside the vocabulary [0, {self.spec.vocab_size}): "
                                    f"{bad[:5]}", param)
+
+    def _check_something_is_sampleable(self, request: Request) -> None:
+        """Refuse a request whose first token has no choice left: before min_tokens, EOS and the
+        stop token ids are banned, and banning the whole vocabulary leaves greedy a banned token
+        and sampling nothing at all."""
+        vocab_size = self.spec.vocab_size
+        banned = request.unsampleable_token_ids
+        if len(banned) < vocab_size or sum(0 <= t < vocab_size for t in banned) < vocab_size:
+            return
+        params = request.sampling_params
+        banned_ids = "stop_token_ids" if params.ignore_eos else "EOS and stop_token_ids"
+        raise InvalidParameter(
+            f"min_tokens {params.min_tokens} bans {banned_ids} until that many tokens are generated, "
+            f"and they are all {vocab_size} tokens of the vocabulary, so no token could be generated; "
+            "set min_tokens to 0 or leave some tokens out of stop_token_ids", "min_tokens")
 
     def _max_model_len(self, num_blocks: int) -> int:
         """The longest sequence served: max_model_len when set, else the model's context, lowered

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import SamplingParams
+from engine.request import InvalidParameter, SamplingParams
 from tests.helpers import make_hf_model, random_prompts, save_hf_model
 
 PROMPT = "World"
@@ -168,6 +168,22 @@ def test_a_tiny_temperature_is_greedy_and_spares_its_batch(engine, reference):
     for request_id in sampled:
         assert batch[request_id].tokens == alone[request_id].tokens
         assert batch[request_id].finish_reason == "length"
+
+
+@pytest.mark.parametrize("params, banned", [
+    (greedy(min_tokens=2, stop_token_ids=range(EOS + 1)), "stop_token_ids"),
+    (greedy(temperature=1.0, min_tokens=1, stop_token_ids=range(EOS), ignore_eos=False),
+     "EOS and stop_token_ids"),
+])
+def test_a_ban_of_every_token_before_min_tokens_is_refused(engine, params, banned):
+    message = (f"min_tokens {params.min_tokens} bans {banned} until that many tokens are generated, "
+               "and they are all 258 tokens of the vocabulary")
+    with pytest.raises(InvalidParameter, match=message) as raised:
+        engine.add_request("banned", PROMPT, params)
+    assert raised.value.param == "min_tokens" and not engine.has_unfinished_requests()
+    # EOS left out of the ban (ignore_eos) is the one token these may start with.
+    allowed = run(engine, {"eos": (PROMPT, greedy(min_tokens=2, stop_token_ids=range(EOS)))})["eos"]
+    assert allowed.tokens[:2] == [EOS, EOS] and allowed.error is None
 
 
 @pytest.mark.parametrize("penalty", [1e-300, 0.0099, 100.5])

@@ -355,6 +355,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     ({"logit_bias": {"1000000": 1}}, "logit_bias", "logit_bias has token ids outside the vocabulary"),
     ({"stop_token_ids": [1000000]}, "stop_token_ids", "stop_token_ids has token ids outside the vocabulary"),
     ({"min_tokens": 2}, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+    ({"min_tokens": 1, "stop_token_ids": list(range(258))}, "min_tokens", "no token could be generated"),
     ({"stop": ["end", ""]}, "stop", "stop strings must be non-empty"),
 ])
 def test_bad_penalties_and_biases_are_bad_requests(client, extra, param, words):
