@@ -7,6 +7,7 @@ TOML keys are the long option names, with "_" or "-" (`max_num_seqs = 32`, `mode
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import tomllib
@@ -19,8 +20,8 @@ from urllib.parse import urlsplit
 import msgspec
 
 DEFAULT_DATA_DIR = Path("data")
-_SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
-_SIZE_SHIFTS = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+_SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(iB|B)?", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
         "metrics_key": "SWITCHBOARD_METRICS_KEY"}
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
@@ -311,14 +312,22 @@ def _integer(where: str, key: str, value: Any, minimum: int, unit: str) -> int:
     return value
 
 
+class SizeError(ValueError, argparse.ArgumentTypeError):
+    """A size that cannot be read; argparse shows the message of this kind of error (of a plain
+    ValueError, only the type function's name)."""
+
+
 def parse_size(text: str | int) -> int:
-    """Bytes from "4GiB", "512M", "1024" (binary units)."""
+    """Bytes from "4GiB", "512M", "1024" (binary units), or "4GB" (decimal, as GB means)."""
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     match = _SIZE_RE.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None:
-        raise ValueError(f"cannot read {text!r} as a size: use bytes or e.g. 512MiB, 4GiB")
-    return int(match.group(1)) << _SIZE_SHIFTS[match.group(2).upper()]
+        raise SizeError(
+            f"cannot read {text!r} as a size: use bytes or e.g. 512MiB, 4GiB (or 4GB, 10^9 bytes)")
+    number, prefix, unit = match.group(1), match.group(2).upper(), (match.group(3) or "").lower()
+    base = 1000 if unit == "b" and prefix else 1024
+    return int(number) * base ** _SIZE_POWERS[prefix]
 
 
 def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,

@@ -80,9 +80,16 @@ def test_command_line_beats_environment_beats_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("text, size", [("1024", 1024), ("512MiB", 512 << 20), ("4G", 4 << 30),
-                                        ("3 KiB", 3 << 10)])
+                                        ("3 KiB", 3 << 10), ("4GB", 4 * 10**9), ("2 kb", 2000)])
 def test_parse_size(text, size):
     assert parse_size(text) == size
+
+
+def test_a_size_that_cannot_be_read_says_how_to_write_one(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--kv-cache-memory", "lots"])
+    assert exited.value.code == 2
+    assert "cannot read 'lots' as a size: use bytes or e.g. 512MiB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kwargs, message", [
