@@ -195,6 +195,14 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
+    try:
+        return _run(command, args)
+    except KeyboardInterrupt:  # Ctrl-C while models load (minutes for a large one), or training
+        print(f"switchboard {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(command: str, args: dict) -> int:
     if command in ("serve", "worker"):
         # NOTE: a default below every source: a config file's port counts for workers too.
         defaults = {"port": WORKER_PORT} if command == "worker" else {}

@@ -361,3 +361,18 @@ def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(comman
     err = capsys.readouterr().err
     assert f"switchboard {command}: --data-dir: cannot make the folder {data}: " in err
     assert "Traceback" not in err and "cannot serve 'gone'" not in err
+
+
+def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, tmp_path):
+    command = SWITCHBOARD + ["serve", "--port", str(free_port()), "--data-dir", str(tmp_path),
+                             "--model", f"{DEMO_MODEL}={demo_model_dir}"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if f"loading {DEMO_MODEL}" in line:
+                break
+    finally:
+        process.send_signal(signal.SIGINT)  # in the seconds the model takes to load
+        _, stderr = process.communicate(timeout=30)
+    assert "Traceback" not in stderr, stderr
+    assert process.returncode in (130, 0)  # 0: it had loaded, and shut down as a server does
