@@ -116,8 +116,11 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                               "adapter another name", param="name", code="invalid_name")
     if uploaded.name == AUTO or uploaded.name in state.routes:
         # `model` names a route before an adapter: one of this name could never be reached by it.
-        raise invalid_request(f"{uploaded.name!r} is the name of a route; give the adapter another "
-                              "name", param="name", code="invalid_name")
+        # AUTO is kept even on a server with no routes yet, which may get them at its next start.
+        what = "the name of a route" if uploaded.name in state.routes else \
+            f"kept for routing (`model: {AUTO}` picks a tenant's default route)"
+        raise invalid_request(f"{uploaded.name!r} is {what}; give the adapter another name",
+                              param="name", code="invalid_name")
     engine = state.engines.get(uploaded.base_model)
     if engine is None or uploaded.base_model not in allowed_base_models(tenant, state.engines):
         raise invalid_request(f"unknown base model {uploaded.base_model!r}; GET /v1/models lists "

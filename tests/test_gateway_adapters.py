@@ -391,8 +391,8 @@ BAD_UPLOADS = {
         400, "invalid_upload", "unsafe path"),
     "a base model's name": (lambda a: (DEMO_MODEL, DEMO_MODEL, files_of(a["all-r8"])),
                             400, "invalid_name", "base model"),
-    "the name of a route": (lambda a: ("auto", DEMO_MODEL, files_of(a["all-r8"])),
-                            400, "invalid_name", "route"),
+    "the name kept for routes": (lambda a: ("auto", DEMO_MODEL, files_of(a["all-r8"])),
+                            400, "invalid_name", "kept for routing"),
     "over-size body": (lambda a: ("big", DEMO_MODEL, {
         **files_of(a["all-r8"]),
         "adapter_model.safetensors": ("adapter_model.safetensors", b"\0" * (MAX_UPLOAD_BYTES + 1))}),
