@@ -101,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", type=Path,
                        help=f"data folder (default $SWITCHBOARD_HOME, else ./{DEFAULT_DATA_DIR})")
     serve.add_argument("--store", metavar="URL",
-                       help="store: sqlite:///path/file.db or redis://host:port/0 "
+                       help="store: sqlite:///abs/path/file.db (three slashes and an absolute "
+                            "path), sqlite://file.db (in the data folder) or redis://host:port/0 "
                             "(default: SQLite in the data folder)")
     serve.add_argument("--admin-key", help="admin key (default $SWITCHBOARD_ADMIN_KEY, else the "
-                                           "stored one, else a new one printed once)")
+                                           "stored one, else a new one printed once); a key given "
+                                           "replaces the stored one for later starts too")
     serve.add_argument("--metrics-key", help="a key that may read /metrics only, for a Prometheus "
                                              "scraper (default $SWITCHBOARD_METRICS_KEY; the admin "
                                              "key reads /metrics too)")
@@ -178,12 +180,16 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights and KV-cache dtype (default float32)")
-    parser.add_argument("--max-num-seqs", type=int, help="most requests in one batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    parser.add_argument("--max-num-seqs", type=int,
+                        help="most requests in one batch (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="token budget of one step (default 2048)")
     parser.add_argument("--kv-cache-memory", type=parse_size, metavar="SIZE",
                         help="KV-cache budget per model, e.g. 4GiB (default: 1GiB on CPU, 85%% of "
                              "free memory on CUDA)")
-    parser.add_argument("--max-model-len", type=int, help="longest prompt plus output, in tokens")
+    parser.add_argument("--max-model-len", type=int,
+                        help="longest prompt plus output, in tokens (default: what the model was "
+                             "trained for, or what the KV cache holds when that is less)")
     parser.add_argument("--max-loras", type=int,
                         help="LoRA adapters resident on the device at once, so the most distinct "
                              "adapters in one batch (default 8; 0 serves no adapters)")

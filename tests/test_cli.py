@@ -376,3 +376,13 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, 
         _, stderr = process.communicate(timeout=30)
     assert "Traceback" not in stderr, stderr
     assert process.returncode in (130, 0)  # 0: it had loaded, and shut down as a server does
+
+
+def test_help_gives_the_engine_s_own_defaults(capsys):
+    from engine.config import EngineConfig
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"most requests in one batch (default {EngineConfig.max_num_seqs})" in text
+    assert f"token budget of one step (default {EngineConfig.max_num_batched_tokens})" in text
