@@ -85,10 +85,6 @@ class Admission:
             logger.exception("could not release the hold of tenant %s", self._reservation.tenant)
 
 
-def _or_unlimited(value: float | None, unit: str = "") -> str:
-    return "unlimited" if value is None else f"{value}{unit}"
-
-
 _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish
 
 
@@ -99,6 +95,12 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
         raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
                        f"max_tokens for every choice) but your limit is {tenant.tpm} tokens per "
                        "minute; lower max_tokens or n, or shorten the prompt",
+                       param="max_tokens", code="request_too_large")
+    budget = tenant.monthly_token_budget
+    if budget is not None and estimated_tokens > budget:
+        raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
+                       f"max_tokens for every choice) but your monthly budget is {budget} tokens "
+                       "in all; lower max_tokens or n, or shorten the prompt",
                        param="max_tokens", code="request_too_large")
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
@@ -113,11 +115,31 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                                              spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
     if reservation is None:
         await store.refund_rate(tenant, requests=1, tokens=estimated_tokens)
-        raise ApiError(429, f"tenant {tenant.name!r} has used its monthly budget (tokens: "
-                       f"{_or_unlimited(tenant.monthly_token_budget)}, spend: "
-                       f"{_or_unlimited(tenant.monthly_spend_budget_usd, ' USD')}); this request "
-                       f"may need {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD more; "
-                       "ask your administrator to raise it",
-                       type="insufficient_quota", code="insufficient_quota",
-                       headers={"x-should-retry": "false"})
+        raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd)
     return Admission(store, tenant, reservation, hold_ttl_s)
+
+
+async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
+                       estimated_spend_usd: float) -> ApiError:
+    """The 429 for a call this month's budgets do not cover: what is left of them, and whether
+    calls in flight hold part of it (then it comes back as they finish, and a retry may pass)."""
+    usage = await store.get_usage(tenant.name)
+    left = []
+    if tenant.monthly_token_budget is not None:
+        used = usage.tokens_in + usage.tokens_out
+        left.append(f"{max(0, tenant.monthly_token_budget - used - usage.reserved_tokens)} of "
+                    f"{tenant.monthly_token_budget} tokens left ({used} used, "
+                    f"{usage.reserved_tokens} held by calls in flight)")
+    if tenant.monthly_spend_budget_usd is not None:
+        spent, held = usage.spend_usd, usage.reserved_spend_usd
+        left.append(f"{max(0.0, tenant.monthly_spend_budget_usd - spent - held):.6f} of "
+                    f"{tenant.monthly_spend_budget_usd} USD left ({spent:.6f} spent, {held:.6f} "
+                    "held by calls in flight)")
+    is_held = usage.reserved_tokens > 0 or usage.reserved_spend_usd > 0
+    return ApiError(
+        429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
+        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower max_tokens or n"
+        + (", retry once the calls in flight finish" if is_held else "")
+        + ", or ask your administrator to raise the budget",
+        type="insufficient_quota", code="insufficient_quota",
+        headers={"x-should-retry": "true" if is_held else "false"})

@@ -424,7 +424,9 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask, readings: list
     """A call that left max_tokens out, with its answers shortened so that what it holds fits
     `tokens` and `spend_usd` (the tenant's tpm and what its monthly budgets have left; they end
     with finish_reason "length"), rather than refused for holding the rest of the context.
-    Unchanged when it fits already, or cannot fit at all (admission then says why)."""
+    Unchanged when it fits already; when it cannot fit at all, the least call (one token per
+    answer), so that admission says what the tenant lacks (its budget is used up), rather than
+    that the rest of the context is more than it may ever hold."""
     def capped(cap: int) -> list[list[Reading]]:
         return [[(p, msgspec.structs.replace(o, max_tokens=min(o.max_tokens, cap))) for p, o in reading]
                 for reading in readings]
@@ -437,8 +439,10 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask, readings: list
         return held_tokens <= tokens and held_spend <= spend_usd
 
     longest = max(o.max_tokens for reading in readings for _, o in reading)
-    if fits(longest) or not fits(1):
+    if fits(longest):
         return ask, readings
+    if not fits(1):
+        return dataclasses.replace(ask, implicit_max_tokens=1), capped(1)
     low, high = 1, longest  # fits(low) and not fits(high)
     while high - low > 1:
         middle = (low + high) // 2

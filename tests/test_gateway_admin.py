@@ -190,17 +190,29 @@ def test_a_call_refused_after_admission_costs_nothing(server):
     rpm or tpm used, nothing billed, no request counted."""
     name = f"t{next(_names)}"
     key = server.new_tenant(name, rpm=2, tpm=400, monthly_token_budget=200)
-    over_budget = complete(server, key, max_tokens=350)
+    assert complete(server, key, max_tokens=5, ignore_eos=True).status_code == 200  # 8 of 200
+    over_budget = complete(server, key, max_tokens=195)  # 198 tokens: more than the 192 left
     assert over_budget.status_code == 429
     assert over_budget.json()["error"]["code"] == "insufficient_quota"
+    assert "192 of 200 tokens left (8 used, 0 held by calls in flight)" in \
+        over_budget.json()["error"]["message"]
     for _ in range(3):  # 3 + 150 tokens each: all three would not fit in 400 a minute
         refused = complete(server, key, max_tokens=150, logit_bias={"99999": 1})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
-    answers = [complete(server, key, max_tokens=5, ignore_eos=True) for _ in range(2)]
-    assert [a.status_code for a in answers] == [200, 200]
+    assert complete(server, key, max_tokens=5, ignore_eos=True).status_code == 200
     usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
     assert (usage["requests"], usage["tokens_in"] + usage["tokens_out"]) == (2, 16)
     assert complete(server, key, max_tokens=5).status_code == 429  # rpm: 2 a minute
+
+
+def test_a_call_larger_than_the_whole_monthly_budget_is_a_bad_request(server):
+    key = server.new_tenant(f"t{next(_names)}", monthly_token_budget=100)
+    too_large = complete(server, key, max_tokens=200)
+    error = too_large.json()["error"]
+    assert too_large.status_code == 400 and (error["code"], error["param"]) == \
+        ("request_too_large", "max_tokens")
+    assert "monthly budget is 100 tokens" in error["message"]
+    assert complete(server, key, max_tokens=90).status_code == 200
 
 
 def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):
