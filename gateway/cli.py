@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -418,9 +419,11 @@ def train_router_command(args: dict) -> int:
     except (OSError, ValueError) as error:
         print(f"switchboard router train: {error}", file=sys.stderr)
         return 2
+    auc = (f"held-out ROC AUC {report.auc:.3f}" if not math.isnan(report.auc) else
+           "no held-out ROC AUC: every held-out prompt has the same outcome (add prompts of both)")
     print(f"trained on {report.num_train} prompts; calibrated on {report.num_holdout} held out: "
           f"threshold {report.threshold:.4f} sends {report.strong_share:.1%} to the strong model "
-          f"(target {args['target_strong_share']:.1%}); held-out ROC AUC {report.auc:.3f}\n"
+          f"(target {args['target_strong_share']:.1%}); {auc}\n"
           f"saved to {args['out']}")
     return 0
 

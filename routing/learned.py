@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import zlib
 from collections.abc import Iterable, Sequence
@@ -227,16 +228,34 @@ def train_router(examples: Sequence[Example], target_strong_share: float, *,
     """Train on a seeded split of `examples` and calibrate the threshold on the held-out rest."""
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
-    order = sorted(range(len(examples)), key=lambda i: zlib.crc32(f"{seed}:{i}".encode()))
-    cut = max(1, round(len(examples) * holdout_fraction))
-    holdout = [examples[i] for i in order[:cut]]
-    training = [examples[i] for i in order[cut:]]
+    holdout, training = _split(examples, holdout_fraction, seed)
     router = train(training, epochs=epochs, seed=seed)
     router = router.calibrated([e.prompt for e in holdout], target_strong_share)
     scores = router.scores([e.prompt for e in holdout])
     share = sum(s >= router.settings.threshold for s in scores) / len(scores)
     auc = roc_auc(scores, [not e.small_correct for e in holdout])
     return router, TrainingReport(len(training), len(holdout), router.settings.threshold, share, auc)
+
+
+def _split(examples: Sequence[Example], holdout_fraction: float, seed: int
+           ) -> tuple[list[Example], list[Example]]:
+    """(held out, training): a seeded shuffle of each outcome's examples, `holdout_fraction` of
+    each held out, so that the held-out part has both outcomes in their share of the whole (the
+    calibration reads it as the traffic to come). At least one is held out, and one trained on."""
+    rng = random.Random(seed)
+    holdout: list[Example] = []
+    training: list[Example] = []
+    for outcome in (False, True):
+        group = [e for e in examples if e.small_correct is outcome]
+        rng.shuffle(group)
+        cut = round(len(group) * holdout_fraction)
+        holdout += group[:cut]
+        training += group[cut:]
+    if not holdout:
+        holdout.append(training.pop())
+    elif not training:
+        training.append(holdout.pop())
+    return holdout, training
 
 
 def roc_auc(scores: Sequence[float], positives: Sequence[bool]) -> float:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.cli import main
-from routing.learned import (Example, LearnedRouter, read_examples, roc_auc, threshold_for_share,
+from routing.learned import (Example, LearnedRouter, _split, read_examples, roc_auc, threshold_for_share,
                              train_router)
 
 
@@ -100,3 +100,17 @@ def test_router_train_command(tmp_path, capsys):
     with pytest.raises(SystemExit) as raised:  # 0 epochs made a router that sent everything strong
         main(["router", "train", str(data), "--out", str(tmp_path / "r0"), "--epochs", "0"])
     assert raised.value.code == 2
+
+
+def test_the_held_out_part_has_each_outcome_in_its_share_of_the_whole():
+    """The calibration reads the held-out prompts as the traffic to come: a split that left out
+    the hard prompts (as one ordered by a checksum of the line number did) calibrates on the
+    wrong traffic, and cannot measure how well the router ranks."""
+    examples = [Example(f"topic {i % 10} question {i}", i % 10 not in (3, 7)) for i in range(1000)]
+    for seed in range(3):
+        holdout, training = _split(examples, 0.2, seed)
+        assert (len(holdout), len(training)) == (200, 800)
+        assert sum(not e.small_correct for e in holdout) == 40  # 20% hard, as in the whole
+        assert sorted(holdout + training, key=examples.index) == examples
+    _, report = train_router(examples, target_strong_share=0.3, epochs=5)
+    assert not math.isnan(report.auc)
