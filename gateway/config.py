@@ -24,6 +24,8 @@ _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(iB|B)?", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
         "metrics_key": "SWITCHBOARD_METRICS_KEY"}
+# Config-file keys named after a long option whose value lands in a field of another name.
+_FILE_KEYS = {"heartbeat": "heartbeat_s"}
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
 _UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "timeout_s",
                   "max_model_len"}
@@ -364,10 +366,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
             raw = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"cannot read the config file {path}: {error}") from None
-    known = {f.name for f in fields(ServeConfig)}
+    # A file's keys are the long options' names (as `--heartbeat` is `heartbeat`), or the fields'.
+    known = {f.name for f in fields(ServeConfig)} | set(_FILE_KEYS)
     values = {key.replace("-", "_"): value for key, value in raw.items()}
     unknown = sorted(set(values) - known)
     if unknown:
+        listed = sorted(known - set(_FILE_KEYS.values()))
         raise ValueError(f"unknown keys in {path}: {', '.join(unknown)}; "
-                         f"known keys: {', '.join(sorted(known))}")
-    return values
+                         f"known keys: {', '.join(listed)}")
+    return {_FILE_KEYS.get(key, key): value for key, value in values.items()}

@@ -386,3 +386,13 @@ def test_help_gives_the_engine_s_own_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"most requests in one batch (default {EngineConfig.max_num_seqs})" in text
     assert f"token budget of one step (default {EngineConfig.max_num_batched_tokens})" in text
+
+
+def test_a_config_file_takes_the_long_options_names(tmp_path):
+    config = tmp_path / "worker.toml"
+    config.write_text("heartbeat = 2.5\nmax-num-seqs = 3\n")
+    loaded = load_serve_config({}, config, {})
+    assert (loaded.heartbeat_s, loaded.max_num_seqs) == (2.5, 3)
+    config.write_text("heartbeet = 2.5\n")
+    with pytest.raises(ValueError, match="unknown keys .*: heartbeet; known keys: .*heartbeat,"):
+        load_serve_config({}, config, {})
