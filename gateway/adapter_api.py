@@ -127,6 +127,13 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                               "the base models you can use", param="base_model",
                               code="model_not_found")
     try:
+        if not engine.supports_adapters:
+            await engine.ensure_available()  # no worker up at all: a 503, retried later
+            raise invalid_request(
+                f"{uploaded.base_model!r} is served without adapter slots here (its engines run "
+                "with --max-loras 0), so it takes no adapters; ask the operator to start its "
+                "engine (or a worker of it) with --max-loras above 0", param="base_model",
+                code="adapters_not_served")
         info = await engine.check_adapter(str(uploaded.folder))
     except AdapterRejected as error:
         raise invalid_request(f"the adapter is not valid for {uploaded.base_model!r}: {error}",

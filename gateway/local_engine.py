@@ -47,8 +47,8 @@ class LocalEngineClient(TextCodec):
     async def check_adapter(self, folder: str) -> AdapterInfo:
         engine = self._engine.engine
         if engine.config.lora is None:
-            raise AdapterRejected("this model is served without LoRA support, so it takes no "
-                                  "adapters; start the server with adapter slots enabled")
+            raise AdapterRejected("this model is served without adapter slots (--max-loras 0), "
+                                  "so it takes no adapters; start it with --max-loras above 0")
         try:
             adapter = await asyncio.to_thread(load_adapter, folder, engine.spec,
                                               engine.config.lora.max_lora_rank)

@@ -545,8 +545,10 @@ def test_an_engine_without_lora_refuses_uploads(demo_model_dir, tmp_path):
             refused = upload(plain, key, "a", {
                 "adapter_config.json": ("adapter_config.json", b"{}"),
                 "adapter_model.safetensors": ("adapter_model.safetensors", b"")})
+            error = refused.json()["error"]
             assert refused.status_code == 400
-            assert "without LoRA support" in refused.json()["error"]["message"]
+            assert (error["code"], error["param"]) == ("adapters_not_served", "base_model")
+            assert "--max-loras above 0" in error["message"]
     finally:
         engine.close()
 
