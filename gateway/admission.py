@@ -16,6 +16,7 @@ from collections.abc import Coroutine
 
 from gateway.errors import ApiError
 from store import Reservation, Store, Tenant
+from store.limits import SPEND_TOLERANCE_USD
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,16 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                        f"max_tokens for every choice) but your limit is {tenant.tpm} tokens per "
                        "minute; lower max_tokens or n, or shorten the prompt",
                        param="max_tokens", code="request_too_large")
-    budget = tenant.monthly_token_budget
+    budget, spend_budget = tenant.monthly_token_budget, tenant.monthly_spend_budget_usd
     if budget is not None and estimated_tokens > budget:
         raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
                        f"max_tokens for every choice) but your monthly budget is {budget} tokens "
                        "in all; lower max_tokens or n, or shorten the prompt",
+                       param="max_tokens", code="request_too_large")
+    if spend_budget is not None and estimated_spend_usd > spend_budget + SPEND_TOLERANCE_USD:
+        raise ApiError(400, f"this request may cost {estimated_spend_usd:.6f} USD (prompt plus "
+                       f"max_tokens for every choice) but your monthly budget is {spend_budget} "
+                       "USD in all; lower max_tokens or n, or shorten the prompt",
                        param="max_tokens", code="request_too_large")
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
