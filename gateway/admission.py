@@ -16,7 +16,7 @@ from collections.abc import Coroutine
 
 from gateway.errors import ApiError
 from store import Reservation, Store, Tenant
-from store.limits import SPEND_TOLERANCE_USD
+from store.limits import SPEND_TOLERANCE_USD, budget_left
 
 logger = logging.getLogger(__name__)
 
@@ -92,22 +92,14 @@ _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                 estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S) -> Admission:
     """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send."""
-    if tenant.tpm is not None and estimated_tokens > tenant.tpm:
-        raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
-                       f"max_tokens for every choice) but your limit is {tenant.tpm} tokens per "
-                       "minute; lower max_tokens or n, or shorten the prompt",
-                       param="max_tokens", code="request_too_large")
     budget, spend_budget = tenant.monthly_token_budget, tenant.monthly_spend_budget_usd
+    if tenant.tpm is not None and estimated_tokens > tenant.tpm:
+        raise _too_large(f"use {estimated_tokens} tokens", f"limit is {tenant.tpm} tokens per minute")
     if budget is not None and estimated_tokens > budget:
-        raise ApiError(400, f"this request may use {estimated_tokens} tokens (prompt plus "
-                       f"max_tokens for every choice) but your monthly budget is {budget} tokens "
-                       "in all; lower max_tokens or n, or shorten the prompt",
-                       param="max_tokens", code="request_too_large")
+        raise _too_large(f"use {estimated_tokens} tokens", f"monthly budget is {budget} tokens in all")
     if spend_budget is not None and estimated_spend_usd > spend_budget + SPEND_TOLERANCE_USD:
-        raise ApiError(400, f"this request may cost {estimated_spend_usd:.6f} USD (prompt plus "
-                       f"max_tokens for every choice) but your monthly budget is {spend_budget} "
-                       "USD in all; lower max_tokens or n, or shorten the prompt",
-                       param="max_tokens", code="request_too_large")
+        raise _too_large(f"cost {estimated_spend_usd:.6f} USD",
+                         f"monthly budget is {spend_budget} USD in all")
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
         unit = "requests" if decision.limited_by == "rpm" else "tokens"
@@ -125,22 +117,28 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
     return Admission(store, tenant, reservation, hold_ttl_s)
 
 
+def _too_large(what_it_may_use: str, limit: str) -> ApiError:
+    """The 400 for a call that no wait would let through: larger than one of its tenant's limits."""
+    return ApiError(400, f"this request may {what_it_may_use} (prompt plus max_tokens for every "
+                    f"choice) but your {limit}; lower max_tokens or n, or shorten the prompt",
+                    param="max_tokens", code="request_too_large")
+
+
 async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
                        estimated_spend_usd: float) -> ApiError:
     """The 429 for a call this month's budgets do not cover: what is left of them, and whether
     calls in flight hold part of it (then it comes back as they finish, and a retry may pass)."""
     usage = await store.get_usage(tenant.name)
+    tokens_left, spend_left = budget_left(tenant, usage)
     left = []
     if tenant.monthly_token_budget is not None:
-        used = usage.tokens_in + usage.tokens_out
-        left.append(f"{max(0, tenant.monthly_token_budget - used - usage.reserved_tokens)} of "
-                    f"{tenant.monthly_token_budget} tokens left ({used} used, "
-                    f"{usage.reserved_tokens} held by calls in flight)")
+        left.append(f"{max(0, tokens_left)} of {tenant.monthly_token_budget} tokens left "
+                    f"({usage.tokens_in + usage.tokens_out} used, {usage.reserved_tokens} held by "
+                    "calls in flight)")
     if tenant.monthly_spend_budget_usd is not None:
-        spent, held = usage.spend_usd, usage.reserved_spend_usd
-        left.append(f"{max(0.0, tenant.monthly_spend_budget_usd - spent - held):.6f} of "
-                    f"{tenant.monthly_spend_budget_usd} USD left ({spent:.6f} spent, {held:.6f} "
-                    "held by calls in flight)")
+        left.append(f"{max(0.0, spend_left):.6f} of {tenant.monthly_spend_budget_usd} USD left "
+                    f"({usage.spend_usd:.6f} spent, {usage.reserved_spend_usd:.6f} held by calls "
+                    "in flight)")
     is_held = usage.reserved_tokens > 0 or usage.reserved_spend_usd > 0
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "

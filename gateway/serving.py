@@ -35,6 +35,7 @@ from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
 from routing.routes import CascadeRoute, LearnedRoute, Route
 from store import AdapterRecord, StoreError, Tenant
 from store.blobs import fetch_blob
+from store.limits import budget_left
 
 T = TypeVar("T")
 
@@ -407,15 +408,10 @@ async def _call_limits(state: GatewayState, tenant: Tenant) -> tuple[float, floa
     """The most tokens and spend one call of `tenant` may hold now: what its tpm allows, and what
     its monthly budgets have left (a snapshot: admission decides). None when it has no limits."""
     tokens, spend = math.inf, math.inf
-    if tenant.tpm is not None:
-        tokens = tenant.tpm
     if tenant.monthly_token_budget is not None or tenant.monthly_spend_budget_usd is not None:
-        usage = await state.require_store().get_usage(tenant.name)
-        if tenant.monthly_token_budget is not None:
-            used = usage.tokens_in + usage.tokens_out + usage.reserved_tokens
-            tokens = min(tokens, tenant.monthly_token_budget - used)
-        if tenant.monthly_spend_budget_usd is not None:
-            spend = tenant.monthly_spend_budget_usd - usage.spend_usd - usage.reserved_spend_usd
+        tokens, spend = budget_left(tenant, await state.require_store().get_usage(tenant.name))
+    if tenant.tpm is not None:
+        tokens = min(tokens, tenant.tpm)
     return None if tokens == spend == math.inf else (tokens, spend)
 
 

@@ -6,6 +6,7 @@ and then `limit` per minute; a request is allowed only if every bucket can pay i
 all of them pay.
 """
 
+import math
 import secrets
 import time
 from datetime import UTC, datetime
@@ -82,6 +83,18 @@ def budget_allows(tenant: Tenant, usage: Usage, tokens: int, spend_usd: float) -
         if is_used_up or spent + spend_usd > budget_usd + SPEND_TOLERANCE_USD:
             return False
     return True
+
+
+def budget_left(tenant: Tenant, usage: Usage) -> tuple[float, float]:
+    """The tokens and spend this month's budgets leave beside what is used and held (inf where
+    unlimited; below 0 where calls in flight hold more than is left)."""
+    tokens = spend_usd = math.inf
+    if tenant.monthly_token_budget is not None:
+        used = usage.tokens_in + usage.tokens_out + usage.reserved_tokens
+        tokens = tenant.monthly_token_budget - used
+    if tenant.monthly_spend_budget_usd is not None:
+        spend_usd = tenant.monthly_spend_budget_usd - usage.spend_usd - usage.reserved_spend_usd
+    return tokens, spend_usd
 
 
 def new_reservation(
