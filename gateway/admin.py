@@ -20,6 +20,7 @@ from gateway.state import gateway_state
 from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
                    Usage)
 from store.blobs import collect_garbage
+from store.models import TENANT_SETTINGS
 
 
 _Limit = Annotated[int, msgspec.Meta(gt=0)]
@@ -38,6 +39,21 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_models: list[str] | None = None
     default_route: str | None = None
     strong_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+
+
+class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """PATCH /admin/tenants/{tenant}: only the fields sent change; null makes a limit unlimited
+    (and allowed_models every model, default_route the server's). The name cannot change."""
+
+    rpm: _Limit | None | msgspec.UnsetType = msgspec.UNSET
+    tpm: _Limit | None | msgspec.UnsetType = msgspec.UNSET
+    monthly_token_budget: _Limit | None | msgspec.UnsetType = msgspec.UNSET
+    monthly_spend_budget_usd: Annotated[float, msgspec.Meta(gt=0)] | None | msgspec.UnsetType = \
+        msgspec.UNSET
+    allowed_models: list[str] | None | msgspec.UnsetType = msgspec.UNSET
+    default_route: str | None | msgspec.UnsetType = msgspec.UNSET
+    strong_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None | msgspec.UnsetType = \
+        msgspec.UNSET
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
@@ -84,12 +100,8 @@ async def create_tenant(request: Request) -> Response:
     """Create a tenant with its rate limits and monthly budgets."""
     store = await _admin_store(request)
     body = await decode_body(request, TenantCreate)
+    _check_policy(request, body.allowed_models, body.default_route)
     allowed = None if body.allowed_models is None else tuple(body.allowed_models)
-    routes = gateway_state(request).routes
-    if body.default_route is not None and body.default_route not in routes:
-        raise invalid_request(f"default_route {body.default_route!r} is not a route of this "
-                              f"server (routes: {', '.join(routes) or 'none'})",
-                              param="default_route")
     try:
         tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
                         monthly_token_budget=body.monthly_token_budget,
@@ -104,6 +116,44 @@ async def create_tenant(request: Request) -> Response:
     except StoreError as error:
         raise invalid_request(str(error)) from None
     return _json(created, 201)
+
+
+async def update_tenant(request: Request) -> Response:
+    """Change some of a tenant's limits and policy: the fields sent change (null makes a limit
+    unlimited again), the others stay. Its keys, adapters and usage stay."""
+    store = await _admin_store(request)
+    body = await decode_body(request, TenantUpdate)
+    changes = {f: getattr(body, f) for f in body.__struct_fields__
+               if getattr(body, f) is not msgspec.UNSET}
+    if not changes:
+        raise invalid_request(f"send at least one of {', '.join(TENANT_SETTINGS)} to change")
+    _check_policy(request, changes.get("allowed_models"), changes.get("default_route"))
+    if changes.get("allowed_models") is not None:
+        changes["allowed_models"] = tuple(changes["allowed_models"])
+    name = request.path_params["tenant"]
+    try:
+        return _json(await store.update_tenant(name, changes))
+    except NotFound as error:
+        raise not_found(str(error), code="tenant_not_found") from None
+    except StoreError as error:
+        raise invalid_request(str(error)) from None
+
+
+def _check_policy(request: Request, allowed_models: list[str] | None,
+                  default_route: str | None) -> None:
+    """Refuse names this server does not serve: a misspelt model would silently lock a tenant out
+    of it, and a misspelt default route would leave `auto` meaning nothing."""
+    state = gateway_state(request)
+    if default_route is not None and default_route not in state.routes:
+        raise invalid_request(f"default_route {default_route!r} is not a route of this "
+                              f"server (routes: {', '.join(state.routes) or 'none'})",
+                              param="default_route")
+    known = [*state.engines, *state.routes]
+    unknown = [m for m in allowed_models or () if m not in known]
+    if unknown:
+        raise invalid_request(f"allowed_models names {', '.join(map(repr, unknown))}, which this "
+                              f"server does not serve; it serves the base models and routes "
+                              f"{', '.join(known)}", param="allowed_models")
 
 
 async def list_tenants(request: Request) -> Response:
@@ -177,6 +227,7 @@ ROUTES = [
     Route("/admin/tenants", create_tenant, methods=["POST"]),
     Route("/admin/tenants", list_tenants, methods=["GET"]),
     Route("/admin/tenants/{tenant}", get_tenant, methods=["GET"]),
+    Route("/admin/tenants/{tenant}", update_tenant, methods=["PATCH"]),
     Route("/admin/tenants/{tenant}", delete_tenant, methods=["DELETE"]),
     Route("/admin/tenants/{tenant}/keys", create_key, methods=["POST"]),
     Route("/admin/keys/{key_id}", revoke_key, methods=["DELETE"]),

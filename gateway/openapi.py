@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.adapter_api import UPLOAD_FORM_SCHEMA, UPLOAD_PATHS
-from gateway.admin import TenantCreate
+from gateway.admin import TenantCreate, TenantUpdate
 from gateway.errors import ErrorResponse
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -23,6 +23,7 @@ _REQUEST_BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
     ("POST", "/v1/completions"): CompletionRequest,
     ("POST", "/v1/chat/completions"): ChatCompletionRequest,
     ("POST", "/admin/tenants"): TenantCreate,
+    ("PATCH", "/admin/tenants/{tenant}"): TenantUpdate,
 }
 _PUBLIC_PATHS = {"/health", "/openapi.json"}
 _REF_TEMPLATE = "#/components/schemas/{name}"

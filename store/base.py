@@ -57,6 +57,10 @@ class Store(Protocol):
     async def list_tenants(self) -> list[Tenant]:
         """All tenants, sorted by name."""
 
+    async def update_tenant(self, name: str, changes: dict[str, object]) -> Tenant:
+        """Apply `changes` to the tenant's settings at once (store.models.with_settings) and
+        return it as stored; NotFound if missing. Keys already cached see it at once."""
+
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         """Delete a tenant with its keys, adapter records and rate state; NotFound if missing.
 

@@ -63,6 +63,20 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
             raise StoreError(f"strong_share must be in [0, 1], got {self.strong_share!r}")
 
 
+# The tenant fields an update may change (store.Store.update_tenant): its limits and policy.
+TENANT_SETTINGS = ("rpm", "tpm", "monthly_token_budget", "monthly_spend_budget_usd",
+                   "allowed_models", "default_route", "strong_share")
+
+
+def with_settings(tenant: Tenant, changes: dict[str, object]) -> Tenant:
+    """`tenant` with `changes` (field -> new value; None clears a limit) applied and validated;
+    StoreError for a field that is not one of TENANT_SETTINGS or a value Tenant refuses."""
+    unknown = sorted(set(changes) - set(TENANT_SETTINGS))
+    if unknown:
+        raise StoreError(f"tenant fields {unknown} cannot be changed; settings: {TENANT_SETTINGS}")
+    return msgspec.structs.replace(tenant, **changes)
+
+
 class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A tenant's API key as stored: only its sha256 is kept; `prefix` is shown in listings."""
 

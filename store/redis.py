@@ -25,7 +25,8 @@ from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, month_of, new_reservation, now_or,
                           rate_costs)
-from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
+from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
+                          with_settings)
 from store.redis_blobs import RedisBlobs
 
 # Redis is down, unreachable, stuck, or still loading its data after a restart (BusyLoadingError
@@ -155,6 +156,20 @@ class RedisStore:
             return []
         raws = await self._redis.mget([self._keys.tenant(n) for n in names])
         return [msgspec.json.decode(r, type=Tenant) for r in raws if r is not None]
+
+    async def update_tenant(self, name: str, changes: dict[str, object]) -> Tenant:
+        key = self._keys.tenant(name)
+
+        async def update(pipe: Pipeline) -> Tenant:
+            raw = await pipe.get(key)
+            if raw is None:
+                raise NotFound(f"tenant {name!r} does not exist")
+            updated = with_settings(msgspec.json.decode(raw, type=Tenant), changes)
+            pipe.multi()
+            pipe.set(key, _enc(updated))
+            return updated
+
+        return await self._redis.transaction(update, key, value_from_callable=True)
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         k = self._keys

@@ -12,8 +12,8 @@ NOTE: every write is a `BEGIN IMMEDIATE` transaction, so check-then-write sequen
 budget holds, version numbers) stay exact within a process and across processes sharing the file.
 
 Authentication is cached in the process for `auth_cache_ttl_s` (2 s by default): a key revoked or
-a tenant deleted through this store stops working at once; through another process sharing the
-file, within the TTL.
+a tenant deleted or updated through this store takes effect at once; through another process
+sharing the file, within the TTL.
 """
 
 import asyncio
@@ -31,7 +31,8 @@ import msgspec
 from store.errors import AlreadyExists, NotFound, StoreError, StoreUnavailable
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import budget_allows, month_of, new_reservation, now_or, rate_costs, take
-from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
+from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
+                          with_settings)
 
 T = TypeVar("T")
 
@@ -249,6 +250,20 @@ class SqliteStore:
             return [msgspec.json.decode(r, type=Tenant) for (r,) in rows]
 
         return await self._on_worker(_READ, select)
+
+    async def update_tenant(self, name: str, changes: dict[str, object]) -> Tenant:
+        def update(conn: sqlite3.Connection) -> Tenant:
+            tenant = _get_tenant(conn, name)
+            if tenant is None:
+                raise NotFound(f"tenant {name!r} does not exist")
+            updated = with_settings(tenant, changes)
+            conn.execute("UPDATE tenants SET record = ? WHERE name = ?", (_enc(updated), name))
+            return updated
+
+        try:
+            return await self._write(update)
+        finally:
+            self._forget_keys()  # cached authentications hold the tenant's old settings
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         def delete(conn: sqlite3.Connection) -> list[AdapterRecord]:

@@ -93,6 +93,8 @@ def test_tenant_lifecycle(server):
     # Misspelt limits once made an unlimited tenant (201).
     ({"name": "ok", "monthly_spend_budget": 100}, "monthly_spend_budget"),
     ({"name": "ok", "rpm ": 10}, "rpm "),
+    # A misspelt model name would lock the tenant out of the model it meant.
+    ({"name": "ok", "allowed_models": [DEMO_MODEL, "demo-lama"]}, "allowed_models"),
 ])
 def test_invalid_tenants_are_bad_requests(server, body, param):
     response = server.admin("POST", "/admin/tenants", json=body)
@@ -147,6 +149,47 @@ def test_key_is_shown_once_authenticates_and_is_revoked(server, tenant):
     assert get(server, "/v1/models", body["key"]).status_code == 401
     assert server.admin("DELETE", "/admin/keys/key_nope").status_code == 404
     assert server.admin("POST", "/admin/tenants/nobody/keys").status_code == 404
+
+
+def test_a_tenant_s_limits_change_in_place_and_its_keys_see_them_at_once(server):
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, rpm=1, tpm=1000)
+    assert complete(server, key).status_code == 200
+    assert complete(server, key).status_code == 429
+    patched = server.admin("PATCH", f"/admin/tenants/{name}", json={"rpm": None, "tpm": 500})
+    assert patched.status_code == 200, patched.text
+    assert (patched.json()["rpm"], patched.json()["tpm"]) == (None, 500)
+    assert complete(server, key).status_code == 200  # the same key, now unlimited in rpm
+    patched = server.admin("PATCH", f"/admin/tenants/{name}", json={"allowed_models": []})
+    assert patched.json()["allowed_models"] == [] and patched.json()["tpm"] == 500
+    assert complete(server, key).status_code == 403
+    detail = server.admin("GET", f"/admin/tenants/{name}").json()
+    assert detail["tenant"] == patched.json() and detail["usage"]["requests"] == 2
+    assert len(detail["keys"]) == 1 and not detail["keys"][0]["revoked"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, None),
+    ({"rpm": 0}, "rpm"),
+    ({"strong_share": 1.5}, "strong_share"),
+    ({"name": "renamed"}, "name"),  # the name is the tenant's id
+    ({"rmp": 5}, "rmp"),
+    ({"allowed_models": ["demo-lama"]}, "allowed_models"),
+    ({"default_route": "nope"}, "default_route"),
+])
+def test_invalid_tenant_updates_are_bad_requests_and_change_nothing(server, tenant, body, param):
+    name, key = tenant
+    before = server.admin("GET", f"/admin/tenants/{name}").json()["tenant"]
+    response = server.admin("PATCH", f"/admin/tenants/{name}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert server.admin("GET", f"/admin/tenants/{name}").json()["tenant"] == before
+    forbidden = httpx.patch(server.url + f"/admin/tenants/{name}", json={"rpm": 1},
+                            headers={"Authorization": f"Bearer {key}"})
+    assert forbidden.status_code == 403
+    missing = server.admin("PATCH", "/admin/tenants/nobody", json={"rpm": 1})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "tenant_not_found"
 
 
 def test_deleting_a_tenant_invalidates_its_keys(server, tenant):
@@ -266,7 +309,7 @@ def test_monthly_budget_is_settled_with_real_counts(server):
 
 
 def test_allowed_models_limit_what_a_tenant_sees(server):
-    key = server.new_tenant(f"t{next(_names)}", allowed_models=["other-model"])
+    key = server.new_tenant(f"t{next(_names)}", allowed_models=[])
     assert get(server, "/v1/models", key).json()["data"] == []
     response = complete(server, key)  # served, but not for this tenant
     assert response.status_code == 403

@@ -51,7 +51,7 @@ def test_openapi_lists_every_route_and_method(server):
     listed = {(method.upper(), path) for path, ops in document["paths"].items() for method in ops}
     routed = {(method, openapi_path(route.path)) for route in ROUTES for method in route.methods - {"HEAD"}}
     assert listed == routed
-    assert len(routed) == 21
+    assert len(routed) == 22
     assert document["paths"]["/v1/models/{model}"]["get"]["parameters"][0]["name"] == "model"
     operation_ids = [op["operationId"] for ops in document["paths"].values() for op in ops.values()]
     assert len(operation_ids) == len(set(operation_ids))

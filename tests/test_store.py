@@ -115,6 +115,37 @@ async def test_tenants_create_get_list_delete(store: Store) -> None:
         await store.delete_tenant("beta")
 
 
+async def test_tenant_updates_change_only_the_fields_named(store: Store) -> None:
+    acme = await make_tenant(store, rpm=10, tpm=1000, allowed_models=("small",))
+    _, key = await store.create_key("acme")
+    assert (await store.authenticate(key)).rpm == 10  # cached by the SQLite store
+    updated = await store.update_tenant("acme", {"rpm": 2, "monthly_token_budget": 500,
+                                                 "allowed_models": None})
+    assert updated == msgspec.structs.replace(acme, rpm=2, monthly_token_budget=500,
+                                              allowed_models=None)
+    assert await store.get_tenant("acme") == updated
+    assert await store.authenticate(key) == updated  # a cached key sees the new limits at once
+    with pytest.raises(StoreError, match="tpm must be positive"):
+        await store.update_tenant("acme", {"tpm": 0})
+    with pytest.raises(StoreError, match=r"\['created_at', 'name'\] cannot be changed"):
+        await store.update_tenant("acme", {"name": "other", "created_at": 0.0})
+    assert await store.get_tenant("acme") == updated  # a refused update changes nothing
+    with pytest.raises(NotFound, match="'nobody' does not exist"):
+        await store.update_tenant("nobody", {"rpm": 1})
+
+
+async def test_concurrent_updates_of_different_fields_all_land(store_url: str, tmp_path: Path) -> None:
+    clients = [await open_store(store_url, tmp_path) for _ in range(2)]  # like two gateways
+    await make_tenant(clients[0])
+    fields = ["rpm", "tpm", "monthly_token_budget"]
+    await asyncio.gather(*(clients[i % 2].update_tenant("acme", {field: 7 + i})
+                           for i, field in enumerate(fields)))
+    tenant = await clients[1].get_tenant("acme")
+    assert [getattr(tenant, f) for f in fields] == [7, 8, 9]
+    for client in clients:
+        await client.close()
+
+
 @pytest.mark.parametrize(
     "name", ["", ".", "..", "../x", "a/b", "a:b", "-a", "a b", "a\n", "x" * 65]
 )
