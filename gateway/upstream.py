@@ -182,15 +182,17 @@ _decode_event = msgspec.json.Decoder(_Event).decode
 @dataclass
 class _Counts:
     """Token counts of one answer: the upstream's usage once it arrives (with the end of the
-    answer), until then the prompt's bytes and the output tokens seen."""
+    answer), until then an estimate of the prompt's tokens (_PromptRatio) and the output tokens
+    seen. An answer left before its end (a cascade's judged tier, a client that leaves, a failure
+    midway) is billed with those."""
 
-    num_prompt_bytes: int
+    estimated_prompt_tokens: int
     num_tokens_seen: int = 0
     usage: _Usage | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self.usage.prompt_tokens if self.usage is not None else self.num_prompt_bytes
+        return self.usage.prompt_tokens if self.usage is not None else self.estimated_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -200,6 +202,32 @@ class _Counts:
     def num_cached_tokens(self) -> int:
         details = self.usage and self.usage.prompt_tokens_details
         return (details.cached_tokens or 0) if details else 0
+
+
+class _PromptRatio:
+    """The upstream's prompt tokens per prompt byte, from the usage of the answers it finished.
+
+    The upstream counts a prompt only in the usage it sends after the answer ends, and its
+    tokenizer is unknown here, so an answer left before then has its prompt estimated from what
+    the upstream said of earlier ones (its tokenizer, its template and special tokens), or at
+    DEFAULT_BYTES_PER_TOKEN (English text under common BPE vocabularies) before it said any.
+    Billing the prompt's bytes instead would charge several times its tokens.
+    """
+
+    DEFAULT_BYTES_PER_TOKEN = 4
+
+    def __init__(self) -> None:
+        self._num_bytes = 0
+        self._num_tokens = 0
+
+    def learn(self, num_prompt_bytes: int, num_prompt_tokens: int) -> None:
+        self._num_bytes += num_prompt_bytes
+        self._num_tokens += num_prompt_tokens
+
+    def estimate(self, num_prompt_bytes: int) -> int:
+        if self._num_bytes == 0:
+            return -(-num_prompt_bytes // self.DEFAULT_BYTES_PER_TOKEN)
+        return max(1, round(num_prompt_bytes * self._num_tokens / self._num_bytes))
 
 
 class UpstreamEngineClient:
@@ -216,6 +244,7 @@ class UpstreamEngineClient:
         self._num_in_flight = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._prompt_ratio = _PromptRatio()  # NOTE: used only on the client's loop
         self._is_closed = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # NOTE: no cap on connections: each running request holds one, and the gateway's
@@ -410,7 +439,7 @@ class UpstreamEngineClient:
                       with_logprobs: bool) -> AsyncIterator[GenerationChunk]:
         """The answer's chunks; the finished one is held back until the stream ends, since the
         upstream sends its usage after it."""
-        counts = _Counts(num_prompt_bytes)
+        counts = _Counts(self._prompt_ratio.estimate(num_prompt_bytes))
         ending: _Choice | None = None
         async for event in self._events(lines):
             for choice in event.choices:
@@ -422,6 +451,8 @@ class UpstreamEngineClient:
                 counts.usage = event.usage
         if ending is None:
             raise EngineFailure(f"{self._where} ended its stream before the answer finished")
+        if counts.usage is not None:  # once an answer: some upstreams send usage with each event
+            self._prompt_ratio.learn(num_prompt_bytes, counts.usage.prompt_tokens)
         self._num_prompt_tokens += counts.num_prompt_tokens
         yield self._chunk(ending, counts, with_logprobs,
                           _FINISH_REASONS.get(ending.finish_reason, "stop"))

@@ -736,6 +736,27 @@ def test_a_chat_without_max_tokens_fills_what_the_upstream_s_context_leaves(fron
     assert hosted.requests[-1][1]["max_tokens"] == 5
 
 
+def test_an_answer_left_early_bills_its_prompt_at_the_upstream_s_tokens_per_byte(stalling, hosted):
+    """The upstream counts the prompt only at the end: until then each chunk carries an estimate,
+    what a cascade's judged tier or a client that leaves is billed. It is learnt from the
+    upstream's own counts, not the prompt's bytes (several times its tokens)."""
+    engine = UpstreamEngineClient("hosted", UpstreamSource(stalling + "/hosted/v1", "chat-model",
+                                                           None, TIMEOUT_S, api="chat"))
+
+    async def prompt_counts(ids: list[int]) -> list[int]:
+        stream = engine.generate(ids, SamplingOptions(max_tokens=4), request_id="r")
+        return [chunk.num_prompt_tokens async for chunk in stream]
+
+    short, long = engine.tokenize("a short prompt"), engine.tokenize("a rather longer prompt " * 5)
+    try:
+        first, *_, last = asyncio.run(prompt_counts(short))
+        assert (first, last) == (math.ceil(len(short) / 4), 11)  # 11: HOSTED_EVENTS' usage
+        first, *_, last = asyncio.run(prompt_counts(long))
+        assert (first, last) == (round(len(long) * 11 / len(short)), 11)
+    finally:
+        engine.close()
+
+
 def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_count(front, hosted):
     """Without logprobs a piece of text counts as one token until the usage says how many it held."""
     server, _ = front
