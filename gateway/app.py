@@ -6,7 +6,9 @@ connections belong to one loop); the caller owns the engines and closes them aft
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -31,9 +33,9 @@ from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
 from routing.routes import Route as ModelRoute
 from store import open_store
-from store.blobs import BlobStore, collect_garbage
+from store.blobs import SWEEP_PERIOD_S, BlobStore, drop_deleted_adapters
 from store.keys import hash_key
-from store.workers import WorkerRegistry
+from store.workers import WorkerRegistry, keep_running
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                prices: dict[str, Price] | None = None,
                routes: dict[str, ModelRoute] | None = None, default_route: str | None = None,
                workers_url: str | None = None, load_tokenizer: Callable[[Path], Any] | None = None,
-               announce_admin_key: Callable[[str], None] = _log_admin_key) -> Starlette:
+               announce_admin_key: Callable[[str], None] = _log_admin_key,
+               blob_sweep_s: float = SWEEP_PERIOD_S) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
 
     On startup it opens the store (`store_url`, see store.open_store; SQLite in `data_dir` when
@@ -91,7 +94,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     and hands its plaintext to `announce_admin_key`, once. /metrics answers the admin key and
     `metrics_key` (when given), nothing else. Uploaded adapter files live in
     `adapter_dir` (default `data_dir`/adapters); with a Redis store also in Redis, from which
-    gateways fetch what their own `adapter_dir` lacks.
+    gateways fetch what their own `adapter_dir` lacks, and where others delete adapters: every
+    `blob_sweep_s` the gateway drops the files of those from its folder.
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
     `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
     With `workers_url` (a Redis URL), the models of the engine workers registered there are
@@ -112,16 +116,17 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gateway.store = await open_store(store_url, data_dir)
-        pool = None
+        pool = sweeping = None
         try:
             created = await ensure_admin_key(gateway.store, admin_key)
             if created is not None:
                 announce_admin_key(created)
             # Files of adapters deleted through other gateways (or while this one was down).
-            removed = await collect_garbage(blobs, gateway.store)
-            if removed:
-                logger.info("removed the files of %d deleted adapters from %s", len(removed),
-                            blobs.root)
+            await drop_deleted_adapters(blobs, gateway.store)
+            if gateway.store.shared_blobs is not None:  # others delete adapters while it runs
+                sweeping = asyncio.create_task(keep_running(
+                    functools.partial(drop_deleted_adapters, blobs, gateway.store), blob_sweep_s,
+                    "dropping the files of deleted adapters"))
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
                                   load_tokenizer, engines.setdefault)
@@ -129,6 +134,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                 check_routes(engines, routes, default_route, workers=True)
             yield
         finally:
+            if sweeping is not None:
+                sweeping.cancel()
             if pool is not None:
                 await pool.close()
             await gateway.store.close()

@@ -33,7 +33,8 @@ from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
                                 GenerateBody, StreamLine, WorkerError)
 from store import UNAVAILABLE_ERRORS, RedisStore
-from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
+from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, BlobStore, digest_files,
+                         drop_deleted_adapters)
 from store.errors import InvalidName
 from store.models import validate_digest
 from store.workers import WorkerRecord, WorkerRegistry, keep_running
@@ -60,6 +61,7 @@ class Worker:
     tokenizer_files: dict[str, bytes]
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     store_url: str | None = None  # the Redis holding adapter records; None: blobs are never dropped
+    blob_sweep_s: float = SWEEP_PERIOD_S  # how often it drops the files of deleted adapters
     id: str = field(default_factory=lambda: secrets.token_hex(6))
     internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
     is_closing: bool = False
@@ -88,16 +90,12 @@ class Worker:
         try:
             store = await RedisStore.open(self.store_url)
             try:
-                removed = await collect_garbage(self.blobs, store)
+                await drop_deleted_adapters(self.blobs, store)
             finally:
                 await store.close()
         except UNAVAILABLE_ERRORS as error:
             logger.warning("kept the adapter files in %s: cannot ask the store which adapters were "
                            "deleted: %s", self.blobs.root, error)
-            return
-        if removed:
-            logger.info("removed the files of %d deleted adapters from %s", len(removed),
-                        self.blobs.root)
 
     async def keep_beating(self) -> None:
         """Heartbeat until cancelled, riding out Redis outages."""
@@ -260,8 +258,9 @@ async def health(request: Request) -> Response:
 
 
 def create_worker_app(worker: Worker) -> Starlette:
-    """The worker's internal API; its lifespan drops unreferenced blobs, registers the worker and
-    heartbeats until shutdown (failing to start if Redis cannot be reached)."""
+    """The worker's internal API; its lifespan drops unreferenced blobs (then every
+    `worker.blob_sweep_s`), registers the worker and heartbeats until shutdown (failing to start
+    if Redis cannot be reached)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -270,11 +269,15 @@ def create_worker_app(worker: Worker) -> Starlette:
         await worker.beat()
         logger.info("worker %s serves %s at %s", worker.id, worker.model, worker.url)
         beating = asyncio.create_task(worker.keep_beating())
+        sweeping = asyncio.create_task(keep_running(worker.drop_unreferenced_blobs,
+                                                    worker.blob_sweep_s,
+                                                    "dropping the files of deleted adapters"))
         try:
             yield
         finally:
             worker.is_closing = True
             beating.cancel()
+            sweeping.cancel()
             with contextlib.suppress(Exception):  # Redis may be gone: the record lapses anyway
                 await worker.registry.remove(worker.id)
             await worker.registry.close()

@@ -13,6 +13,7 @@ front of them: fetch_blob copies a blob the folder lacks from the store, checkin
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import shutil
@@ -26,7 +27,13 @@ from store.base import SharedBlobs, Store
 from store.errors import StoreError
 from store.models import validate_digest, validate_name
 
+logger = logging.getLogger(__name__)
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# How often a process whose folder caches the store's shared copies (a gateway or a worker on
+# Redis) drops the files of adapters deleted through the others: no record names them, so no
+# request can, and without this they would fill its disk until it restarts.
+SWEEP_PERIOD_S = 600.0
 _CHUNK_BYTES = 1 << 20
 _STALE_TMP_S = 3600.0  # a put that has not finished in an hour has crashed
 
@@ -195,6 +202,13 @@ async def collect_garbage(
             if await asyncio.to_thread(blobs.delete, digest):
                 removed.append(digest)
     return removed
+
+
+async def drop_deleted_adapters(blobs: BlobStore, store: Store) -> None:
+    """collect_garbage over the whole folder, saying what it removed."""
+    removed = await collect_garbage(blobs, store)
+    if removed:
+        logger.info("removed the files of %d deleted adapters from %s", len(removed), blobs.root)
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:

@@ -1,8 +1,8 @@
 """Two gateways, each with its own adapter folder, sharing one redis-server: an adapter uploaded
 through one answers through the other (its files fetched from Redis, once, and checked); deletes
 remove the Redis copy; a damaged or half-written copy is refused and never reaches a folder, and
-uploading the adapter again repairs it. Gateways and workers that start drop the files of deleted
-adapters.
+uploading the adapter again repairs it. Gateways and workers drop the files of deleted adapters
+when they start, and every so often while they run.
 
 The gateways are real apps on real sockets over the session's demo engine (see conftest).
 """
@@ -29,6 +29,7 @@ from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server, run_server
 from tests.helpers import TINY_DIMS, save_peft_adapter
 from tests.processes import free_port
 from tests.redis_server import redis_server  # noqa: F401
+from tests.test_gateway_routing import eventually
 
 PROMPT = "Shared adapters"
 NUM_TOKENS = 6
@@ -235,6 +236,28 @@ def test_a_worker_drops_files_of_deleted_adapters_when_it_starts(gateways, demo_
 
     with run_server(create_worker_app(worker_over(blobs, demo_engine, redis_server))):
         assert sorted(p.name for p in blobs.root.iterdir()) == sorted([kept, shared])
+
+
+def test_running_gateways_and_workers_drop_copies_of_adapters_deleted_elsewhere(
+        gateways, demo_engine, redis_server, tmp_path):
+    """Not only when they start: every blob_sweep_s, so a long-lived process's disk does not fill
+    with the files of adapters deleted through the others; files still referenced stay."""
+    a, _ = gateways
+    key = a.new_tenant(f"t{next(_seeds)}")
+    gone, kept = (upload(a, key, name, demo_adapter(tmp_path / name)) for name in ("gone", "kept"))
+    worker_blobs = BlobStore(tmp_path / "worker-adapters")
+    for digest in (gone, kept):
+        worker_blobs.put(local_blobs(a).path(digest))
+    worker = worker_over(worker_blobs, demo_engine, redis_server)
+    worker.blob_sweep_s = 0.1
+    with gateway_server(demo_engine, tmp_path / "gateway-c", redis_server, blob_sweep_s=0.1) as c, \
+            run_server(create_worker_app(worker)):
+        greedy_ids(c, key, "gone"), greedy_ids(c, key, "kept")  # C caches both
+        time.sleep(0.3)  # sweeps ran meanwhile, and kept what is referenced
+        assert local_blobs(c).digests() == sorted([gone, kept]) == worker_blobs.digests()
+        assert httpx.delete(a.url + "/v1/adapters/gone", headers=auth(key)).status_code == 200
+        assert eventually(lambda: local_blobs(c).digests() == [kept] == worker_blobs.digests())
+        assert greedy_ids(c, key, "kept")
 
 
 def test_a_worker_that_cannot_reach_the_store_keeps_its_files(demo_engine, tmp_path, caplog):
