@@ -49,8 +49,10 @@ class Sampler:
         if params.top_p < 1.0:
             sorted_logits, order = torch.sort(row, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
-            # Drop a token when the tokens before it already cover top_p; the first always stays.
+            # Drop a token when the tokens before it already cover top_p; the first always stays,
+            # even for a top_p that is 0 in float32 (nothing would be left to sample).
             drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+            drop[0] = False
             row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = torch.softmax(row, dim=-1)
         generator = request.generator or self.generator

@@ -68,6 +68,14 @@ def test_top_p_keeps_the_smallest_set_covering_p():
     assert seen == {0, 1}
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])  # positive, but 0 in float32
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(top_p):
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])
+    sampled = sampler.sample(logits, [make(SamplingParams(top_p=top_p))])[0]
+    assert (sampled.token_id, sampled.error) == (1, None)
+
+
 def test_repetition_penalty_discourages_seen_tokens():
     sampler = Sampler(0, torch.device("cpu"))
     logits = torch.tensor([[2.0, 1.9, 0.0]])
