@@ -241,7 +241,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str = "model"
     created: int
     owned_by: str = "switchboard"
-    max_model_len: int
+    max_model_len: int | None  # None: a route some of whose models have no worker yet
     parent: str | None = None
 
 

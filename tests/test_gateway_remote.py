@@ -165,9 +165,16 @@ def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(
         reply = httpx.post(server.url + "/v1/completions", timeout=10,
                            headers={"Authorization": f"Bearer {key}"},
                            json={"model": "auto", "prompt": [1, 2, 3], "max_tokens": 2})
+        headers = {"Authorization": f"Bearer {key}"}
+        listed = httpx.get(server.url + "/v1/models", headers=headers)
+        one = httpx.get(server.url + "/v1/models/auto", headers=headers)
     assert reply.status_code == 503, reply.text
     error = reply.json()["error"]
     assert error["code"] == "engine_unavailable" and "no engine worker serves" in error["message"]
+    # Listed, with no context length until its models are served (this listing once failed).
+    assert listed.status_code == 200 and one.status_code == 200, listed.text
+    assert [(m["id"], m["max_model_len"]) for m in listed.json()["data"]] == [("auto", None)]
+    assert one.json() == listed.json()["data"][0]
 
 
 def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_model_dir, tmp_path):
