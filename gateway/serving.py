@@ -319,7 +319,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         if isinstance(target.route, CascadeRoute):
             outcome = await run_cascade(
                 target.route, list(target.tiers), ask, attempts, streamed=streamed,
-                request_id=call_id, tenant=tenant.name,
+                request_id=call_id, tenant=tenant.incarnation,
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
@@ -332,13 +332,13 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             attempts.append(Attempt(picked.model, decision.score, decision.threshold, 0, 0))
             # The other tier answers if the picked one fails before its first token.
             outcome = await run_with_fallback(
-                [picked, other], ask, attempts, request_id=call_id, tenant=tenant.name,
+                [picked, other], ask, attempts, request_id=call_id, tenant=tenant.incarnation,
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
         else:
             tier = target.tiers[0]
-            streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.name)
+            streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.incarnation)
     except BaseException:  # only a route's tiers have used tokens yet; bill those
         await _bill(request, admission, tenant.name, _uses_of(state, attempts))
         raise

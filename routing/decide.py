@@ -37,7 +37,7 @@ class LearnedRouting:
         threshold = route.router.settings.threshold
         share = tenant.strong_share if tenant.strong_share is not None else route.target_strong_share
         if route.recalibrate_window > 0:
-            recent = self._recent.setdefault((route.name, tenant.name),
+            recent = self._recent.setdefault((route.name, tenant.incarnation),
                                              deque(maxlen=route.recalibrate_window))
             recent.append(score)
             if share is not None and len(recent) >= min(MIN_RECENT, route.recalibrate_window):

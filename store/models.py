@@ -53,6 +53,12 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     strong_share: float | None = None  # learned routes: target share of strong-model calls
     created_at: float = msgspec.field(default_factory=time.time)
 
+    @property
+    def incarnation(self) -> str:
+        """The tenant as engines tell tenants apart (the prefix cache's key): its name and when it
+        was made, so a tenant made anew under a deleted one's name hits none of its cached prompts."""
+        return f"{self.name}@{self.created_at!r}"
+
     def __post_init__(self) -> None:
         validate_name("tenant", self.name)
         _check_positive("rpm", self.rpm)

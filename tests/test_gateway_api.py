@@ -444,3 +444,6 @@ def test_tenants_never_hit_each_others_cached_prompts(server):
     assert cached(alice) == 0
     assert cached(bob) == 0
     assert cached(alice) > 0  # a tenant's own prompts are still cached
+    # Nor does a tenant made anew under a deleted one's name: it "starts from nothing".
+    assert server.admin("DELETE", "/admin/tenants/cache-alice").status_code == 200
+    assert cached(server.new_tenant("cache-alice")) == 0

@@ -464,10 +464,16 @@ def test_a_tenant_share_recalibrates_the_threshold_on_its_own_traffic(routed):
               for p in prompts]
     assert models[40:].count("large") == pytest.approx(40 * 0.25, abs=3)
     # A route that sets no window recalibrates too (it once ignored every share): 500 prompts.
-    _, all_strong = new_tenant(routed, strong_share=1.0)
+    name, all_strong = new_tenant(routed, strong_share=1.0)
     models = [complete(routed, all_strong, p, model="learned", max_tokens=1).json()["model"]
               for p in prompts[:30]]
     assert models[20:] == ["large"] * 10
+    # A tenant made anew under the name starts from the router's own threshold, not from the
+    # deleted one's traffic.
+    assert routed.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+    anew = routed.new_tenant(name, strong_share=1.0)
+    assert [complete(routed, anew, p, model="learned", max_tokens=1).json()["model"]
+            for p in prompts[:10]] == models[:10] != ["large"] * 10
 
 
 def test_routes_are_counted_per_route_and_tier(routed):
