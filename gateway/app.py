@@ -111,7 +111,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
                            max_upload_bytes=max_upload_bytes, prices=prices or {},
                            routes=routes, default_route=default_route,
-                           metrics_key_hash=hash_key(metrics_key) if metrics_key else None)
+                           metrics_key_hash=hash_key(metrics_key) if metrics_key else None,
+                           has_workers=workers_url is not None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

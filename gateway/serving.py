@@ -102,13 +102,18 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
         raise ApiError(403, f"your tenant's policy does not allow the model {model!r}; GET "
                        "/v1/models lists the models and routes you can use", param="model",
                        type="permission_error", code="model_not_allowed") from None
+    models = target.route.tiers if target.route is not None else (target.base_model,)
+    if missing := [m for m in models if m not in state.engines]:
+        if not state.has_workers:  # an adapter of a base model this server no longer serves
+            raise ApiError(404, f"{model!r} is an adapter for the base model {missing[0]!r}, which "
+                           f"this server does not serve; upload it again for one of "
+                           f"{', '.join(state.engines)}", param="model", code="model_not_found")
+        # A route or an adapter over workers not up yet.
+        raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(missing)} yet"))
     adapter = None
     if target.adapter is not None:
         folder = await adapter_folder(state, target.adapter)
         adapter = (target.adapter.base_model, AdapterRef(target.adapter.digest, str(folder)))
-    models = target.route.tiers if target.route is not None else (target.base_model,)
-    if missing := [m for m in models if m not in state.engines]:  # a route over workers not up yet
-        raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(missing)} yet"))
     tiers = tuple(Tier(m, state.engines[m], adapter[1] if adapter and adapter[0] == m else None)
                   for m in models)
     return Target(tiers, target.route)

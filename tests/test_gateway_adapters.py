@@ -574,3 +574,21 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
         assert greedy_ids(server, key, "escalate:bot", "large") == expected["base"]  # without
         with pytest.raises(openai.NotFoundError):
             greedy_ids(server, key, "keep:someone-elses")
+
+
+def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, adapters, tmp_path):
+    """Restarted serving its model under another name, a gateway has records of adapters for the
+    old name: 404, as /v1/models says (it once answered a 503 that clients retried)."""
+    from tests.conftest import serve_gateway
+
+    with serve_gateway({DEMO_MODEL: demo_engine}, tmp_path) as before:
+        key = before.new_tenant("renamed")
+        assert upload(before, key, "bot", files_of(adapters["all-r8"])).status_code == 201
+    with serve_gateway({"llama": demo_engine}, tmp_path) as after:
+        listed = httpx.get(after.url + "/v1/models", headers=auth(key)).json()["data"]
+        reply = httpx.post(after.url + "/v1/completions", headers=auth(key),
+                           json={"model": "bot", "prompt": PROMPT, "max_tokens": 2})
+    assert [m["id"] for m in listed] == ["llama"]
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "model_not_found" and f"base model '{DEMO_MODEL}'" in error["message"]
