@@ -44,6 +44,9 @@ class InstantEngine:
     def token_text(self, token_id: int) -> str:
         return bytes([token_id]).decode(errors="replace")
 
+    def text_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
     def detokenize(self, token_ids: list[int]) -> str:
         return bytes(token_ids).decode(errors="replace")
 
@@ -64,6 +67,9 @@ class InstantEngine:
             token_ids=token_ids, text=bytes(token_ids).decode(errors="replace"), logprobs=[],
             finished=True, finish_reason="length", num_prompt_tokens=len(prompt_token_ids),
             num_output_tokens=len(token_ids), num_cached_tokens=0)
+
+    async def ensure_available(self) -> None:
+        """Always available: there is nothing behind it."""
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=1, kv_blocks_used=0,
@@ -102,6 +108,7 @@ def main() -> None:
                         help="gateway log level; info writes one access-log line per request")
     parser.add_argument("--log-file", type=Path, help="log file (default DATA_DIR/gateway.log)")
     args = parser.parse_args()
+    args.data_dir.mkdir(parents=True, exist_ok=True)  # the log file goes there before the store
     serve(args.port, args.data_dir, args.admin_key, args.log_level,
           args.log_file or args.data_dir / "gateway.log")
 

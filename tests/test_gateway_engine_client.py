@@ -206,3 +206,21 @@ def test_a_worker_stream_keeps_alive_while_its_request_waits_and_closing_aborts_
     assert (rejected.message, rejected.param) == ("min_tokens must be in [0, max_tokens]", "min_tokens")
     assert asyncio.run(lines_of(stuck(), limit=2)) == [b": keepalive\n\n"] * 2
     assert aborted == [True]  # the gateway went away: the engine request is aborted
+
+
+def test_the_benchmarks_instant_engine_is_a_whole_engine_client(tmp_path):
+    """benchmarks/bench_gateway.py measures the gateway over it: it must keep up with the protocol
+    (it once lacked a method the gateway calls on every request, and every request failed)."""
+    from benchmarks.instant_engine import INSTANT_MODEL, InstantEngine
+    from gateway.engine_client import EngineClient
+
+    missing = [name for name in dir(EngineClient) if not name.startswith("_")
+               and not hasattr(InstantEngine, name)]
+    assert missing == []
+    with serve_gateway({INSTANT_MODEL: InstantEngine()}, tmp_path) as server:
+        key = server.new_tenant("bench")
+        health = httpx.get(server.url + "/health")
+        reply = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": INSTANT_MODEL, "prompt": "hi", "max_tokens": 5})
+    assert health.status_code == 200, health.text
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "Hello", reply.text
