@@ -7,9 +7,11 @@ name has a new digest, so it never shares an entry or a slot with the old one. A
 the files the loader returns hash to the digest asked for.
 
 The scheduler uses `can_acquire` / `acquire` as a check/commit pair and `release` when a request
-stops running; device slots held by running requests (refcount > 0) are never evicted. `prefetch`
-warms both tiers for waiting requests without evicting anything, and `drop_load` forgets a load that
-no waiting request needs any more.
+stops running; device slots held by running requests (refcount > 0) are never evicted. A True from
+`can_acquire` keeps the packed adapter it found for the `acquire` that follows, so a loader thread
+evicting it from the host tier in between cannot send `acquire` to storage on the engine thread.
+`prefetch` warms both tiers for waiting requests without evicting anything, and `drop_load` forgets
+a load that no waiting request needs any more.
 
 On CUDA, page-ins run on a side stream. A page-in into a slot that held another adapter first
 waits for the compute already queued (it may still read that slot); the runner calls
@@ -69,6 +71,9 @@ class AdapterCache:
         # ones, and failed ones until a poll reports the error (or `drop_load`). A load that finished
         # well leaves at the next prefetch: its adapter is in the host tier, which alone bounds it.
         self._loading: dict[str, Future[PackedAdapter]] = {}
+        # What can_acquire found for the adapters it said True for, until their acquire, the next
+        # prefetch (admission is over by then) or drop_load.
+        self._promised: dict[str, PackedAdapter] = {}
         self._executor = (ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
                           if config.num_load_threads else None)
         self._copy_stream = None
@@ -82,21 +87,26 @@ class AdapterCache:
         """Whether `acquire(adapter_id)` would succeed now without waiting for storage.
 
         Starts loading the adapter if it is not in the host tier. Raises the load's error
-        (AdapterValidationError for a bad adapter) once, if its load failed.
+        (AdapterValidationError for a bad adapter) once, if its load failed. After True, `acquire`
+        pages in the packed adapter found here, whatever the host tier has dropped since.
         """
         if adapter_id in self._resident:
             return True
-        if self._poll(adapter_id) is None:
+        packed = self._promised.get(adapter_id) or self._poll(adapter_id)
+        if packed is None:
             self._raise_if_failed(adapter_id)
             return False
-        return bool(self._unused_slots) or self._idle_adapter() is not None
+        if not self._unused_slots and self._idle_adapter() is None:
+            return False
+        self._promised[adapter_id] = packed
+        return True
 
     def acquire(self, adapter_id: str) -> int:
         """Pin the adapter in a device slot (paging it in if needed) and return the slot.
 
-        Blocks on storage if the adapter is not loaded yet; evicts the least recently used idle
-        adapter if no slot is free. Raises AdapterValidationError for an adapter that cannot be
-        served, leaving every tier as it was.
+        Unless `can_acquire` said True just before, blocks on storage if the adapter is not loaded
+        yet. Evicts the least recently used idle adapter if no slot is free. Raises
+        AdapterValidationError for an adapter that cannot be served, leaving every tier as it was.
         """
         slot = self._resident.get(adapter_id)
         if slot is not None:
@@ -129,6 +139,7 @@ class AdapterCache:
         the most recent (the most urgent last): loading more would evict the first ones for the
         last ones, and reload them the next step, every step, while the queue stands still.
         """
+        self._promised.clear()  # NOTE: prefetch follows admission: no acquire is coming for them
         self._forget_finished_loads()
         wanted = [a for a in adapter_ids if a not in self._resident][:self.config.max_cpu_adapters]
         with self._lock:
@@ -165,6 +176,7 @@ class AdapterCache:
         """No waiting request needs the adapter any more: forget its load. One still queued never
         runs, one running finishes into the host tier, and a failed one is never reported (a later
         request loads the adapter again)."""
+        self._promised.pop(adapter_id, None)
         future = self._loading.pop(adapter_id, None)
         if future is not None:
             future.cancel()
@@ -247,15 +259,17 @@ class AdapterCache:
             raise error
 
     def _packed(self, adapter_id: str) -> PackedAdapter:
-        """The packed adapter, waiting for its load if one is running or loading it here if not."""
+        """The packed adapter: the one can_acquire promised, else the host tier's, else waiting for
+        its load if one is running, else loading it here."""
+        packed = self._promised.pop(adapter_id, None)
         future = self._loading.pop(adapter_id, None)
-        if future is not None:
-            return future.result()
         with self._lock:
-            packed = self._host.get(adapter_id)
-            if packed is not None:
+            if adapter_id in self._host:
                 self._host.move_to_end(adapter_id)
-        return packed if packed is not None else self._load(adapter_id)
+                packed = packed or self._host[adapter_id]
+        if packed is not None:
+            return packed
+        return future.result() if future is not None else self._load(adapter_id)
 
     def _submit(self, adapter_id: str) -> Future[PackedAdapter]:
         if self._executor is not None:

@@ -133,7 +133,7 @@ class AsyncEngine:
                     self._streams.pop(output.request_id, None)
                 if stream is not None and not stream.put(output) and not output.finished:
                     self._streams.pop(output.request_id, None)
-                    self.engine.abort_request(output.request_id)
+                    self._abort(output.request_id)
             self._metrics = self.engine.metrics()
         self._fail_all(RuntimeError("the engine was shut down"))
 
@@ -149,7 +149,7 @@ class AsyncEngine:
             _, request_id, stream = command
             if stream is None or self._streams.get(request_id) is stream:  # not a request it never added
                 self._streams.pop(request_id, None)
-                self.engine.abort_request(request_id)
+                self._abort(request_id)
         self._metrics = self.engine.metrics()
 
     def _add(self, command: _AddCommand) -> None:
@@ -166,8 +166,15 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            failure = EngineStepError(f"request {request_id} failed in the engine: {error}")
-            stream.put(failure)
+            stream.put(EngineStepError(f"request {request_id} failed in the engine: {error}"))
+            self._abort(request_id)
         self._streams.clear()
+
+    def _abort(self, request_id: str) -> None:
+        """Abort a request in the engine. NOTE: this thread serves every request, so an abort that
+        fails (that request's state is broken) is logged, never raised: it must not end the loop."""
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("aborting request %s failed; serving the others", request_id)
 

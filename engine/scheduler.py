@@ -162,8 +162,9 @@ class Scheduler:
             if not has_seat and self._victim_for(request) is None:
                 break
             if request.adapter_id is not None and (slot_blocked or not self._can_get_slot(request)):
-                if request.is_finished:
-                    continue  # its adapter failed to load: it left the queue, the next is at index
+                if request.is_finished:  # its adapter failed to load: its requests left the queue
+                    index = self._index_after(request)
+                    continue
                 slot_blocked = True
                 index += 1
                 continue
@@ -183,10 +184,11 @@ class Scheduler:
                 # NOTE: the victim waits again behind `request` (it is less urgent), so `index`
                 # still points at `request`: try it again with the victim's seat and blocks free.
                 continue
+            if not self._acquire_slot(request):
+                index = self._index_after(request)
+                continue
             del self.waiting[index]
             self.kv.allocate(request, num_new, hits)
-            if request.adapter_id is not None:
-                request.lora_slot = self.adapter_slots.acquire(request.adapter_id)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
@@ -234,9 +236,36 @@ class Scheduler:
             raise RuntimeError("a request with an adapter reached an engine without LoRA support")
         try:
             return self.adapter_slots.can_acquire(request.adapter_id)
-        except Exception as error:  # the adapter failed to load: fail this request, not the step
-            self._fail(request, f"adapter {request.adapter_id} could not be loaded: {error}")
+        except Exception as error:  # the adapter failed to load: fail its requests, not the step
+            self._fail_adapter_requests(request.adapter_id, error)
             return False
+
+    def _acquire_slot(self, request: Request) -> bool:
+        """Pin the adapter of a request being admitted, if it has one; False if that failed (and
+        failed the adapter's requests).
+
+        NOTE: called while the request is still waiting and holds no KV block, so a failure leaves
+        nothing behind and no request outside both queues.
+        """
+        if request.adapter_id is None:
+            return True
+        try:
+            request.lora_slot = self.adapter_slots.acquire(request.adapter_id)
+        except Exception as error:
+            self._fail_adapter_requests(request.adapter_id, error)
+            return False
+        return True
+
+    def _fail_adapter_requests(self, adapter_id: str, error: Exception) -> None:
+        """Fail every waiting request of an adapter that could not be loaded: they waited on the
+        same load, and loading it again for each would fail again (or hammer storage)."""
+        message = f"adapter {adapter_id} could not be loaded: {error}"
+        for request in [r for r in self.waiting if r.adapter_id == adapter_id]:
+            self._fail(request, message)
+
+    def _index_after(self, request: Request) -> int:
+        """Where in `waiting` the requests queued after `request` (which left the queue) now start."""
+        return bisect.bisect_right(self.waiting, request.sort_key, key=lambda r: r.sort_key)
 
     def _prefetch_waiting_adapters(self) -> None:
         if self.adapter_slots is None:

@@ -226,3 +226,34 @@ def test_failed_prefetch_surfaces_in_can_acquire(blobs, tmp_path):
 def test_config_is_validated():
     with pytest.raises(ValueError, match="max_gpu_adapters must be >= 1"):
         AdapterConfig(max_gpu_adapters=0)
+
+
+@pytest.mark.parametrize("was_polled", [False, True])
+def test_acquire_after_can_acquire_never_reads_storage(blobs, was_polled):
+    """A loader thread can drop an adapter from the host tier between can_acquire saying True and
+    the acquire that follows: acquire still pages in the adapter can_acquire found, and storage is
+    read on loader threads only. `was_polled`: can_acquire took it from its finished load, else
+    (the load forgotten by a prefetch) from the host tier."""
+    store, (a, b, *_) = blobs
+    loads = []  # (adapter, thread) of each read from storage
+
+    def loader(adapter_id):
+        loads.append((adapter_id, threading.current_thread().name))
+        return store.path(adapter_id)
+
+    cache = make_cache(store, loader=loader, max_cpu_adapters=1, num_load_threads=1)
+    try:
+        cache.can_acquire(a)  # starts its load
+        cache.wait_for_loads(timeout=10)
+        if not was_polled:
+            cache.prefetch([])
+        assert cache.can_acquire(a)
+        cache.can_acquire(b)  # another waiting request's adapter starts loading
+        cache.wait_for_loads(timeout=10)
+        assert cache.host_ids() == [b]  # a was dropped for b
+        assert cache.acquire(a) == 0
+        assert_slot_holds(cache.slots, 0, load_adapter(store.path(a), SPEC, 8))
+        assert [adapter_id for adapter_id, _ in loads] == [a, b] and cache.stats.num_loads == 2
+        assert all(thread.startswith("adapter-load") for _, thread in loads)
+    finally:
+        cache.close()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineStepError
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
@@ -149,3 +149,42 @@ def test_a_request_cancelled_before_the_engine_took_it_leaves_the_engine_serving
         time.sleep(0.01)
     assert not inner.has_unfinished_requests()
     assert inner.kv_manager.num_free_blocks == inner.kv_manager.num_blocks
+
+
+def test_a_failed_step_fails_every_stream_even_if_an_abort_fails_too(async_engine):
+    """A step that raises fails the requests in flight, and one whose abort raises as well (its
+    state broken by the failure) fails like the rest: the engine thread lives on and serves."""
+    inner = async_engine.engine
+    step, abort = inner.step, inner.abort_request
+    break_next_step = threading.Event()
+
+    def step_that_breaks():
+        if break_next_step.is_set():
+            break_next_step.clear()
+            raise RuntimeError("the step broke")
+        return step()
+
+    def abort_that_fails_for_broken(request_id):
+        if request_id == "broken":
+            raise ValueError("list.remove(x): x not in list")
+        return abort(request_id)
+
+    inner.step, inner.abort_request = step_that_breaks, abort_that_fails_for_broken
+    long = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(async_engine, "a", long, request_id=request_id))
+                 for request_id in ("broken", "other")]
+        while async_engine.metrics().num_running < 2:
+            await asyncio.sleep(0.01)
+        break_next_step.set()
+        failures = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        short = SamplingParams(max_tokens=3, ignore_eos=True)
+        after = await asyncio.wait_for(collect(async_engine, "after", short), 10)
+        return failures, after
+
+    failures, (tokens, _, last) = asyncio.run(main())
+    assert [str(f) for f in failures] == [f"request {request_id} failed in the engine: the step broke"
+                                          for request_id in ("broken", "other")]
+    assert all(isinstance(f, EngineStepError) for f in failures)
+    assert len(tokens) == 3 and last.finished

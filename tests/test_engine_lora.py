@@ -225,13 +225,15 @@ def test_random_arrivals_aborts_and_preemptions_stay_exact_and_leak_nothing(setu
     assert engine.adapter_cache.in_use() == {}
 
 
-def _hold_loads(engine: LLMEngine) -> threading.Event:
-    """Make the engine's adapter loads wait for the returned event (slow storage)."""
+def _hold_loads(engine: LLMEngine, only: str | None = None) -> threading.Event:
+    """Make the engine's adapter loads (of adapter `only`, if given) wait for the returned event
+    (slow storage)."""
     gate = threading.Event()
     load_from_storage = engine.adapter_cache.loader
 
     def slow_loader(adapter_id):
-        assert gate.wait(10)
+        if only in (None, adapter_id):
+            assert gate.wait(10)
         return load_from_storage(adapter_id)
 
     engine.adapter_cache.loader = slow_loader
@@ -294,3 +296,99 @@ def test_a_load_failure_reaches_no_request_that_arrives_after_its_waiters_left(s
     assert [o.error for o in outputs if o.finished] == [None]
     assert [t for o in outputs for t in o.new_token_ids] == references[0][0]
     cache.close()
+
+
+def test_a_finished_load_is_served_after_the_host_tier_dropped_it(setup, tmp_path):
+    """Adapter x's load finishes, w's load then drops x from the one-entry host tier before the
+    scheduler looks at x again, and meanwhile x's files are deleted: x's request runs on the load
+    that finished, storage is not read again (on the engine thread), and w's request goes on."""
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, max_gpu_adapters=2, max_cpu_adapters=1, num_load_threads=2)),
+        show_progress=False)
+    cache = engine.adapter_cache
+    shutil.copytree(adapters[0].path, tmp_path / "x")
+    x, w = LoraRequest(adapters[0].adapter_id, str(tmp_path / "x")), adapters[1]
+    x_files, w_files = _hold_loads(engine, only=x.adapter_id), _hold_loads(engine, only=w.adapter_id)
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("w", prompts[1], params, lora=w)
+    engine.step()  # w's load starts
+    engine.add_request("x", prompts[0], params, priority=-1, lora=x)
+    engine.step()  # x is first in the queue now: its load starts
+    x_files.set()
+    cache.wait_for_loads(timeout=10)
+    shutil.rmtree(x.path)  # the tenant deletes adapter x
+    w_files.set()
+    cache.wait_for_loads(timeout=10)
+    assert cache.host_ids() == [w.adapter_id]
+    tokens = {"x": [], "w": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.finish_reason != "error", output.error
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens == {"x": references[0][0], "w": references[1][1]}
+    assert cache.stats.num_loads == 2
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks and cache.in_use() == {}
+    cache.close()
+
+
+def test_a_failed_load_fails_every_request_waiting_on_it_at_once(setup, tmp_path):
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, num_load_threads=1)), show_progress=False)
+    cache = engine.adapter_cache
+    storage = _hold_loads(engine)
+    missing = LoraRequest("0" * 64, str(tmp_path / "nothing-here"))
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("bad-1", prompts[0], params, lora=missing)
+    engine.add_request("good", prompts[1], params, lora=adapters[0])
+    engine.add_request("bad-2", prompts[2], params, lora=missing)
+    engine.step()  # the loads start
+    storage.set()
+    cache.wait_for_loads(timeout=10)  # the missing adapter's load fails
+    failed_at, tokens, step = {}, [], 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for output in engine.step():
+            tokens += output.new_token_ids
+            if output.finish_reason == "error":
+                assert "could not be loaded" in output.error and "does not exist" in output.error
+                failed_at[output.request_id] = step
+    assert failed_at == {"bad-1": 1, "bad-2": 1}
+    assert tokens == references[0][1]
+    cache.close()
+
+
+def test_an_adapter_failing_at_admission_fails_its_requests_and_leaves_nothing_behind(setup):
+    """An acquire that raises (a page-in that fails, say) fails that adapter's requests in the step
+    where it happens; the step goes on, and no KV block, slot reference or request is left over."""
+    base, prompts, adapters, references = setup
+    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
+        max_lora_rank=16, num_load_threads=0)), show_progress=False)
+    cache = engine.adapter_cache
+    acquire, broken = cache.acquire, adapters[0].adapter_id
+
+    def acquire_failing_for_broken(adapter_id):
+        if adapter_id == broken:
+            raise RuntimeError("the page-in failed")
+        return acquire(adapter_id)
+
+    cache.acquire = acquire_failing_for_broken
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    engine.add_request("bad-1", prompts[0], params, lora=adapters[0])
+    engine.add_request("good", prompts[1], params, lora=adapters[1])
+    engine.add_request("bad-2", prompts[2], params, lora=adapters[0])
+    engine.add_request("base", prompts[3], params)
+    failed_at, tokens, step = {}, {"good": [], "base": []}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for output in engine.step():
+            if output.finish_reason == "error":
+                failed_at[output.request_id] = (step, output.error)
+            else:
+                tokens[output.request_id] += output.new_token_ids
+    error = f"adapter {broken} could not be loaded: the page-in failed"
+    assert failed_at == {"bad-1": (1, error), "bad-2": (1, error)}
+    assert tokens == {"good": references[1][1], "base": references[None][3]}
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks and cache.in_use() == {}
+    assert not engine.abort_request("bad-1")  # it left the engine with its error
