@@ -37,6 +37,7 @@ from adapters.errors import AdapterValidationError
 from adapters.peft_format import load_adapter
 from adapters.slots import PackedAdapter, SlotBuffers, pack_adapter
 from engine.model.spec import ModelSpec
+from kernels.sgmv_cpu import pin_num_threads
 
 Loader = Callable[[str], Path]  # adapter digest -> folder holding its files
 
@@ -74,7 +75,11 @@ class AdapterCache:
         # What can_acquire found for the adapters it said True for, until their acquire, the next
         # prefetch (admission is over by then) or drop_load.
         self._promised: dict[str, PackedAdapter] = {}
-        self._executor = (ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load")
+        # NOTE: loader threads keep the intra-op threads of the one building the cache (the engine's):
+        # one started inside another thread's LoRA decode would otherwise keep one thread for good.
+        self._executor = (ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load",
+                                             initializer=pin_num_threads,
+                                             initargs=(torch.get_num_threads(),))
                           if config.num_load_threads else None)
         self._copy_stream = None
         if self.device.type == "cuda":

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engine.engine import EngineMetrics, LLMEngine, RequestOutput
 from engine.lora import LoraRequest
 from engine.request import SamplingParams
+from kernels.sgmv_cpu import pin_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _run(self) -> None:
+        pin_num_threads(self.engine.num_threads)  # see kernels/sgmv_cpu.py's _one_thread
         while not self._stopped:
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():

@@ -82,6 +82,9 @@ class _OutputState:
 class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
+        # Intra-op threads of this engine's work, which its CPU linears are split for
+        # (engine/model/linear.py); AsyncEngine's step thread keeps it (sgmv_cpu.pin_num_threads).
+        self.num_threads = torch.get_num_threads()
         self.spec = ModelSpec.from_folder(config.model)
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)

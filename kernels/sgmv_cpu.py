@@ -156,15 +156,27 @@ def _one_thread() -> Iterator[None]:
     times a rank-wide block), so a second thread gains them little, and on a busy machine every op
     split across threads can wait milliseconds for a descheduled one: a decode step runs thousands.
 
-    NOTE: called on a process's main thread, torch.set_num_threads also sets the count that other
-    threads take at their first torch op: one that starts torch work inside this window keeps one
-    thread (seen with torch 2.13). Here that can be an adapter loader thread, whose packing is copies."""
+    NOTE: torch.set_num_threads sets the calling thread's count, and also the process-wide count
+    that every thread copies at its first torch call: a thread whose first call lands inside this
+    window keeps one thread for good (torch 2.13), whichever thread opened it. The threads that run
+    an engine's work pin their own count when they start (`pin_num_threads`)."""
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(num_threads)
+
+
+def pin_num_threads(num_threads: int) -> None:
+    """Give the calling thread `num_threads` intra-op threads for good, whatever `_one_thread`
+    windows other threads open: call it first thing on a thread that runs an engine's torch work.
+
+    NOTE: torch.set_num_threads alone is not enough: the thread's first torch call would still copy
+    the process-wide count then, 1 inside a window. torch.get_num_threads makes that first call
+    here, and set_num_threads then overrides whatever it copied."""
+    torch.get_num_threads()
+    torch.set_num_threads(num_threads)
 
 
 def _float(views: list[torch.Tensor]) -> list[torch.Tensor]:

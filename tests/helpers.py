@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -172,3 +174,14 @@ class IdleEngineParts:
 
     def close(self) -> None:
         pass
+
+
+@contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """Run the block with `num_threads` intra-op threads on the calling thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

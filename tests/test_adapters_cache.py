@@ -9,7 +9,8 @@ import torch
 from adapters import AdapterCache, AdapterConfig, AdapterValidationError
 from adapters.peft_format import load_adapter
 from store.blobs import BlobStore
-from tests.helpers import num_live_packed_adapters, save_peft_adapter, tiny_spec
+from kernels import sgmv_cpu
+from tests.helpers import num_live_packed_adapters, save_peft_adapter, tiny_spec, torch_threads
 from tests.test_adapters_slots import assert_slot_holds
 
 SPEC = tiny_spec()
@@ -255,5 +256,28 @@ def test_acquire_after_can_acquire_never_reads_storage(blobs, was_polled):
         assert_slot_holds(cache.slots, 0, load_adapter(store.path(a), SPEC, 8))
         assert [adapter_id for adapter_id, _ in loads] == [a, b] and cache.stats.num_loads == 2
         assert all(thread.startswith("adapter-load") for _, thread in loads)
+    finally:
+        cache.close()
+
+
+def test_loader_threads_keep_the_thread_count_the_cache_was_built_with(blobs):
+    """A loader thread that starts while another thread's LoRA decode has narrowed torch to one
+    thread (kernels/sgmv_cpu.py) still loads with the count the cache was built with."""
+    store, (a, b, *_) = blobs
+    seen = []  # the loading thread's intra-op threads, at each load
+
+    def loader(adapter_id):
+        seen.append(torch.get_num_threads())
+        return store.path(adapter_id)
+
+    with torch_threads(2):
+        cache = make_cache(store, loader=loader, num_load_threads=1)
+    try:
+        with sgmv_cpu._one_thread():  # the loader thread starts inside the window
+            cache.can_acquire(a)  # starts its load
+            cache.wait_for_loads(timeout=10)
+        cache.can_acquire(b)
+        cache.wait_for_loads(timeout=10)
+        assert seen == [2, 2]
     finally:
         cache.close()

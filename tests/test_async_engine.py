@@ -5,12 +5,15 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine.async_engine import AsyncEngine, EngineStepError
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.request import SamplingParams
+from kernels import sgmv_cpu
+from tests.helpers import torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +191,26 @@ def test_a_failed_step_fails_every_stream_even_if_an_abort_fails_too(async_engin
                                           for request_id in ("broken", "other")]
     assert all(isinstance(f, EngineStepError) for f in failures)
     assert len(tokens) == 3 and last.finished
+
+
+def test_the_engine_thread_keeps_its_thread_count_through_another_engines_lora_decode(demo_folder):
+    """Another engine's LoRA decode narrows torch to one thread for a moment (kernels/sgmv_cpu.py):
+    this engine's thread, starting inside that window, still runs every step on the thread count
+    the engine was built with, then and after."""
+    with torch_threads(2):
+        inner = LLMEngine(EngineConfig(model=str(demo_folder), num_kv_blocks=256), show_progress=False)
+    step, seen = inner.step, []  # the step thread's intra-op threads, after each step
+
+    def recording_step():
+        outputs = step()
+        seen.append(torch.get_num_threads())
+        return outputs
+
+    inner.step = recording_step
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with sgmv_cpu._one_thread():
+        engine = AsyncEngine(inner)
+        asyncio.run(collect(engine, "first", params))
+    asyncio.run(collect(engine, "after", params))
+    engine.shutdown()
+    assert len(seen) >= 6 and set(seen) == {2}
