@@ -14,7 +14,8 @@ from gateway.auth import authenticate_tenant
 from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
-from gateway.protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from gateway.protocol import (MAX_CHOICES_PER_CALL, MAX_PROMPTS, Completion, CompletionChoice,
+                              CompletionLogprobs, CompletionRequest)
 from gateway.serving import (Call, Target, decode_body, refuse_token_ids, refuse_unsupported,
                              resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
@@ -38,6 +39,7 @@ async def create_completion(request: Request) -> Response:
     if body.echo and body.logprobs is not None:
         options = msgspec.structs.replace(options, prompt_logprobs=body.logprobs)
     prompts = _prompts(target, body.prompt)
+    _refuse_too_many_choices(len(prompts), body.n or 1)
     # NOTE: max_tokens 0 runs one token, as the engine always samples one; echo leaves it out.
     ask = Ask(prompts, options, max(max_tokens, 1))
     call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,
@@ -182,15 +184,27 @@ def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
         prompt = [prompt]
     if not prompt:
         raise invalid_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]  # one prompt of token ids
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid_request(f"prompt is a list of {len(prompt)} prompts; one call takes at most "
+                              f"{MAX_PROMPTS}: send the others in further calls", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return [Prompt.of_text(p) for p in prompt]
-    if all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]
-    elif not all(isinstance(p, list) and p for p in prompt):
+    if not all(isinstance(p, list) and p for p in prompt):
         raise invalid_request("prompt must be a string, a list of strings, a list of token ids "
                               "or a list of non-empty lists of token ids", param="prompt")
     refuse_token_ids(target, "prompt", "send the prompt as text")
     return [Prompt(token_ids=p) for p in prompt]
+
+
+def _refuse_too_many_choices(num_prompts: int, n: int) -> None:
+    """400 for a call whose prompts times n (each choice a request the engine runs) exceed the cap.
+    NOTE: MAX_PROMPTS <= MAX_CHOICES_PER_CALL, so only n > 1 exceeds it: n is what to lower."""
+    if num_prompts * n > MAX_CHOICES_PER_CALL:
+        raise invalid_request(f"{num_prompts} prompts with n = {n} make {num_prompts * n} choices; "
+                              f"one call makes at most {MAX_CHOICES_PER_CALL}: lower n, or send "
+                              "fewer prompts per call", param="n")
 
 
 async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: bool,

@@ -24,6 +24,10 @@ PositiveMaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # a 64-bit integer, as torch seeds are
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
+# A completions call starts one engine request per prompt per choice, all at once: bounded, so
+# that one call cannot hold the engine (and the gateway's memory) that every tenant shares.
+MAX_PROMPTS = 2048  # prompts in one completions call, as OpenAI allows
+MAX_CHOICES_PER_CALL = 2048  # prompts x n
 Penalty = Annotated[float, Meta(ge=0.01, le=100)]  # wider ones make float32 logits overflow
 OpenAIPenalty = Annotated[float, Meta(ge=-2, le=2)]
 LogitBias = Annotated[float, Meta(ge=-100, le=100)]

@@ -188,6 +188,17 @@ def test_token_id_prompts_and_prompt_lists(client, offline, demo_engine):
     assert strings.choices[0].text == expected and len(strings.choices) == 2
 
 
+def test_one_call_starts_at_most_2048_choices(client):
+    """OpenAI's cap of 2048 prompts, and the same on prompts x n: each choice is an engine request."""
+    most = client.completions.create(model=DEMO_MODEL, prompt=[[5]] * 16, n=128, max_tokens=1)
+    assert len(most.choices) == 2048 and most.usage.completion_tokens == 2048
+    for prompt, n, param in [([[5]] * 2049, 1, "prompt"), (["x"] * 2049, 1, "prompt"),
+                             ([[5]] * 17, 128, "n"), ([[5]] * 2048, 2, "n")]:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=DEMO_MODEL, prompt=prompt, n=n, max_tokens=1)
+        assert raised.value.body["param"] == param and "2048" in raised.value.body["message"]
+
+
 def test_unknown_fields_are_ignored(client):
     completion = client.completions.create(model=DEMO_MODEL, prompt="x", max_tokens=2,
                                            extra_body={"ignore_eos": True, "no_such_field": 1})
