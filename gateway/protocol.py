@@ -31,6 +31,17 @@ MAX_CHOICES_PER_CALL = 2048  # prompts x n
 Penalty = Annotated[float, Meta(ge=0.01, le=100)]  # wider ones make float32 logits overflow
 OpenAIPenalty = Annotated[float, Meta(ge=-2, le=2)]
 LogitBias = Annotated[float, Meta(ge=-100, le=100)]
+# The engine checks a request's stop strings and stop token ids, and applies its logit biases, for
+# every token of every choice inside the step that every tenant's requests share: bounded, so
+# that one call cannot slow that step for all (OpenAI allows 4 stop strings).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIASES = 1024
+StopString = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBiases = Annotated[dict[str, LogitBias], Meta(max_length=MAX_LOGIT_BIASES)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -45,20 +56,20 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     top_k: TopK | None = None
     min_tokens: NonNegativeInt | None = None
     ignore_eos: bool | None = None
     repetition_penalty: Penalty | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool | None = None
     return_tokens_as_token_ids: bool | None = False
     """Logprob tokens as "token_id:<id>" instead of text (vLLM's extra; exact for any bytes)."""
     presence_penalty: OpenAIPenalty | None = None
     frequency_penalty: OpenAIPenalty | None = None
-    logit_bias: dict[str, LogitBias] | None = None
+    logit_bias: LogitBiases | None = None
     """Token id (a decimal string, as JSON keys are) -> bias added to its logit."""
 
     def unsupported_field(self) -> str | None:

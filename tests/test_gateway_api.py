@@ -376,6 +376,34 @@ def test_bad_penalties_and_biases_are_bad_requests(client, extra, param, words):
     assert words in raised.value.body["message"]
 
 
+@pytest.mark.parametrize("extra, param, limit", [
+    ({"stop": ["x"] * 33}, "stop", "length <= 32"),
+    ({"stop": "y" * 1001}, "stop", "length <= 1000"),
+    ({"stop": ["x", "y" * 1001]}, "stop[1]", "length <= 1000"),
+    ({"stop_token_ids": [5] * 1025}, "stop_token_ids", "length <= 1024"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "length <= 1024"),
+])
+def test_stop_conditions_and_biases_are_bounded(client, extra, param, limit):
+    """The engine checks them for every token of every choice, in the step all tenants share."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt="x", max_tokens=1, extra_body=extra)
+    assert raised.value.body["param"] == param and limit in raised.value.body["message"]
+
+
+def test_the_most_stop_conditions_allowed_are_honoured(client, offline):
+    greedy = offline_greedy(offline, PROMPT, 12, ignore_eos=True)
+    full = greedy.text
+    stop = next(c for c in full[:-1] if c != "\ufffd")  # complete before the last token
+    never = [f"{i:02}{'z' * 998}" for i in range(31)]  # 1000 characters each
+    unused = next(t for t in range(demo_config().vocab_size) if t not in greedy.output_token_ids)
+    completion = client.completions.create(
+        model=DEMO_MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[*never, stop],
+        extra_body={"ignore_eos": True, "stop_token_ids": [unused] * 1024,
+                    "logit_bias": {str(t): 0 for t in range(demo_config().vocab_size)}})
+    choice = completion.choices[0]
+    assert (choice.text, choice.finish_reason) == (full[:full.index(stop)], "stop")
+
+
 def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=DEMO_MODEL, prompt="x" * 2100, max_tokens=1)
