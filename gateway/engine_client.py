@@ -163,3 +163,12 @@ class EngineFailure(RuntimeError):
 
 class EngineUnavailable(EngineFailure):
     """No engine can take the request now (say no worker of its model is up): retry shortly."""
+
+
+class UpstreamFailure(EngineFailure):
+    """An upstream server (gateway/upstream.py) failed the request. The message names only the
+    model it serves: its address, its answer and what to fix are the operator's, in the log."""
+
+
+class UpstreamUnavailable(UpstreamFailure):
+    """The upstream could not be reached, did not answer in time, or said it is overloaded."""

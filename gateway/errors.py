@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.engine_client import EngineUnavailable
+from gateway.engine_client import EngineUnavailable, UpstreamFailure, UpstreamUnavailable
 from store import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,10 @@ def engine_failed(error: Exception) -> ApiError:
     if isinstance(error, EngineUnavailable):
         return ApiError(503, f"no engine can take this request now: {error}", type="server_error",
                         code="engine_unavailable", headers={"Retry-After": "2"})
+    if isinstance(error, UpstreamUnavailable):
+        return ApiError(503, str(error), type="server_error", code="upstream_unavailable")
+    if isinstance(error, UpstreamFailure):  # a bad gateway: the server behind this one failed
+        return ApiError(502, str(error), type="server_error", code="upstream_failure")
     return ApiError(500, f"the engine failed on this request: {error}", type="server_error",
                     code="engine_failure")
 

@@ -227,6 +227,8 @@ class Generation:
             index, item, at = await self._queue.get()
             if isinstance(item, BaseException):
                 self.close()
+                if isinstance(item, EngineFailure):
+                    raise item  # as it is: its kind decides what the client gets (engine_failed)
                 raise EngineFailure(str(item)) from item
             yield index, self._record(index, item, at)
 

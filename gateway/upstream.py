@@ -37,9 +37,12 @@ role and a content, maybe a name: what the chat endpoint passes on), so they rea
 endpoint does not.
 
 Refused connections, timeouts (to connect, to send, and for each read: a stream that stalls midway
-too), 401/403/404/429 and 5xx answers and malformed streams are EngineFailure; the upstream's
-400/413/422 (the request itself was wrong) is RequestRejected with its message. Messages name the
-upstream by its served name and origin, never with its key.
+too) and 429/503/504 answers are UpstreamUnavailable; 401/403/404 and other 5xx answers and
+malformed streams are UpstreamFailure. Tenants are told only which served model failed: the
+upstream's origin, what it answered and what the operator should fix (say, the variable that holds
+a refused key) go to the log, at warning level. The upstream's 400/413/422 (the request itself was
+wrong) is RequestRejected with the upstream's message, which is about the tenant's own request,
+without the upstream's address. No message holds the key.
 
 Byte ids match no local tokenizer, but a route may still mix upstreams and local models: each tier
 reads the prompt's text with its own tokenizer (gateway/generation.py Prompt), and a prompt sent
@@ -65,9 +68,9 @@ import httpx
 import msgspec
 
 from gateway.config import UpstreamSource
-from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
-                                   TokenLogprob)
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineStats,
+                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob,
+                                   UpstreamFailure, UpstreamUnavailable)
 from gateway.sse import sse_lines
 from gateway.text_codec import name_bytes
 
@@ -84,9 +87,19 @@ _API_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
 _SPECIAL_TOKENS_ROOM = 8
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # others read as "stop"
 _REJECTED_STATUSES = (400, 413, 422)  # the request itself was wrong: the caller can fix it
+_UNAVAILABLE_STATUSES = (429, 503, 504)  # overloaded, or too slow behind its own proxy: retry later
 _MAX_IDLE_CONNECTIONS = 32
 _MAX_MESSAGE_CHARS = 500
 _CLOSE_TIMEOUT_S = 10.0
+
+
+class _UpstreamError(Exception):
+    """What went wrong with an upstream request, as the operator needs it (the origin, the status,
+    the upstream's message, what to fix): for the log only; tenants get an UpstreamFailure."""
+
+    def __init__(self, detail: str, *, is_unavailable: bool = False):
+        super().__init__(detail)
+        self.is_unavailable = is_unavailable
 
 
 class _ErrorBody(msgspec.Struct):
@@ -236,7 +249,9 @@ class UpstreamEngineClient:
     def __init__(self, name: str, source: UpstreamSource, api_key: str | None = None):
         self._source = source
         self._api_key = api_key
-        self._where = f"the upstream of {name!r} ({_origin(source.url)})"
+        self._where = f"the upstream of {name!r} ({_origin(source.url)})"  # for the log
+        self._public_name = f"the upstream serving {name!r}"  # for tenants: no address
+        self._address = _address(source.url)
         self._url = source.url.rstrip("/") + _API_PATHS[source.api]
         self._token_ids: dict[tuple[str, bool], int] = {}  # (name, adds no text): id
         self._textless_ids: set[int] = set()
@@ -297,13 +312,14 @@ class UpstreamEngineClient:
                        request_id: str, tenant: str | None = None,
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         if adapter is not None:
-            raise RequestRejected(f"{self._where} serves no adapters from this gateway")
+            raise RequestRejected(f"{self._public_name} serves no adapters from this gateway")
         if options.prompt_logprobs is not None:
-            raise RequestRejected(f"{self._where} returns no logprobs of the prompt through this "
-                                  "gateway; leave out echo with logprobs, or call a local model")
+            raise RequestRejected(f"{self._public_name} returns no logprobs of the prompt through "
+                                  "this gateway; leave out echo with logprobs, or call a local model")
         body = self._request_body(prompt_token_ids, options)
         if self._is_closed:
-            raise EngineFailure(f"{self._where}: the gateway has closed its connections")
+            raise UpstreamUnavailable(f"{self._public_name} is unavailable: the gateway has closed "
+                                      "its connections to it")
         caller = asyncio.get_running_loop()
         chunks: asyncio.Queue[GenerationChunk | Exception | None] = asyncio.Queue()
         relay = asyncio.run_coroutine_threadsafe(
@@ -400,40 +416,53 @@ class UpstreamEngineClient:
                                                 with_logprobs):
                     put(chunk)
             put(None)
-        except asyncio.CancelledError:
-            put(EngineFailure(f"{self._where}: the request was stopped"))
+        except asyncio.CancelledError:  # the caller left, or the gateway is closing
+            put(UpstreamFailure(f"{self._public_name}: the request was stopped"))
             raise
         except RequestRejected as error:
             put(error)
         except Exception as error:
-            failure = self._failure(error)
-            logger.warning("%s", failure)
-            put(failure)
+            put(self._failure(error, request_id))
         finally:
             self._num_in_flight -= 1
 
-    def _failure(self, error: Exception) -> EngineFailure:
-        if isinstance(error, EngineFailure):
-            return error
+    def _failure(self, error: Exception, request_id: str) -> UpstreamFailure:
+        """What the caller gets for `error`: a failure that names only the served model, since
+        tenants must not learn the upstream's address, its own words nor how the operator set it
+        up. The detail goes to the log for the operator."""
+        detail, is_unavailable = self._detail(error)
+        logger.warning("request %s: %s", request_id, detail)
+        if is_unavailable:
+            return UpstreamUnavailable(f"{self._public_name} is unavailable or did not answer in "
+                                       "time; try again later")
+        return UpstreamFailure(f"{self._public_name} failed on this request (the gateway's "
+                               "operator can see why in its log); try again later")
+
+    def _detail(self, error: Exception) -> tuple[str, bool]:
+        """What went wrong, for the log, and whether the upstream was only unavailable."""
+        if isinstance(error, _UpstreamError):
+            return str(error), error.is_unavailable
         if isinstance(error, httpx.TimeoutException):
-            return EngineFailure(f"{self._where} timed out: {type(error).__name__} after "
-                                 f"{self._source.timeout_s:g} s")
-        return EngineFailure(f"{self._where} failed: {type(error).__name__}: "
-                             f"{self._scrub(str(error))}")
+            return (f"{self._where} timed out: {type(error).__name__} after "
+                    f"{self._source.timeout_s:g} s", True)
+        return (f"{self._where} failed: {type(error).__name__}: {self._scrub(str(error))}",
+                isinstance(error, httpx.ConnectError))
 
     async def _check_status(self, response: httpx.Response) -> None:
         if response.is_success:
             return
         status, message = response.status_code, self._scrub(_error_message(await response.aread()))
         if status in _REJECTED_STATUSES:
-            raise RequestRejected(f"{self._where} refused the request: {message}")
+            raise RequestRejected(f"{self._public_name} refused the request: "
+                                  f"{self._without_address(message)}")
         if status in (401, 403):
             env = self._source.api_key_env
             hint = (f"check the key in ${env}" if env else
                     "name the environment variable that holds its key with api_key_env")
-            raise EngineFailure(f"{self._where} refused the gateway's credentials ({status}: "
-                                f"{message}); {hint}")
-        raise EngineFailure(f"{self._where} answered {status}: {message}")
+            raise _UpstreamError(f"{self._where} refused the gateway's credentials ({status}: "
+                                 f"{message}); {hint}")
+        raise _UpstreamError(f"{self._where} answered {status}: {message}",
+                             is_unavailable=status in _UNAVAILABLE_STATUSES)
 
     async def _chunks(self, lines: AsyncIterator[str], num_prompt_bytes: int,
                       with_logprobs: bool) -> AsyncIterator[GenerationChunk]:
@@ -450,7 +479,7 @@ class UpstreamEngineClient:
             if event.usage is not None:
                 counts.usage = event.usage
         if ending is None:
-            raise EngineFailure(f"{self._where} ended its stream before the answer finished")
+            raise _UpstreamError(f"{self._where} ended its stream before the answer finished")
         if counts.usage is not None:  # once an answer: some upstreams send usage with each event
             self._prompt_ratio.learn(num_prompt_bytes, counts.usage.prompt_tokens)
         self._num_prompt_tokens += counts.num_prompt_tokens
@@ -467,17 +496,17 @@ class UpstreamEngineClient:
             try:
                 event = _decode_event(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                raise EngineFailure(f"{self._where} sent a malformed stream: {error}") from None
+                raise _UpstreamError(f"{self._where} sent a malformed stream: {error}") from None
             message = event.error_message()
             if message is not None:
-                raise EngineFailure(f"{self._where} failed midway: {self._scrub(message)}")
+                raise _UpstreamError(f"{self._where} failed midway: {self._scrub(message)}")
             yield event
 
     def _chunk(self, choice: _Choice, counts: _Counts, with_logprobs: bool,
                finish_reason: str | None) -> GenerationChunk:
         entries = choice.logprobs.entries() if choice.logprobs is not None else []
         if entries is None:
-            raise EngineFailure(f"{self._where} sent logprobs whose lists differ in length")
+            raise _UpstreamError(f"{self._where} sent logprobs whose lists differ in length")
         text = choice.piece
         token_ids = [self._token_id(e.token, e.is_textless) for e in entries] or \
             ([TEXT_PIECE_ID] if text else [])
@@ -514,6 +543,10 @@ class UpstreamEngineClient:
     def _scrub(self, message: str) -> str:
         """`message` without the API key, should the upstream echo it."""
         return message.replace(self._api_key, "<api key>") if self._api_key else message
+
+    def _without_address(self, message: str) -> str:
+        """`message` as a tenant may read it: without the upstream's host, should it name itself."""
+        return message.replace(self._address, "<upstream>") if self._address else message
 
 
 def open_upstreams(sources: Mapping[str, UpstreamSource],
@@ -603,5 +636,9 @@ def _error_message(body: bytes) -> str:
 
 def _origin(url: str) -> str:
     """scheme://host[:port] of `url`: enough to name the upstream, with no path or credentials."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+    return f"{urlsplit(url).scheme}://{_address(url)}"
+
+
+def _address(url: str) -> str:
+    """host[:port] of `url`, without credentials."""
+    return urlsplit(url).netloc.rpartition("@")[2]

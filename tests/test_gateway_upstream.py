@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -26,7 +27,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.demo import demo_config
 from gateway.config import UpstreamSource, load_serve_config
@@ -83,6 +84,26 @@ async def _stalled(scope: Scope, receive: Receive, send: Send) -> None:
     await _wait_for_disconnect(receive)
 
 
+# What failing upstreams say: their internals, and a request that names their own address.
+INTERNAL_ERROR = "internal error at 10.1.2.3:8000 /srv/vllm/worker.py line 88; org org-SECRETORG"
+RATE_LIMITED = "Rate limit reached for org-SECRETORG on tokens per min"
+REFUSED_HERE = "this server ({host}) takes prompts of at most 3 tokens"
+
+
+def _failing(status: int, message: str) -> ASGIApp:
+    """Answers every request with `status` and OpenAI's error body saying `message` (in which
+    "{host}" is the address the request was sent to)."""
+
+    async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+        host = dict(scope["headers"])[b"host"].decode()
+        body = {"error": {"message": message.format(host=host), "type": "server_error"}}
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+    return answer
+
+
 def _logprob(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
@@ -130,7 +151,10 @@ def hosted() -> HostedChat:
 @pytest.fixture(scope="module")
 def stalling(hosted) -> Iterator[str]:
     app = Starlette(routes=[Mount("/silent/v1", app=_silent), Mount("/stalled/v1", app=_stalled),
-                            Mount("/hosted/v1", app=hosted)])
+                            Mount("/hosted/v1", app=hosted),
+                            Mount("/broken/v1", app=_failing(500, INTERNAL_ERROR)),
+                            Mount("/busy/v1", app=_failing(429, RATE_LIMITED)),
+                            Mount("/picky/v1", app=_failing(400, REFUSED_HERE))])
     with run_server(app) as url:
         yield url
 
@@ -163,6 +187,8 @@ def front(upstream, stalling, demo_engine, tmp_path_factory) -> Iterator[tuple[G
         "silent": UpstreamSource(stalling + "/silent/v1", "any", None, TIMEOUT_S),
         "stalled": UpstreamSource(stalling + "/stalled/v1", "any", None, TIMEOUT_S),
         "down": UpstreamSource(f"http://127.0.0.1:{_closed_port()}/v1", "any", None, TIMEOUT_S),
+        **{name: UpstreamSource(f"{stalling}/{name}/v1", "any", None, TIMEOUT_S)
+           for name in ("broken", "busy", "picky")},
     }
     engines = open_upstreams(sources, {KEY_ENV: upstream.key, WRONG_KEY_ENV: WRONG_KEY})
     served = {"local": demo_engine, **engines}
@@ -284,28 +310,62 @@ def test_a_route_over_upstream_tiers_judges_their_logprobs(front, upstream):
     assert eventually(lambda: server.app.state.gateway.engines["small"].stats().num_running == 0)
 
 
-def test_failing_upstreams_give_clean_errors(front, upstream):
+FAILED = ("the upstream serving '{}' failed on this request (the gateway's operator can see why "
+          "in its log); try again later")
+UNAVAILABLE = "the upstream serving '{}' is unavailable or did not answer in time; try again later"
+
+
+def assert_upstream_error(response: httpx.Response, model: str, is_unavailable: bool) -> None:
+    """The tenant learns which model failed and whether to retry, nothing of the upstream."""
+    status, code, message = (503, "upstream_unavailable", UNAVAILABLE) if is_unavailable \
+        else (502, "upstream_failure", FAILED)
+    assert response.status_code == status
+    assert response.json()["error"] == {"message": message.format(model), "type": "server_error",
+                                        "param": None, "code": code}
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records
+                     if r.name == "gateway.upstream" and r.levelno == logging.WARNING)
+
+
+def test_failing_upstreams_tell_tenants_which_model_failed_and_the_log_what_to_fix(
+        front, upstream, caplog):
     server, key = front
-    locked = post(server.url, key, model="locked", prompt="easy one")
-    assert locked.status_code == 500 and locked.json()["error"]["code"] == "engine_failure"
-    message = locked.json()["error"]["message"]
-    assert "'locked'" in message and "credentials (401" in message and WRONG_KEY_ENV in message
-    assert WRONG_KEY not in locked.text and upstream.key not in locked.text
+    with caplog.at_level(logging.WARNING, logger="gateway.upstream"):
+        locked = post(server.url, key, model="locked", prompt="easy one")
+        broken = post(server.url, key, model="broken", prompt="hi")
+        busy = post(server.url, key, model="busy", prompt="hi")
+        started = time.monotonic()
+        down = post(server.url, key, model="down", prompt="hi")
+        assert time.monotonic() - started < TIMEOUT_S
+    for response, model, is_unavailable in [(locked, "locked", False), (broken, "broken", False),
+                                            (busy, "busy", True), (down, "down", True)]:
+        assert_upstream_error(response, model, is_unavailable)
+    logged = warnings(caplog)
+    assert f"'locked' ({upstream.server.url}) refused the gateway's credentials (401: " in logged
+    assert f"check the key in ${WRONG_KEY_ENV}" in logged
+    assert "'broken' (http://127.0.0.1:" in logged and f"answered 500: {INTERNAL_ERROR}" in logged
+    assert f"answered 429: {RATE_LIMITED}" in logged
+    assert "'down' (http://127.0.0.1:" in logged and "failed: ConnectError" in logged
+    assert WRONG_KEY not in logged and upstream.key not in logged
 
-    started = time.monotonic()
-    down = post(server.url, key, model="down", prompt="hi")
-    assert time.monotonic() - started < TIMEOUT_S
-    assert down.status_code == 500 and down.json()["error"]["type"] == "server_error"
-    assert "'down' (http://127.0.0.1:" in down.json()["error"]["message"]
 
+def test_an_upstream_s_refusal_of_the_request_reaches_the_tenant_without_its_address(front):
+    server, key = front
     too_long = post(server.url, key, model="demo", prompt="hi", max_tokens=1 << 15)
     assert too_long.status_code == 400  # the upstream's own context check, in its words
-    assert "maximum context length" in too_long.json()["error"]["message"]
+    message = too_long.json()["error"]["message"]
+    assert message.startswith("the upstream serving 'demo' refused the request: ")
+    assert "maximum context length" in message and "127.0.0.1" not in message
+    picky = post(server.url, key, model="picky", prompt="hi")
+    assert picky.status_code == 400 and picky.json()["error"]["message"] == \
+        "the upstream serving 'picky' refused the request: " + REFUSED_HERE.format(host="<upstream>")
     as_ids = post(server.url, key, model="demo", prompt=[300, 1])
     assert as_ids.status_code == 400 and "UTF-8 bytes" in as_ids.json()["error"]["message"]
 
 
-def test_hanging_upstreams_time_out_and_a_route_falls_back_while_others_are_served(front):
+def test_hanging_upstreams_time_out_and_a_route_falls_back_while_others_are_served(front, caplog):
     server, key = front
 
     def timed(**body) -> tuple[httpx.Response, float]:
@@ -319,15 +379,17 @@ def test_hanging_upstreams_time_out_and_a_route_falls_back_while_others_are_serv
         fallback = pool.submit(timed, model="fallback", prompt="easy one", max_tokens=4)
         served, took = timed(model="small", prompt="easy one", max_tokens=4)
         assert served.status_code == 200 and took < TIMEOUT_S and not silent.done()
-        for response, took in (silent.result(), stalled.result()):
+        for (response, took), model in ((silent.result(), "silent"), (stalled.result(), "stalled")):
             assert TIMEOUT_S <= took < TIMEOUT_S + 3
-            assert response.status_code == 500
-            assert response.json()["error"]["code"] == "engine_failure"
-            assert "timed out: ReadTimeout after 1 s" in response.json()["error"]["message"]
+            assert_upstream_error(response, model, is_unavailable=True)
+            assert f"'{model}' (http://127.0.0.1:" in warnings(caplog)
+        assert "timed out: ReadTimeout after 1 s" in warnings(caplog)
         response, _ = stalled_stream.result()
         texts = events(response)
         assert texts[0]["choices"][0]["text"] == "x"
-        assert texts[-1]["error"]["code"] == "engine_failure"  # the stream ends with the error
+        # The stream ends with the error
+        assert texts[-1]["error"] == {"message": UNAVAILABLE.format("stalled"), "type": "server_error",
+                                      "param": None, "code": "upstream_unavailable"}
         response, took = fallback.result()
     assert response.status_code == 200 and response.json()["model"] == "large"
     assert response.headers["x-switchboard-score"] == "none" and took >= TIMEOUT_S
@@ -525,7 +587,7 @@ def test_each_tier_checks_its_own_context(front, demo_engine):
     # The route escalates past the local tier; the upstream's own check then refuses it.
     routed = post(server.url, key, model="keeping", prompt="hi", max_tokens=max_tokens)
     assert routed.status_code == 400
-    assert routed.json()["error"]["message"].startswith("the upstream of 'demo'")
+    assert routed.json()["error"]["message"].startswith("the upstream serving 'demo'")
 
 
 CHAT = [{"role": "system", "content": "Answer in one word."},
