@@ -234,8 +234,9 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # NOTE: before minutes of model loading.
-    problem = (_data_dir_problem(config.data_dir) or _redis_problem(config.store)
-               or _sqlite_problem(config.store, config.data_dir))
+    problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.store)
+               or _sqlite_problem(config.store, config.data_dir)
+               or _folder_problem("--adapter-dir", config.adapter_folder()))
     if problem is not None:
         print(f"switchboard serve: {problem}", file=sys.stderr)
         return 2
@@ -264,7 +265,7 @@ def serve(config: ServeConfig) -> int:
         try:
             app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
                              admin_key=config.admin_key, metrics_key=config.metrics_key,
-                             adapter_dir=config.adapter_dir,
+                             adapter_dir=config.adapter_folder(),
                              max_upload_bytes=config.max_upload_size, prices=prices,
                              routes=routes, default_route=config.default_route,
                              workers_url=config.redis, load_tokenizer=_load_tokenizer,
@@ -318,7 +319,10 @@ def run_worker(config: ServeConfig) -> int:
         print(f"switchboard worker: listening on {config.host}, give --advertise-url with the "
               "address gateways reach this worker at", file=sys.stderr)
         return 2
-    if (problem := _data_dir_problem(config.data_dir) or _redis_problem(config.redis)) is not None:
+    adapter_folder = config.data_dir / "worker-adapters"  # the files gateways send it
+    problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.redis)
+               or _folder_problem("--data-dir", adapter_folder))
+    if problem is not None:
         print(f"switchboard worker: {problem}", file=sys.stderr)
         return 2
     models = models or _demo_model(config.data_dir)
@@ -329,7 +333,7 @@ def run_worker(config: ServeConfig) -> int:
         return 2
     try:
         worker = Worker(model=name, engine=engine, url=url,
-                        blobs=BlobStore(config.data_dir / "worker-adapters"),
+                        blobs=BlobStore(adapter_folder),
                         registry=WorkerRegistry.open(config.redis), heartbeat_s=config.heartbeat_s,
                         store_url=config.redis, tokenizer_files=tokenizer_files(path))
         server = uvicorn.Server(uvicorn.Config(create_worker_app(worker), host=config.host,
@@ -364,14 +368,15 @@ def _redis_problem(url: str | None) -> str | None:
     return None
 
 
-def _data_dir_problem(data_dir: Path) -> str | None:
-    """Why `data_dir` cannot hold the server's files (None: it can, made if it was missing)."""
+def _folder_problem(option: str, folder: Path) -> str | None:
+    """Why `folder`, set by `option`, cannot hold the server's files (None: it can, made if it
+    was missing)."""
     try:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        return f"--data-dir: cannot make the folder {data_dir}: {error.strerror or error}"
-    if not os.access(data_dir, os.W_OK | os.X_OK):
-        return f"--data-dir: {data_dir} is not a folder this process may write in"
+        return f"{option}: cannot make the folder {folder}: {error.strerror or error}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{option}: {folder} is not a folder this process may write in"
     return None
 
 

@@ -190,6 +190,10 @@ class ServeConfig:
                     "with engine workers (--redis) may leave both out, for a model its workers "
                     "serve")
 
+    def adapter_folder(self) -> Path:
+        """Where uploaded adapter files live: adapter_dir, else data_dir/adapters."""
+        return self.adapter_dir if self.adapter_dir is not None else self.data_dir / "adapters"
+
     def model_entries(self) -> list[ModelEntry]:
         """Every served model: the "NAME=PATH" ones (a bare PATH is served under its folder's
         name), then the [models.NAME] tables."""

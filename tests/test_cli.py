@@ -18,6 +18,7 @@ from gateway.cli import main
 from gateway.config import ServeConfig, load_serve_config, parse_size
 from tests.conftest import DEMO_MODEL
 from tests.processes import free_port
+from tests.redis_server import start_redis_server, stop_redis_server
 
 SWITCHBOARD = [sys.executable, "-m", "gateway.cli"]  # what the `switchboard` script runs
 SCRIPT = [shutil.which("switchboard")] if shutil.which("switchboard") else SWITCHBOARD
@@ -361,6 +362,29 @@ def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(comman
     err = capsys.readouterr().err
     assert f"switchboard {command}: --data-dir: cannot make the folder {data}: " in err
     assert "Traceback" not in err and "cannot serve 'gone'" not in err
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_an_adapter_folder_that_cannot_be_made_is_refused_before_any_model_loads(command, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    redis = None
+    if command == "serve":
+        folder, option = tmp_path / "file", "--adapter-dir"
+        extra = ["--adapter-dir", str(folder)]
+    else:  # a worker keeps the adapter files gateways send it in DATA_DIR/worker-adapters
+        folder, option = data / "worker-adapters", "--data-dir"
+        redis, url = start_redis_server()  # the folder is checked once Redis answers
+        extra = ["--redis", url]
+    folder.write_text("")
+    argv = [command, "--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(data), *extra]
+    try:
+        result = subprocess.run(SWITCHBOARD + argv, capture_output=True, text=True, timeout=60)
+    finally:
+        if redis is not None:
+            stop_redis_server(redis)
+    assert (result.returncode, result.stderr) == (
+        2, f"switchboard {command}: {option}: cannot make the folder {folder}: File exists\n")
 
 
 def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, tmp_path):
