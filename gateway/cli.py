@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import errno
 import math
 import os
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway import version
@@ -225,12 +228,7 @@ def _run(command: str, args: dict) -> int:
 
 
 def serve(config: ServeConfig) -> int:
-    """Load the engines, then serve until interrupted; the exit status."""
-    import uvicorn
-
-    from gateway.app import create_app
-    from gateway.upstream import open_upstreams
-
+    """Check the settings, load the engines, then serve until interrupted; the exit status."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # NOTE: before minutes of model loading.
@@ -240,6 +238,23 @@ def serve(config: ServeConfig) -> int:
     if problem is not None:
         print(f"switchboard serve: {problem}", file=sys.stderr)
         return 2
+    try:
+        sockets = _bind(config.host, config.port)
+    except ValueError as error:
+        print(f"switchboard serve: {error}", file=sys.stderr)
+        return 2
+    try:
+        return _load_and_serve(config, sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _load_and_serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
+    """serve() once the settings are checked and the port is taken."""
+    from gateway.app import create_app
+    from gateway.upstream import open_upstreams
+
     models, upstreams = config.model_paths(), config.upstreams()
     if not models and not upstreams and config.redis is None:
         models = _demo_model(config.data_dir)
@@ -270,18 +285,11 @@ def serve(config: ServeConfig) -> int:
                              routes=routes, default_route=config.default_route,
                              workers_url=config.redis, load_tokenizer=_load_tokenizer,
                              announce_admin_key=functools.partial(
-                                 _print_admin_key, f"http://{config.host}:{config.port}"))
+                                 _print_admin_key, _base_url(config.host, sockets)))
         except ValueError as error:  # e.g. a route naming a model that is not served
             print(f"switchboard serve: {error}", file=sys.stderr)
             return 2
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_config=None, access_log=False,
-                                               log_level=config.log_level, lifespan="on"))
-        try:
-            server.run()
-        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
-            pass
-        return 0 if server.started else 1
+        return _run_server(app, config, sockets)
     finally:
         for engine in engines.values():
             engine.close()
@@ -300,21 +308,14 @@ def _load_engine(command: str, name: str, path: Path, config: ServeConfig) -> En
 
 
 def run_worker(config: ServeConfig) -> int:
-    """Load the one model's engine, then serve the internal API until interrupted."""
-    import uvicorn
-
-    from gateway.worker import Worker, create_worker_app, tokenizer_files
-    from store.blobs import BlobStore
-    from store.workers import WorkerRegistry
-
+    """Check the settings, load the one model's engine, then serve the internal API until
+    interrupted; the exit status."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    models = config.model_paths()
-    if len(models) > 1 or config.upstreams():
+    if len(config.model_paths()) > 1 or config.upstreams():
         print("switchboard worker: a worker serves exactly one local model (--model NAME=PATH); "
               "run one worker per model and GPU", file=sys.stderr)
         return 2
-    url = config.advertise_url or f"http://{config.host}:{config.port}"
     if config.advertise_url is None and config.host in ("0.0.0.0", "::"):
         print(f"switchboard worker: listening on {config.host}, give --advertise-url with the "
               "address gateways reach this worker at", file=sys.stderr)
@@ -325,28 +326,84 @@ def run_worker(config: ServeConfig) -> int:
     if problem is not None:
         print(f"switchboard worker: {problem}", file=sys.stderr)
         return 2
-    models = models or _demo_model(config.data_dir)
-    (name, path), = models.items()
+    try:
+        sockets = _bind(config.host, config.port)
+    except ValueError as error:
+        print(f"switchboard worker: {error}", file=sys.stderr)
+        return 2
+    try:
+        return _load_and_run_worker(config, sockets, adapter_folder)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _load_and_run_worker(config: ServeConfig, sockets: list[socket.socket],
+                         adapter_folder: Path) -> int:
+    """run_worker() once the settings are checked and the port is taken."""
+    from gateway.worker import Worker, create_worker_app, tokenizer_files
+    from store.blobs import BlobStore
+    from store.workers import WorkerRegistry
+
+    (name, path), = (config.model_paths() or _demo_model(config.data_dir)).items()
     logger.info("loading %s from %s", name, path)
     engine = _load_engine("worker", name, path, config)
     if engine is None:
         return 2
     try:
-        worker = Worker(model=name, engine=engine, url=url,
+        worker = Worker(model=name, engine=engine,
+                        url=config.advertise_url or _base_url(config.host, sockets),
                         blobs=BlobStore(adapter_folder),
                         registry=WorkerRegistry.open(config.redis), heartbeat_s=config.heartbeat_s,
                         store_url=config.redis, tokenizer_files=tokenizer_files(path))
-        server = uvicorn.Server(uvicorn.Config(create_worker_app(worker), host=config.host,
-                                               port=config.port, log_config=None,
-                                               access_log=False, log_level=config.log_level,
-                                               lifespan="on"))
-        try:
-            server.run()
-        except KeyboardInterrupt:
-            pass
-        return 0 if server.started else 1
+        return _run_server(create_worker_app(worker), config, sockets)
     finally:
         engine.close()
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to `port` on every address `host` names, not yet listening: taken before
+    the models load, so a port in use is refused at once, while clients are refused (not kept
+    waiting) until the server listens. ValueError naming the setting at fault."""
+    sockets: list[socket.socket] = []
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            # NOTE: as asyncio's listeners: a restart may take a port whose last connections wait
+            # in TIME_WAIT; a port another process listens on is still refused.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio's too: "::" takes IPv6 only
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        is_host = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
+        raise ValueError(f"{'--host' if is_host else '--port'}: cannot listen on {host}:{port}: "
+                         f"{error.strerror or error}") from None
+    return sockets
+
+
+def _base_url(host: str, sockets: list[socket.socket]) -> str:
+    """The URL of the server on `sockets` (their port, when --port 0 let the system choose)."""
+    port = sockets[0].getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _run_server(app: Callable, config: ServeConfig, sockets: list[socket.socket]) -> int:
+    """Serve `app` on `sockets` until interrupted; the exit status."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
+                                           log_level=config.log_level, lifespan="on"))
+    logger.info("listening on %s", _base_url(config.host, sockets))
+    try:
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    return 0 if server.started else 1
 
 
 def _redis_problem(url: str | None) -> str | None:

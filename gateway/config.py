@@ -180,6 +180,10 @@ class ServeConfig:
             self.store = self.redis
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if self.default_route is not None and self.default_route not in self.routes:
+            raise ValueError(f"default_route {self.default_route!r} is not a declared route: "
+                             f"declare [routes.{self.default_route}] (routes: "
+                             f"{', '.join(self.routes) or 'none'})")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0 (0 serves no adapters), got {self.max_loras}")
         for entry in self.model_entries():  # NOTE: validates every model now, before any is loaded

@@ -4,6 +4,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -116,6 +117,7 @@ def test_invalid_settings_are_refused(kwargs, message):
     ('log_level = "verbose"', "log_level must be one of debug, info"),
     ('store = "postgres://db/x"', "unknown store URL 'postgres://db/x'"),
     ('admin_key = "two words"', "admin_key must be one word"),
+    ('default_route = "auto"', "default_route 'auto' is not a declared route: declare [routes.auto]"),
 ])
 def test_config_values_of_the_wrong_type_exit_2_naming_the_setting(tmp_path, capsys, text, message):
     config = tmp_path / "bad.toml"
@@ -288,7 +290,7 @@ def test_each_local_model_can_have_its_own_kv_cache_budget(tmp_path):
 
 
 def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_path, capsys):
-    data = ["--data-dir", str(tmp_path / "data")]
+    data = ["--data-dir", str(tmp_path / "data"), "--port", "0"]  # the port is taken first
     assert main(["serve", "--model", f"gone={tmp_path / 'nowhere'}", *data]) == 2
     assert "cannot serve 'gone' from" in capsys.readouterr().err  # once a traceback
     too_long = ["serve", "--model", f"demo={demo_model_dir}", "--max-model-len", "100000", *data]
@@ -364,27 +366,46 @@ def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(comman
     assert "Traceback" not in err and "cannot serve 'gone'" not in err
 
 
+def _run_until_refused(command: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`switchboard COMMAND ARGV`, run to its end; a worker's Redis (checked before the settings
+    these tests break) is a live one."""
+    redis = None
+    if command == "worker":
+        redis, url = start_redis_server()
+        argv = [*argv, "--redis", url]
+    try:
+        return subprocess.run(SWITCHBOARD + [command, *argv], capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        if redis is not None:
+            stop_redis_server(redis)
+
+
 @pytest.mark.parametrize("command", ["serve", "worker"])
 def test_an_adapter_folder_that_cannot_be_made_is_refused_before_any_model_loads(command, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    redis = None
     if command == "serve":
         folder, option = tmp_path / "file", "--adapter-dir"
-        extra = ["--adapter-dir", str(folder)]
     else:  # a worker keeps the adapter files gateways send it in DATA_DIR/worker-adapters
         folder, option = data / "worker-adapters", "--data-dir"
-        redis, url = start_redis_server()  # the folder is checked once Redis answers
-        extra = ["--redis", url]
     folder.write_text("")
-    argv = [command, "--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(data), *extra]
-    try:
-        result = subprocess.run(SWITCHBOARD + argv, capture_output=True, text=True, timeout=60)
-    finally:
-        if redis is not None:
-            stop_redis_server(redis)
+    extra = ["--adapter-dir", str(folder)] if command == "serve" else []
+    argv = ["--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(data), *extra]
+    result = _run_until_refused(command, argv)
     assert (result.returncode, result.stderr) == (
         2, f"switchboard {command}: {option}: cannot make the folder {folder}: File exists\n")
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_a_port_in_use_is_refused_before_any_model_loads(command, tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as other_server:
+        port = other_server.getsockname()[1]
+        argv = ["--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(tmp_path),
+                "--port", str(port)]
+        result = _run_until_refused(command, argv)
+    assert (result.returncode, result.stderr) == (
+        2, f"switchboard {command}: --port: cannot listen on 127.0.0.1:{port}: Address already in use\n")
 
 
 def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, tmp_path):
