@@ -11,6 +11,7 @@ import logging
 import errno
 import math
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -70,6 +71,13 @@ DATA_DIR/switchboard-demo and served as "switchboard-demo". The first start with
 admin key creates one and prints it once; only its hash is stored.
 """
 
+# NOTE: after each command's epilog: serve and worker stop, and exit, the same way.
+_EXIT_STATUS = """
+SIGTERM or Ctrl-C stops the server gracefully; it then exits 0. Other exit statuses: 2, a
+setting or model it cannot use (said before any model loads where it can be); 130, Ctrl-C while
+the models load (SIGTERM then stops it at once); others, a server that failed to start (its log
+says why).
+"""
 
 WORKER_PORT = 9000
 
@@ -93,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
-        "serve", help="serve models over the OpenAI API", epilog=_SERVE_EPILOG,
+        "serve", help="serve models over the OpenAI API", epilog=_SERVE_EPILOG + _EXIT_STATUS,
         description="Serve models over an OpenAI-compatible HTTP API.",
         formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
     serve.add_argument("--config", type=Path, metavar="FILE.toml", help="read settings from a TOML file")
@@ -129,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "worker", help="run one model's engine for gateways sharing a Redis",
         description="Run one model's engine behind an internal HTTP API and register it in Redis, "
                     "where `switchboard serve --redis URL` gateways find it.",
-        epilog=_WORKER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_WORKER_EPILOG + _EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS)
     worker.add_argument("--redis", metavar="URL", required=True,
                         help="the Redis the gateways use (redis://host:port/0)")
@@ -399,10 +407,16 @@ def _run_server(app: Callable, config: ServeConfig, sockets: list[socket.socket]
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            log_level=config.log_level, lifespan="on"))
     logger.info("listening on %s", _base_url(config.host, sockets))
+    # NOTE: uvicorn shuts down gracefully on SIGTERM (what systemd, Docker and Kubernetes send)
+    # as on Ctrl-C, then raises the signal again; by default that would kill the process before
+    # the caller closes its engines, so here SIGTERM raises KeyboardInterrupt as Ctrl-C does.
+    default_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.run(sockets=sockets)
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+    except KeyboardInterrupt:  # raised again once the server has shut down gracefully
         pass
+    finally:
+        signal.signal(signal.SIGTERM, default_sigterm)
     return 0 if server.started else 1
 
 

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -366,19 +367,25 @@ def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(comman
     assert "Traceback" not in err and "cannot serve 'gone'" not in err
 
 
+@contextlib.contextmanager
+def _redis_for(command: str) -> Iterator[list[str]]:
+    """The options giving a worker a live Redis while the block runs (none for serve)."""
+    if command != "worker":
+        yield []
+        return
+    redis, url = start_redis_server()
+    try:
+        yield ["--redis", url]
+    finally:
+        stop_redis_server(redis)
+
+
 def _run_until_refused(command: str, argv: list[str]) -> subprocess.CompletedProcess:
     """`switchboard COMMAND ARGV`, run to its end; a worker's Redis (checked before the settings
     these tests break) is a live one."""
-    redis = None
-    if command == "worker":
-        redis, url = start_redis_server()
-        argv = [*argv, "--redis", url]
-    try:
-        return subprocess.run(SWITCHBOARD + [command, *argv], capture_output=True, text=True,
-                              timeout=60)
-    finally:
-        if redis is not None:
-            stop_redis_server(redis)
+    with _redis_for(command) as redis:
+        return subprocess.run(SWITCHBOARD + [command, *argv, *redis], capture_output=True,
+                              text=True, timeout=60)
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])
@@ -406,6 +413,28 @@ def test_a_port_in_use_is_refused_before_any_model_loads(command, tmp_path):
         result = _run_until_refused(command, argv)
     assert (result.returncode, result.stderr) == (
         2, f"switchboard {command}: --port: cannot listen on 127.0.0.1:{port}: Address already in use\n")
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_sigterm_shuts_down_gracefully_and_exits_0(command, demo_model_dir, tmp_path):
+    # What systemd, Docker and Kubernetes send to stop a service; once the process died of it
+    # after the graceful shutdown (status -15), before closing its engines.
+    port = free_port()
+    argv = [command, "--port", str(port), "--data-dir", str(tmp_path), "--model",
+            f"{DEMO_MODEL}={demo_model_dir}", "--kv-cache-memory", "16MiB"]
+    with _redis_for(command) as redis:
+        process = subprocess.Popen(SWITCHBOARD + argv + redis, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for_health(f"http://127.0.0.1:{port}", process)
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, stderr
+    assert "Finished server process" in stderr and "Traceback" not in stderr, stderr
 
 
 def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, tmp_path):
