@@ -89,6 +89,15 @@ class Admission:
 _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish
 
 
+async def wait_for_settles(timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, for this event loop's calls still settling (each in a task of
+    its own, which outlives a cancelled caller): the store must not close under them."""
+    loop = asyncio.get_running_loop()
+    settling = {task for task in _pending if task.get_loop() is loop}
+    if settling:
+        await asyncio.wait(settling, timeout=timeout_s)
+
+
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                 estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S) -> Admission:
     """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send."""

@@ -19,13 +19,14 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from gateway import adapter_api, admin, version
+from gateway.admission import wait_for_settles
 from gateway.auth import ensure_admin_key
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.engine_client import EngineClient
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import AccessLog
+from gateway.middleware import AccessLog, InFlight
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics, retrieve_model
 from gateway.remote import WorkerPool
@@ -38,6 +39,9 @@ from store.keys import hash_key
 from store.workers import WorkerRegistry, keep_running
 
 logger = logging.getLogger(__name__)
+# How long a shutdown waits for the requests it cancelled to settle their calls before it closes
+# the store; a request that hangs in its cleanup must not hold the process.
+_ENDING_TIMEOUT_S = 10.0
 
 ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
@@ -113,6 +117,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                            routes=routes, default_route=default_route,
                            metrics_key_hash=hash_key(metrics_key) if metrics_key else None,
                            has_workers=workers_url is not None)
+    requests: set[asyncio.Task] = set()  # those being handled
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -135,6 +140,11 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                 check_routes(engines, routes, default_route, workers=True)
             yield
         finally:
+            # NOTE: a server's shutdown cancels the requests still running at its deadline; they
+            # settle their calls on the way out, through the store and the worker pool.
+            if requests:
+                await asyncio.wait(set(requests), timeout=_ENDING_TIMEOUT_S)
+            await wait_for_settles(_ENDING_TIMEOUT_S)
             if sweeping is not None:
                 sweeping.cancel()
             if pool is not None:
@@ -142,7 +152,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
             await gateway.store.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS,
-                    middleware=[Middleware(AccessLog, metrics=gateway.metrics)])
+                    middleware=[Middleware(InFlight, tasks=requests),
+                                Middleware(AccessLog, metrics=gateway.metrics)])
     app.state.gateway = gateway
     app.state.version = version()
     return app

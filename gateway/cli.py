@@ -73,7 +73,8 @@ admin key creates one and prints it once; only its hash is stored.
 
 # NOTE: after each command's epilog: serve and worker stop, and exit, the same way.
 _EXIT_STATUS = """
-SIGTERM or Ctrl-C stops the server gracefully; it then exits 0. Other exit statuses: 2, a
+SIGTERM or Ctrl-C stops the server gracefully (requests in flight get --shutdown-timeout seconds
+to finish, then their connections are dropped); it then exits 0. Other exit statuses: 2, a
 setting or model it cannot use (said before any model loads where it can be); 130, Ctrl-C while
 the models load (SIGTERM then stops it at once); others, a server that failed to start (its log
 says why).
@@ -131,8 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis", metavar="URL",
                        help="Redis shared with engine workers (redis://host:port/0): serve the "
                             "models of the workers registered there; also the default --store")
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                       help="log level (default info)")
+    _add_server_options(serve)
     worker = commands.add_parser(
         "worker", help="run one model's engine for gateways sharing a Redis",
         description="Run one model's engine behind an internal HTTP API and register it in Redis, "
@@ -157,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="read settings from a TOML file (the keys of the long options)")
     _add_engine_options(worker)
-    worker.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                        help="log level (default info)")
+    _add_server_options(worker)
     router = commands.add_parser(
         "router", help="train the learned router of routes with kind = \"learned\"",
         description="Learned routing: a classifier that predicts from the prompt whether the "
@@ -185,6 +184,16 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the HTTP server a command runs (serve and worker share them)."""
+    parser.add_argument("--shutdown-timeout", type=float, dest="shutdown_timeout_s",
+                        metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to "
+                             "finish before their connections are dropped (default 30)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        help="log level (default info)")
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -404,8 +413,11 @@ def _run_server(app: Callable, config: ServeConfig, sockets: list[socket.socket]
     """Serve `app` on `sockets` until interrupted; the exit status."""
     import uvicorn
 
+    # NOTE: without a deadline a client that stops sending mid-request holds the shutdown forever;
+    # after it the requests still running are cancelled, as when their clients disconnect.
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           log_level=config.log_level, lifespan="on"))
+                                           log_level=config.log_level, lifespan="on",
+                                           timeout_graceful_shutdown=config.shutdown_timeout_s))
     logger.info("listening on %s", _base_url(config.host, sockets))
     # NOTE: uvicorn shuts down gracefully on SIGTERM (what systemd, Docker and Kubernetes send)
     # as on Ctrl-C, then raises the signal again; by default that would kill the process before

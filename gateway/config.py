@@ -25,7 +25,7 @@ _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
         "metrics_key": "SWITCHBOARD_METRICS_KEY"}
 # Config-file keys named after a long option whose value lands in a field of another name.
-_FILE_KEYS = {"heartbeat": "heartbeat_s"}
+_FILE_KEYS = {"heartbeat": "heartbeat_s", "shutdown_timeout": "shutdown_timeout_s"}
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
 _UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "timeout_s",
                   "max_model_len"}
@@ -144,6 +144,9 @@ class ServeConfig:
     """A worker's URL as gateways reach it; None: http://host:port."""
     heartbeat_s: float = 1.0
     """Seconds between a worker's heartbeats; it leaves the pool after three missed ones."""
+    shutdown_timeout_s: float = 30.0
+    """Seconds a graceful shutdown (SIGTERM, Ctrl-C) lets requests in flight finish; then their
+    connections are dropped and the requests cancelled, as when their clients disconnect."""
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -180,6 +183,8 @@ class ServeConfig:
             self.store = self.redis
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.default_route is not None and self.default_route not in self.routes:
             raise ValueError(f"default_route {self.default_route!r} is not a declared route: "
                              f"declare [routes.{self.default_route}] (routes: "

@@ -1,11 +1,13 @@
-"""AccessLog: one INFO line per request, and the request counter of the /v1 API.
+"""AccessLog: one INFO line per request, and the request counter of the /v1 API; InFlight: the
+requests being handled.
 
-Handlers leave what they learn in `request.state` (tenant, model, token counts); this middleware
-reads it when the response is complete, so a stream is logged once, with its final counts.
+Handlers leave what they learn in `request.state` (tenant, model, token counts); AccessLog reads
+it when the response is complete, so a stream is logged once, with its final counts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -62,3 +64,23 @@ class AccessLog:
                      f"completion_tokens={state['completion_tokens']}"
         logger.info("%s %s %d tenant=%s model=%s%s %.3fs", scope["method"], _escaped(path), status,
                     tenant, _escaped(model), tokens, elapsed)
+
+
+class InFlight:
+    """Keeps the tasks of the requests being handled in `tasks`, so that a shutdown can wait for
+    those it cancelled at its deadline: they settle their calls on the way out."""
+
+    def __init__(self, app: ASGIApp, tasks: set[asyncio.Task]):
+        self.app = app
+        self.tasks = tasks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        if scope["type"] != "http" or task is None:
+            await self.app(scope, receive, send)
+            return
+        self.tasks.add(task)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.tasks.discard(task)

@@ -1,5 +1,6 @@
 """The `switchboard` command: help, settings from options/env/TOML, and a real `serve` run."""
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -15,10 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from gateway.cli import main
 from gateway.config import ServeConfig, load_serve_config, parse_size
-from tests.conftest import DEMO_MODEL
+from store import Usage, open_store
+from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
 from tests.processes import free_port
 from tests.redis_server import start_redis_server, stop_redis_server
 
@@ -38,11 +42,11 @@ def test_help_exits_zero(argv):
             "--device", "--dtype", "--config", "--max-num-seqs", "--max-num-batched-tokens",
             "--kv-cache-memory", "--max-model-len", "--max-loras", "--max-cpu-loras",
             "--max-lora-rank", "--adapter-dir", "--max-upload-size", "--redis",
-            "SWITCHBOARD_HOME"))
+            "--shutdown-timeout", "SWITCHBOARD_HOME"))
     if "worker" in argv:
         assert all(option in result.stdout for option in (
             "--redis URL", "--model NAME=PATH", "--advertise-url", "--heartbeat", "--device",
-            "--max-loras", "--kv-cache-memory"))
+            "--max-loras", "--kv-cache-memory", "--shutdown-timeout"))
 
 
 def test_a_worker_serves_exactly_one_local_model(tmp_path, capsys):
@@ -118,6 +122,7 @@ def test_invalid_settings_are_refused(kwargs, message):
     ('log_level = "verbose"', "log_level must be one of debug, info"),
     ('store = "postgres://db/x"', "unknown store URL 'postgres://db/x'"),
     ('admin_key = "two words"', "admin_key must be one word"),
+    ("shutdown_timeout = -1", "shutdown_timeout must be >= 0 seconds, got -1"),
     ('default_route = "auto"', "default_route 'auto' is not a declared route: declare [routes.auto]"),
 ])
 def test_config_values_of_the_wrong_type_exit_2_naming_the_setting(tmp_path, capsys, text, message):
@@ -437,6 +442,57 @@ def test_sigterm_shuts_down_gracefully_and_exits_0(command, demo_model_dir, tmp_
     assert "Finished server process" in stderr and "Traceback" not in stderr, stderr
 
 
+def test_a_shutdown_drops_the_requests_still_running_at_its_deadline_and_settles_them(tmp_path):
+    from tests.test_gateway_upstream import _stalled  # NOTE: here: that module imports this one
+
+    # An upstream that streams one token, then nothing.
+    with run_server(Starlette(routes=[Mount("/v1", app=_stalled)])) as stalled:
+        config = tmp_path / "stuck.toml"
+        config.write_text(f'[models.stuck]\nupstream = "{stalled}/v1"\ntimeout_s = 600\n')
+        port, home = free_port(), tmp_path / "home"
+        env = {**os.environ, "SWITCHBOARD_ADMIN_KEY": ADMIN_KEY, "SWITCHBOARD_HOME": str(home)}
+        command = SWITCHBOARD + ["serve", "--config", str(config), "--port", str(port),
+                                 "--shutdown-timeout", "1"]
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_for_health(url, process)
+            key = GatewayServer(url, ADMIN_KEY, None).new_tenant("acme")
+            with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+                    "model": "stuck", "prompt": "hi", "max_tokens": 50, "stream": True},
+                    headers={"Authorization": f"Bearer {key}"}) as stream, \
+                    socket.create_connection(("127.0.0.1", port)) as upload:
+                lines = stream.iter_lines()  # NOTE: kept: a dropped iterator closes the stream
+                assert next(lines).startswith("data: ")  # the one token
+                # An adapter upload whose client stops sending halfway through its body.
+                upload.sendall(b"POST /v1/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                               + key.encode() + b"\r\nContent-Type: multipart/form-data; "
+                               b"boundary=b\r\nContent-Length: 1000\r\n\r\n--b\r\n")
+                stopping = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                _, stderr = process.communicate(timeout=20)  # once never: it waited for both
+                stopped_after_s = time.monotonic() - stopping
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, stderr
+    assert 1 <= stopped_after_s < 10, stderr
+    assert "Cancel 2 running task(s), timeout graceful shutdown exceeded" in stderr
+
+    async def usage() -> Usage:
+        store = await open_store(None, home)
+        try:
+            return await store.get_usage("acme")
+        finally:
+            await store.close()
+
+    # Billed as if its client had gone: the token streamed, and no budget left held.
+    billed = asyncio.run(usage())
+    assert (billed.requests, billed.tokens_out, billed.reserved_tokens) == (1, 1, 0), billed
+
+
 def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, tmp_path):
     command = SWITCHBOARD + ["serve", "--port", str(free_port()), "--data-dir", str(tmp_path),
                              "--model", f"{DEMO_MODEL}={demo_model_dir}"]
@@ -464,9 +520,9 @@ def test_help_gives_the_engine_s_own_defaults(capsys):
 
 def test_a_config_file_takes_the_long_options_names(tmp_path):
     config = tmp_path / "worker.toml"
-    config.write_text("heartbeat = 2.5\nmax-num-seqs = 3\n")
+    config.write_text("heartbeat = 2.5\nmax-num-seqs = 3\nshutdown-timeout = 5\n")
     loaded = load_serve_config({}, config, {})
-    assert (loaded.heartbeat_s, loaded.max_num_seqs) == (2.5, 3)
+    assert (loaded.heartbeat_s, loaded.max_num_seqs, loaded.shutdown_timeout_s) == (2.5, 3, 5.0)
     config.write_text("heartbeet = 2.5\n")
     with pytest.raises(ValueError, match="unknown keys .*: heartbeet; known keys: .*heartbeat,"):
         load_serve_config({}, config, {})
