@@ -255,16 +255,7 @@ def serve(config: ServeConfig) -> int:
     if problem is not None:
         print(f"switchboard serve: {problem}", file=sys.stderr)
         return 2
-    try:
-        sockets = _bind(config.host, config.port)
-    except ValueError as error:
-        print(f"switchboard serve: {error}", file=sys.stderr)
-        return 2
-    try:
-        return _load_and_serve(config, sockets)
-    finally:
-        for sock in sockets:
-            sock.close()
+    return _on_port("serve", config, lambda sockets: _load_and_serve(config, sockets))
 
 
 def _load_and_serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
@@ -343,16 +334,8 @@ def run_worker(config: ServeConfig) -> int:
     if problem is not None:
         print(f"switchboard worker: {problem}", file=sys.stderr)
         return 2
-    try:
-        sockets = _bind(config.host, config.port)
-    except ValueError as error:
-        print(f"switchboard worker: {error}", file=sys.stderr)
-        return 2
-    try:
-        return _load_and_run_worker(config, sockets, adapter_folder)
-    finally:
-        for sock in sockets:
-            sock.close()
+    return _on_port("worker", config,
+                    lambda sockets: _load_and_run_worker(config, sockets, adapter_folder))
 
 
 def _load_and_run_worker(config: ServeConfig, sockets: list[socket.socket],
@@ -376,6 +359,21 @@ def _load_and_run_worker(config: ServeConfig, sockets: list[socket.socket],
         return _run_server(create_worker_app(worker), config, sockets)
     finally:
         engine.close()
+
+
+def _on_port(command: str, config: ServeConfig, run: Callable[[list[socket.socket]], int]) -> int:
+    """Take the configured port (exit status 2, naming the setting, if it cannot be), then
+    `run(sockets)`; the exit status."""
+    try:
+        sockets = _bind(config.host, config.port)
+    except ValueError as error:
+        print(f"switchboard {command}: {error}", file=sys.stderr)
+        return 2
+    try:
+        return run(sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _bind(host: str, port: int) -> list[socket.socket]:
