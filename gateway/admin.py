@@ -23,7 +23,10 @@ from store.blobs import collect_garbage
 from store.models import TENANT_SETTINGS
 
 
+# The bounds of a tenant's settings, for creating and updating one alike.
 _Limit = Annotated[int, msgspec.Meta(gt=0)]
+_SpendLimit = Annotated[float, msgspec.Meta(gt=0)]
+_Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 _MONTH = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")  # "YYYY-MM", as store.limits.month_of writes it
 
 
@@ -35,10 +38,10 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rpm: _Limit | None = None
     tpm: _Limit | None = None
     monthly_token_budget: _Limit | None = None
-    monthly_spend_budget_usd: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    monthly_spend_budget_usd: _SpendLimit | None = None
     allowed_models: list[str] | None = None
     default_route: str | None = None
-    strong_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    strong_share: _Share | None = None
 
 
 class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,12 +51,10 @@ class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rpm: _Limit | None | msgspec.UnsetType = msgspec.UNSET
     tpm: _Limit | None | msgspec.UnsetType = msgspec.UNSET
     monthly_token_budget: _Limit | None | msgspec.UnsetType = msgspec.UNSET
-    monthly_spend_budget_usd: Annotated[float, msgspec.Meta(gt=0)] | None | msgspec.UnsetType = \
-        msgspec.UNSET
+    monthly_spend_budget_usd: _SpendLimit | None | msgspec.UnsetType = msgspec.UNSET
     allowed_models: list[str] | None | msgspec.UnsetType = msgspec.UNSET
     default_route: str | None | msgspec.UnsetType = msgspec.UNSET
-    strong_share: Annotated[float, msgspec.Meta(ge=0, le=1)] | None | msgspec.UnsetType = \
-        msgspec.UNSET
+    strong_share: _Share | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
