@@ -67,7 +67,8 @@ def engine_failed(error: Exception) -> ApiError:
         return ApiError(503, f"no engine can take this request now: {error}", type="server_error",
                         code="engine_unavailable", headers={"Retry-After": "2"})
     if isinstance(error, UpstreamUnavailable):
-        return ApiError(503, str(error), type="server_error", code="upstream_unavailable")
+        return ApiError(503, str(error), type="server_error", code="upstream_unavailable",
+                        headers={"Retry-After": "2"})
     if isinstance(error, UpstreamFailure):  # a bad gateway: the server behind this one failed
         return ApiError(502, str(error), type="server_error", code="upstream_failure")
     return ApiError(500, f"the engine failed on this request: {error}", type="server_error",

@@ -322,6 +322,7 @@ def assert_upstream_error(response: httpx.Response, model: str, is_unavailable: 
     assert response.status_code == status
     assert response.json()["error"] == {"message": message.format(model), "type": "server_error",
                                         "param": None, "code": code}
+    assert response.headers.get("retry-after") == ("2" if is_unavailable else None)
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> str:
