@@ -15,7 +15,7 @@ import math
 from collections.abc import Coroutine
 
 from gateway.errors import ApiError
-from store import Reservation, Store, Tenant
+from store import Reservation, Store, Tenant, refund_rate
 from store.limits import SPEND_TOLERANCE_USD, budget_left
 
 logger = logging.getLogger(__name__)
@@ -73,15 +73,15 @@ class Admission:
                                      tokens_out=tokens_out, spend_usd=spend_usd)
             unused = self._reservation.tokens - tokens_in - tokens_out
             if unused > 0:
-                await self._store.refund_rate(self._tenant, requests=0, tokens=unused)
+                await refund_rate(self._store, self._tenant, requests=0, tokens=unused)
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle usage of tenant %s", self._reservation.tenant)
 
     async def _withdraw(self, refund_requests: bool) -> None:
         try:
             await self._store.release(self._reservation)
-            await self._store.refund_rate(self._tenant, requests=int(refund_requests),
-                                          tokens=self._reservation.tokens)
+            await refund_rate(self._store, self._tenant, requests=int(refund_requests),
+                              tokens=self._reservation.tokens)
         except Exception:  # the hold lapses on its own
             logger.exception("could not release the hold of tenant %s", self._reservation.tenant)
 
@@ -121,7 +121,7 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
     reservation = await store.reserve_tokens(tenant, estimated_tokens,
                                              spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
     if reservation is None:
-        await store.refund_rate(tenant, requests=1, tokens=estimated_tokens)
+        await refund_rate(store, tenant, requests=1, tokens=estimated_tokens)
         raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd)
     return Admission(store, tenant, reservation, hold_ttl_s)
 

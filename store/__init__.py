@@ -7,7 +7,7 @@ shortly"; the store needs no reopening once Redis is back or the lock is let go.
 
 from pathlib import Path
 
-from store.base import Store
+from store.base import Store, refund_rate
 from store.errors import AlreadyExists, InvalidName, NotFound, StoreError, StoreUnavailable
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 from store.redis import REDIS_UNAVAILABLE_ERRORS, RedisStore
@@ -34,6 +34,7 @@ __all__ = [
     "UNAVAILABLE_ERRORS",
     "Usage",
     "open_store",
+    "refund_rate",
 ]
 
 

@@ -115,13 +115,8 @@ class Store(Protocol):
     async def check_and_consume_rate(
         self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
     ) -> RateDecision:
-        """Atomically check the tenant's rpm and tpm buckets; if both allow, pay into both."""
-
-    async def refund_rate(
-        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
-    ) -> None:
-        """Give back what a call paid into the rate buckets (it was refused after paying); a
-        bucket never fills past its limit."""
+        """Atomically check the tenant's rpm and tpm buckets; if both allow, pay into both.
+        Negative counts give back (see refund_rate)."""
 
     async def reserve_tokens(
         self,
@@ -154,3 +149,12 @@ class Store(Protocol):
         self, tenant: str, month: str | None = None, *, now: float | None = None
     ) -> Usage:
         """The tenant's counters for `month` ("YYYY-MM"; the month of `now` when None)."""
+
+
+async def refund_rate(
+    store: Store, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+) -> None:
+    """Give back what a call paid into the rate buckets (it was refused after paying, or used
+    less than it paid for): a payment of the negative counts, always allowed, after which a
+    bucket never holds more than its limit."""
+    await store.check_and_consume_rate(tenant, requests=-requests, tokens=-tokens, now=now)

@@ -341,11 +341,6 @@ class RedisStore:
         )
         return RateDecision(bool(allowed), float(retry_after), limited_by or None)
 
-    async def refund_rate(
-        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
-    ) -> None:
-        await self.check_and_consume_rate(tenant, requests=-requests, tokens=-tokens, now=now)
-
     async def reserve_tokens(
         self,
         tenant: Tenant,

@@ -455,11 +455,6 @@ class SqliteStore:
 
         return await self._write(consume)
 
-    async def refund_rate(
-        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
-    ) -> None:
-        await self.check_and_consume_rate(tenant, requests=-requests, tokens=-tokens, now=now)
-
     async def reserve_tokens(
         self,
         tenant: Tenant,
