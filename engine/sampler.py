@@ -20,15 +20,19 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """logits: [num_requests, vocab] float32, row i belongs to requests[i]. A request whose row
         cannot be sampled gets a SampledToken with `error` set; the other rows are unaffected."""
+        # A row with NaN or +inf (the model's activations overflowed) fails its request, greedy or
+        # not: argmax would silently pick token 0 of a NaN row. (A row's max is NaN if any of its
+        # values is; it costs a fifth of isfinite().all().)
+        errors = {i: "sampling failed: the model's logits are not finite (NaN or inf)"
+                  for i in torch.nonzero(~torch.isfinite(logits.amax(dim=-1))).flatten().tolist()}
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             # NOTE: logprobs describe the model's own distribution, before penalties and temperature.
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._adjust(logits, requests)
         token_ids = torch.argmax(logits, dim=-1)  # [num_requests]
-        errors: dict[int, str] = {}
         for i, request in enumerate(requests):
-            if not request.sampling_params.is_greedy:
+            if not request.sampling_params.is_greedy and i not in errors:
                 try:
                     token_ids[i] = self._sample_row(logits[i], request)
                 except RuntimeError as error:  # e.g. a non-finite row: fail its request, not the batch
@@ -60,9 +64,10 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The logits after each request's penalties and biases (a copy if any has one), in
-        vLLM's order: repetition (multiplicative), then presence and frequency, then logit_bias;
-        tokens the request must not sample yet (before min_tokens) at -inf."""
+        """The logits after each request's biases and penalties (a copy if any has one), in
+        vLLM's and transformers' order: logit_bias, then repetition (multiplicative, so it
+        scales the biased logit), then presence and frequency; tokens the request must not
+        sample yet (before min_tokens) at -inf."""
         banned = [r.unsampleable_token_ids for r in requests]
         rows = [i for i, r in enumerate(requests) if r.sampling_params.adjusts_logits or banned[i]]
         if not rows:
@@ -73,6 +78,9 @@ class Sampler:
             if banned[i]:
                 row[torch.tensor(sorted(banned[i]), device=logits.device)] = float("-inf")
             params = request.sampling_params
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), device=logits.device)
+                row[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
             if params.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(request.all_token_ids)), device=logits.device)
                 values = row[seen]
@@ -83,9 +91,6 @@ class Sampler:
                 ids, counts = torch.tensor(request.output_token_ids, device=logits.device).unique(
                     return_counts=True)
                 row[ids] -= params.frequency_penalty * counts + params.presence_penalty
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), device=logits.device)
-                row[ids] += torch.tensor(list(params.logit_bias.values()), device=logits.device)
         return logits
 
     @staticmethod

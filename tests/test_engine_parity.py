@@ -249,6 +249,8 @@ class OpenAIPenalties(LogitsProcessor):
     (dict(repetition_penalty=1.8), dict(repetition_penalty=1.8)),
     (dict(logit_bias={7: 4.0, 11: -3.0, 99: 2.5}, presence_penalty=0.8, frequency_penalty=0.6),
      dict(sequence_bias={(7,): 4.0, (11,): -3.0, (99,): 2.5}, presence=0.8, frequency=0.6)),
+    (dict(logit_bias={7: 4.0, 11: -3.0, 99: 2.5}, repetition_penalty=1.8),
+     dict(sequence_bias={(7,): 4.0, (11,): -3.0, (99,): 2.5}, repetition_penalty=1.8)),
 ])
 def test_penalties_and_logit_bias_match_transformers(tmp_path, sampling, hf_options):
     """Greedy tokens with penalties and biases, in one batch with plain requests, equal

@@ -156,12 +156,28 @@ def test_repetition_penalty_bounds_keep_logits_finite():
 
 def test_a_row_that_cannot_be_sampled_fails_alone():
     sampler = Sampler(0, torch.device("cpu"))
-    logits = torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 5.0, 1.0], [4.0, 0.0, 1.0]])
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, 1.0, 2.0], [0.0, 5.0, 1.0], [4.0, 0.0, 1.0], [1.0, nan, 0.0],
+                           [0.0, 1.0, inf], [-inf, -inf, -inf], [-inf, 0.0, 1.0]])
     requests = [make(SamplingParams(temperature=1.0)), make(SamplingParams(temperature=1.0, top_k=1)),
+                make(SamplingParams(temperature=0)), make(SamplingParams(temperature=0, logprobs=1)),
+                make(SamplingParams(temperature=0)), make(SamplingParams(temperature=0)),
                 make(SamplingParams(temperature=0))]
     out = sampler.sample(logits, requests)
-    assert out[0].error.startswith("sampling failed: ")
-    assert [(t.token_id, t.error) for t in out[1:]] == [(1, None), (0, None)]
+    # Greedy rows too: argmax of a NaN row would answer token 0 with a NaN logprob.
+    for failed in (out[0], out[3], out[4], out[5]):
+        assert failed.error == "sampling failed: the model's logits are not finite (NaN or inf)"
+    assert [(t.token_id, t.error) for t in (out[1], out[2], out[6])] == [(1, None), (0, None), (2, None)]
+
+
+def test_logit_bias_applies_before_the_repetition_penalty():
+    """As vLLM and transformers: the penalty scales the biased logit, (-1 + 5) / 2 = 2 < 2.5,
+    not -1 * 2 + 5 = 3."""
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[2.5, -1.0, -3.0]])
+    request = make(SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={1: 5.0}), prompt=[1])
+    torch.testing.assert_close(Sampler._adjust(logits, [request]), torch.tensor([[2.5, 2.0, -3.0]]))
+    assert sampler.sample(logits, [request])[0].token_id == 0
 
 
 @pytest.mark.parametrize("field,value,message", [
