@@ -42,10 +42,12 @@ class IncrementalDetokenizer:
             if self.stop_reason is None:
                 self._decode_next(check_stop)
 
-    def take_delta(self, finished: bool) -> str:
+    def take_delta(self, finished: bool, keep_partial: bool = True) -> str:
         """Text not yet returned. Unless finished, the last characters that could still grow into a
-        stop string stay back."""
-        if finished and self.stop_reason is None:
+        stop string stay back. Once finished, bytes at the end that never formed a character are
+        shown as U+FFFD if `keep_partial`, else dropped: the output ended on a stop token that is
+        left out of the text, maybe the very byte that would have finished them (as vLLM)."""
+        if finished and self.stop_reason is None and keep_partial:
             self._flush()
         end = len(self.text) if finished or self.stop_reason else len(self.text) - self.holdback
         if end <= self.num_emitted_chars:

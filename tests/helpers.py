@@ -49,6 +49,33 @@ def save_hf_model(model, folder: Path) -> Path:
     return folder
 
 
+def save_successor_model(successors: dict[int, int], folder: Path) -> Path:
+    """A one-layer Llama with the demo model's byte-level tokenizer whose greedy next token is
+    `successors[current token]`: a hand-written output. The attention and MLP add nothing, the
+    embeddings are one-hot, and the LM head maps each token to its successor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.demo import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    vocab_size = len(tokenizer)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=264, intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.model.embed_tokens.weight[:, :vocab_size] = torch.eye(vocab_size)
+        model.lm_head.weight.zero_()
+        for token, successor in successors.items():
+            model.lm_head.weight[successor, token] = 1.0
+    tokenizer.save_pretrained(folder)
+    return save_hf_model(model, folder)
+
+
 def hf_greedy(model, prompt: list[int], num_tokens: int, **options) -> tuple[list[int], torch.Tensor]:
     """transformers' own greedy continuation of one prompt and the raw logits of every generated
     step; `options` go to generate (logits processors, penalties)."""

@@ -71,3 +71,10 @@ def test_invalid_bytes_are_flushed_at_the_end(tokenizer):
     detok.add_tokens([ord("o"), ord("k"), 0xE6])  # a lone lead byte of a 3-byte character
     assert detok.take_delta(finished=False) == "ok"
     assert detok.take_delta(finished=True) == "\ufffd"
+
+
+def test_bytes_a_left_out_stop_token_would_have_finished_are_dropped(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))
+    detok.add_tokens([ord("o"), ord("k"), 0xC3])  # the stop token 0xA9 would make it "é"
+    assert detok.take_delta(finished=False) == "ok"
+    assert detok.take_delta(finished=True, keep_partial=False) == ""

@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import InvalidParameter, SamplingParams
-from tests.helpers import make_hf_model, random_prompts, save_hf_model
+from tests.helpers import make_hf_model, random_prompts, save_hf_model, save_successor_model
 
 PROMPT = "World"
 NUM_TOKENS = 16
@@ -116,6 +116,21 @@ def test_stop_token_text_is_left_out(engine, reference, include):
     assert result.tokens == tokens[:num_tokens]
     assert result.text == text[:num_tokens if include else num_tokens - 1]
     assert (result.finish_reason, result.stop_reason) == ("stop", SPACE)
+
+
+@pytest.mark.parametrize("include, text", [(False, "a"), (True, "a\u00e9")])
+def test_a_left_out_stop_token_takes_the_bytes_it_would_finish_with_it(tmp_path, include, text):
+    """As vLLM: no stray U+FFFD for the lead byte of an "\u00e9" whose last byte stops the output."""
+    written = [ord("Q"), *"a\u00e9b".encode()]  # the model answers "Q" with "a", 0xC3, 0xA9, "b"
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+    params = greedy(stop_token_ids=[0xA9], include_stop_str_in_output=include)
+    result = run(engine, {"r": ([ord("Q")], params)})["r"]
+    assert result.tokens == [ord("a"), 0xC3, 0xA9]
+    assert (result.text, result.finish_reason, result.stop_reason) == (text, "stop", 0xA9)
+    # Cut by length instead, the lone lead byte shows as U+FFFD, as transformers' decode does.
+    cut = run(engine, {"cut": ([ord("Q")], greedy(max_tokens=2))})["cut"]
+    assert cut.text == "a\ufffd"
 
 
 @pytest.fixture(scope="module")
