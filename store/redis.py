@@ -33,6 +33,19 @@ from store.redis_blobs import RedisBlobs
 # is a ConnectionError): the call did not happen or its outcome is unknown; retry later.
 REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
+MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
+
+
+def connect(url: str, timeout_s: float, *, decode_responses: bool = False,
+            retry: Retry | None = None) -> aioredis.Redis:
+    """A client of the Redis at `url` whose calls wait (at most `timeout_s`) for a free pooled
+    connection: redis-py's default pool fails a call past its 100 connections at once ("Too
+    many connections"), which a burst of calls on a healthy Redis would see as Redis down."""
+    options = {"retry": retry} if retry is not None else {}
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=timeout_s, decode_responses=decode_responses,
+        socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **options)
+    return aioredis.Redis.from_pool(pool)
 
 
 class RedisKeys:
@@ -109,10 +122,8 @@ class RedisStore:
         # a Redis restart every pooled connection is dead, and this reconnects instead of failing
         # the call. Timeouts are not retried: Redis is stuck, and a retry only doubles the wait.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
-        client, blob_client = (
-            aioredis.from_url(url, decode_responses=decode, socket_timeout=_TIMEOUT_S,
-                              socket_connect_timeout=_TIMEOUT_S, retry=retry)
-            for decode in (True, False))
+        client, blob_client = (connect(url, _TIMEOUT_S, decode_responses=decode, retry=retry)
+                               for decode in (True, False))
         try:
             await client.ping()
         except REDIS_UNAVAILABLE_ERRORS as error:

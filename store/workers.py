@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable, Mapping
 import msgspec
 import redis.asyncio as aioredis
 
+from store.redis import connect
+
 logger = logging.getLogger(__name__)
 
 _INTERNAL_KEY_BYTES = 32
@@ -66,8 +68,7 @@ class WorkerRegistry:
     @classmethod
     def open(cls, url: str, prefix: str = "sb:", timeout_s: float = 2.0) -> "WorkerRegistry":
         """A registry over the Redis at `url`; it connects on first use (and reconnects after)."""
-        client = aioredis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-        return cls(client, prefix)
+        return cls(connect(url, timeout_s), prefix)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -34,7 +34,9 @@ from store import (
 from gateway.admission import admit
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
+from store.redis import MAX_CONNECTIONS
 from store.sqlite import LOCK_TIMEOUT_S
+from store.workers import WorkerRegistry
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.anyio
@@ -519,6 +521,20 @@ async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
     finally:
         await store.close()
         server.stop()
+
+
+async def test_redis_calls_past_the_pooled_connections_wait_for_one(redis_url: str) -> None:
+    """A burst larger than the connection pool on a healthy Redis is served, not refused as if
+    Redis were down (redis-py's default pool: "Too many connections")."""
+    store, registry = await RedisStore.open(redis_url), WorkerRegistry.open(redis_url)
+    try:
+        acme = await make_tenant(store)
+        burst = 3 * MAX_CONNECTIONS
+        assert await asyncio.gather(*(store.get_tenant("acme") for _ in range(burst))) == [acme] * burst
+        assert await asyncio.gather(*(registry.workers() for _ in range(burst))) == [[]] * burst
+    finally:
+        await store.close()
+        await registry.close()
 
 
 # SQLite: calls run on the caller's event loop, and on the worker thread only to wait.
