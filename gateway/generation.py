@@ -261,13 +261,17 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens of the call, each prompt counted once however many choices it has."""
-        per_prompt = {c.prompt_index: c.num_prompt_tokens for c in self.choices}
-        return sum(per_prompt.values())
+        return sum(c.num_prompt_tokens for c in self._one_started_choice_per_prompt())
 
     @property
     def num_cached_tokens(self) -> int:
-        per_prompt = {c.prompt_index: c.num_cached_tokens for c in self.choices}
-        return sum(per_prompt.values())
+        return sum(c.num_cached_tokens for c in self._one_started_choice_per_prompt())
+
+    def _one_started_choice_per_prompt(self) -> list[Choice]:
+        """A choice of each prompt that got a chunk (the last), if any did: one still waiting when
+        the call ended counts 0 tokens, though its prompt's other choices computed the prompt."""
+        started = {c.prompt_index: c for c in self.choices if c.num_prompt_tokens}
+        return list(started.values())
 
     @property
     def num_output_tokens(self) -> int:

@@ -141,6 +141,24 @@ def test_a_client_that_leaves_while_queued_takes_its_request_back_unbilled(one_a
     assert (billed["requests"], billed["tokens_in"], billed["tokens_out"]) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_some_choices_wait_is_billed_the_prompt_once(one_at_a_time, stream):
+    """One slot: choice 0 runs (it computed the prompt) while choice 1 waits, then the client leaves."""
+    server = one_at_a_time
+    engine = server.app.state.gateway.engines[DEMO_MODEL]
+    name = f"half-queued-{stream}"
+    key = server.new_tenant(name)
+    generated = engine.stats().num_generation_tokens
+    body = {**LONG, "prompt": "x" * 200, "max_tokens": 1500, "n": 2, "stream": stream}
+    with _send_completion(server, key, body):
+        assert wait_for(lambda: engine.stats().num_waiting == 1
+                        and engine.stats().num_generation_tokens > generated + 4)
+    assert wait_until_idle(server).kv_blocks_used == 0
+    billed = settled_usage(server, name)
+    assert billed["tokens_in"] == 201  # BOS and 200 bytes, once for both choices
+    assert billed["requests"] == 1 and billed["tokens_out"] > 4
+
+
 def test_finished_streams_leave_nothing_behind(server, tenant):
     _, key = tenant
     response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
