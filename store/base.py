@@ -154,7 +154,13 @@ class Store(Protocol):
 async def refund_rate(
     store: Store, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
 ) -> None:
-    """Give back what a call paid into the rate buckets (it was refused after paying, or used
-    less than it paid for): a payment of the negative counts, always allowed, after which a
-    bucket never holds more than its limit."""
-    await store.check_and_consume_rate(tenant, requests=-requests, tokens=-tokens, now=now)
+    """Give back what a call of `tenant` paid into the rate buckets (it was refused after paying,
+    or used less than it paid for): a payment of the negative counts, always allowed, after which
+    a bucket never holds more than its limit.
+
+    At the limits the tenant has now: a PATCH since the call paid must not have the bucket refill
+    and cap at the old ones. Nothing for a tenant deleted since, or made anew under its name."""
+    current = await store.get_tenant(tenant.name)
+    if current is None or current.incarnation != tenant.incarnation:
+        return
+    await store.check_and_consume_rate(current, requests=-requests, tokens=-tokens, now=now)

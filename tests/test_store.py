@@ -328,6 +328,24 @@ async def test_refunds_give_back_what_was_paid_but_never_past_the_limit(store: S
     assert not (await store.check_and_consume_rate(acme, tokens=0, now=T0)).allowed
 
 
+async def test_refunds_use_the_tenant_s_limits_as_they_are_now(store: Store) -> None:
+    """A call admitted before a PATCH or a delete refunds at the tenant's limits of now, and never
+    into the bucket of a tenant made anew under the same name."""
+    acme = await make_tenant(store, tpm=100)
+    assert (await store.check_and_consume_rate(acme, tokens=90, now=T0)).allowed
+    raised = await store.update_tenant("acme", {"tpm": 6000})
+    await refund_rate(store, acme, requests=0, tokens=60, now=T0 + 1)  # acme: as the call saw it
+    # 10 left + 100 refilled in 1 s at 6000/min + 60 back; at the old limit it would be capped at 100
+    assert (await store.check_and_consume_rate(raised, tokens=170, now=T0 + 1)).allowed
+    assert not (await store.check_and_consume_rate(raised, tokens=1, now=T0 + 1)).allowed
+
+    await store.delete_tenant("acme")
+    anew = await store.create_tenant(Tenant(name="acme", created_at=T0 + 2, tpm=1000))
+    assert (await store.check_and_consume_rate(anew, tokens=1000, now=T0 + 2)).allowed
+    await refund_rate(store, raised, requests=0, tokens=60, now=T0 + 2)  # the deleted tenant's call
+    assert not (await store.check_and_consume_rate(anew, tokens=1, now=T0 + 2)).allowed
+
+
 async def test_a_released_hold_bills_and_counts_nothing(store: Store) -> None:
     acme = await make_tenant(store, monthly_token_budget=100)
     held = await store.reserve_tokens(acme, 100, now=T0)
