@@ -14,6 +14,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger("gateway.access")
@@ -68,7 +69,9 @@ class AccessLog:
 
 class InFlight:
     """Keeps the tasks of the requests being handled in `tasks`, so that a shutdown can wait for
-    those it cancelled at its deadline: they settle their calls on the way out."""
+    those it cancelled at its deadline: they settle their calls on the way out. One cancelled
+    before it answered tells its client to retry, in the API's error shape, where uvicorn would
+    send a plain-text 500."""
 
     def __init__(self, app: ASGIApp, tasks: set[asyncio.Task]):
         self.app = app
@@ -80,7 +83,25 @@ class InFlight:
             await self.app(scope, receive, send)
             return
         self.tasks.add(task)
+        has_answered = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal has_answered
+            has_answered = has_answered or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if has_answered:
+                raise
+            task.uncancel()  # NOTE: handled: the request ends with the answer below
+            await _STOPPED.response()(scope, receive, send)
         finally:
             self.tasks.discard(task)
+
+
+# NOTE: uvicorn cancels a request's task only when a shutdown's deadline has passed.
+_STOPPED = ApiError(503, "the server shut down before this call finished; send it again",
+                    type="server_error", code="server_shutdown",
+                    headers={"Retry-After": "2", "Connection": "close"})

@@ -1,6 +1,7 @@
 """The `switchboard` command: help, settings from options/env/TOML, and a real `serve` run."""
 
 import asyncio
+import json
 import contextlib
 import os
 import shutil
@@ -473,6 +474,7 @@ def test_a_shutdown_drops_the_requests_still_running_at_its_deadline_and_settles
                 process.send_signal(signal.SIGTERM)
                 _, stderr = process.communicate(timeout=20)  # once never: it waited for both
                 stopped_after_s = time.monotonic() - stopping
+                answer = upload.makefile("rb").read().decode()  # it had no answer yet
         finally:
             if process.poll() is None:
                 process.kill()
@@ -480,6 +482,9 @@ def test_a_shutdown_drops_the_requests_still_running_at_its_deadline_and_settles
     assert process.returncode == 0, stderr
     assert 1 <= stopped_after_s < 10, stderr
     assert "Cancel 2 running task(s), timeout graceful shutdown exceeded" in stderr
+    head, body = answer.split("\r\n\r\n", 1)
+    assert head.startswith("HTTP/1.1 503 ") and "retry-after: 2" in head.lower()
+    assert json.loads(body)["error"]["code"] == "server_shutdown"
 
     async def usage() -> Usage:
         store = await open_store(None, home)
