@@ -50,8 +50,9 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     for name in allowed_routes(tenant, state.catalog):
         route = state.routes[default_route(tenant, state.catalog) if name == AUTO else name]
         # NOTE: with engine workers, a route's models are served once their workers register.
+        # A route runs a call on a tier that can hold it: it takes what its roomiest tier does.
         served = all(m in state.engines for m in route.tiers)
-        cards.append(ModelCard(id=name, created=state.started_at, max_model_len=min(
+        cards.append(ModelCard(id=name, created=state.started_at, max_model_len=max(
             state.engines[m].max_model_len for m in route.tiers) if served else None))
     cards += [ModelCard(id=a.name, created=int(a.created_at), owned_by=tenant.name,
                         max_model_len=state.engines[a.base_model].max_model_len,

@@ -393,15 +393,16 @@ def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Rea
     run, and bill, every tier: it holds their sum. A model, or a learned route, runs one tier: the
     dearest one's.
     """
-    holds, refusal = [], None
+    holds, refusals = [], []
     for tier, reading in zip(target.tiers, readings):
         error = next(filter(None, (ask.context_error(tier, p, o) for p, o in reading)), None)
         if error is None:
             tokens = _estimate(reading, n)
             holds.append((sum(tokens), state.price_of(tier.model).cost(*tokens)))
         else:
-            refusal = refusal or error
-    if not holds:
+            refusals.append((tier.engine.max_model_len, error))
+    if not holds:  # the roomiest tier's refusal: the call must shrink to fit that one
+        _, refusal = max(refusals, key=lambda entry: entry[0])
         raise invalid_request(str(refusal), param=refusal.param)
     tokens, spend = zip(*holds)
     if isinstance(target.route, CascadeRoute):

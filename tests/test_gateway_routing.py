@@ -390,6 +390,12 @@ def test_a_cascade_never_escalates_into_a_tier_whose_context_cannot_hold_the_cal
     # Where it fits, the same prompt escalates.
     escalated = complete(routed, key, "hard one", model="to-cramped", max_tokens=4)
     assert escalated.json()["model"] == "cramped"
+    # The route takes what its roomiest tier's context holds, and says so.
+    card = httpx.get(routed.url + "/v1/models/to-cramped", headers={"Authorization": f"Bearer {key}"})
+    assert card.json()["max_model_len"] == 256
+    refused = complete(routed, key, "hard one", model="to-cramped", max_tokens=300)
+    assert refused.status_code == 400
+    assert "maximum context length is 256 tokens" in refused.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("max_tokens", [300, 2**31 - 1, 2**63 - 1])
