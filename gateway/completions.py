@@ -120,9 +120,10 @@ class TextOffsets:
     """Where each token of a choice starts in its text, counted token after token, so that a
     stream's chunks give the offsets of the whole reply.
 
-    A token's text is its bytes (text_codec.name_bytes of its name) read as UTF-8. A token that
-    continues a character begun before it starts where that character does; bytes that never
-    form a character read as one U+FFFD, as the engine's text shows them.
+    A token's text is its bytes (text_codec.name_bytes of its name) read as UTF-8, bytes that
+    never form a character reading as U+FFFD, one for each maximal run that could have begun one,
+    as the engine's text shows them. A token starts at the character its first byte belongs to:
+    one that continues a character begun before it starts where that character does.
 
     A special token adds nothing (the engine's text leaves it out) except in an echoed prompt,
     whose text spells it (see _prompt_offsets).
@@ -131,34 +132,37 @@ class TextOffsets:
     def __init__(self, engine: EngineClient, start: int = 0, *, in_prompt: bool = False):
         self._token_bytes = (lambda t: name_bytes(engine.token_text(t))) if in_prompt \
             else engine.text_bytes
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.num_chars = start  # the text so far, without the bytes of a character begun
+        self._begun = b""  # the bytes of a character begun, which the next bytes may finish
 
     def advance(self, token_ids: Iterable[int]) -> list[int]:
         """The offsets of the next tokens."""
         offsets = []
         for token_id in token_ids:
             data = self._token_bytes(token_id)
-            offsets.append(self.num_chars + self._is_broken_by(data))
-            self.num_chars += len(self._decoder.decode(data))
+            # The last character these read as holds the token's first byte; any before it are
+            # the begun bytes, broken by that byte.
+            head = (self._begun + data[:1]).decode(errors="replace")
+            offsets.append(self.num_chars + (len(head) - 1 if head else 0))
+            text, self._begun = _decode_to_begun(self._begun + data)
+            self.num_chars += len(text)
         return offsets
 
     @property
     def num_chars_at_end(self) -> int:
         """The text's length were it to end here (a character begun shows as one U+FFFD)."""
-        return self.num_chars + bool(self._decoder.getstate()[0])
+        return self.num_chars + bool(self._begun)
 
-    def _is_broken_by(self, data: bytes) -> bool:
-        """Whether `data` cannot continue the character begun: that one shows as one U+FFFD
-        before the token's text."""
-        begun = self._decoder.getstate()[0]
-        if not begun or not data:
-            return False
-        try:
-            codecs.getincrementaldecoder("utf-8")().decode(begun + data[:1])
-        except UnicodeDecodeError:
-            return True
-        return False
+
+def _decode_to_begun(data: bytes) -> tuple[str, bytes]:
+    """`data` read as UTF-8 up to a character begun at its end, and the bytes of that character
+    (which later bytes may finish)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text, begun = decoder.decode(data), decoder.getstate()[0]
+    # NOTE: CPython's decoder also holds back 0xED 0xA0..0xBF (a UTF-16 surrogate's start), which
+    # no byte can finish: those are two U+FFFD already.
+    broken = begun.decode(errors="replace")
+    return (text + broken, b"") if len(broken) > 1 else (text, begun)
 
 
 def _text_offsets(call: Call, echo: Echo | None, prompt_index: int) -> TextOffsets:

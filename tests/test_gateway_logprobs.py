@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,6 +165,30 @@ def test_text_offsets_count_characters_across_tokens_and_chunks():
     assert counter.num_chars == 4 + len(bytes(ids).decode(errors="replace"))
 
 
+# Bytes that begin, continue or break characters (0xED 0xA0..0xBF would begin a UTF-16
+# surrogate, which no byte finishes), and plain ASCII.
+BYTES_OF_NOTE = [0x41, 0x09, 0x80, 0x9F, 0xA0, 0xB2, 0xBF, 0xC0, 0xC3, 0xE0, 0xE2, 0xED, 0xEF,
+                 0xF0, 0xF4, 0xF5, 0xFF]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_text_offsets_index_the_text_the_tokenizer_reads_for_any_bytes(seed):
+    """Each token starts at the character of the text its first byte belongs to, however the
+    text's broken characters read, and a stream's chunks count alike."""
+    codec = TextCodec(build_byte_tokenizer())
+    rng = random.Random(seed)
+    ids = [rng.choice(BYTES_OF_NOTE) if rng.random() < 0.8 else rng.randrange(256)
+           for _ in range(60)]
+    text = codec.detokenize(ids)  # what the engine's text shows
+    counter = TextOffsets(codec)
+    cuts = sorted(rng.sample(range(1, len(ids)), 5))
+    offsets = [o for a, b in zip([0, *cuts], [*cuts, len(ids)]) for o in counter.advance(ids[a:b])]
+    for k, offset in enumerate(offsets):
+        upto = codec.detokenize(ids[:k + 1])  # its last character holds byte k
+        assert (offset, text[:offset]) == (len(upto) - 1, upto[:-1]), (k, bytes(ids).hex())
+    assert counter.num_chars_at_end == len(text)
+
+
 # Chat: bytes.
 
 def test_chat_bytes_are_each_token_s_own_and_join_into_the_reply(client, server, key):
@@ -252,6 +277,11 @@ def test_echoed_offsets_count_from_the_prompt_text_not_its_special_tokens(client
                                        logprobs=0).choices[0]
     assert choice.text == "<s>\ufffdA\ufffdB"
     assert choice.logprobs.text_offset == [0, 3, 4, 5, 6]
+    # 0xED 0xB2 never begins a character: two U+FFFD, each byte's own.
+    choice = client.completions.create(model=DEMO_MODEL, prompt=[72, 0xED, 0xB2, 9, 65],
+                                       max_tokens=0, echo=True, logprobs=0).choices[0]
+    assert choice.text == "H\ufffd\ufffd\tA"
+    assert choice.logprobs.text_offset == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("echo", [False, True])
