@@ -12,9 +12,9 @@ from gateway.auth import authenticate_tenant
 from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
-from gateway.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion,
-                              ChatCompletionChunk, ChatCompletionRequest, ChatLogprobs, ChatMessage,
-                              ChatTokenLogprob, Delta, TopLogprob)
+from gateway.protocol import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
+                              ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                              ChatLogprobs, ChatMessage, ChatTokenLogprob, Delta, TopLogprob)
 from gateway.serving import (Call, decode_body, refuse_unsupported, resolve_target, respond,
                              sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
@@ -72,6 +72,9 @@ def _chat_text(turns: list[dict[str, str]], engine: EngineClient) -> tuple[str, 
 
 def _turn(message: ChatMessage, index: int) -> dict[str, str]:
     """A message as engines read it: its role, its text, and its author's name if it has one."""
+    if message.role not in CHAT_ROLES:
+        raise invalid_request(f"messages[{index}] has the role {message.role!r}; a message's role "
+                              f"is one of {', '.join(CHAT_ROLES)}", param=f"messages[{index}].role")
     turn = {"role": message.role, "content": _text(message, index)}
     if message.name:
         turn["name"] = message.name
@@ -91,10 +94,14 @@ def _text(message: ChatMessage, index: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     parts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(message.content):
+        if part.type != "text":
             raise invalid_request(f"messages[{index}] has a content part of type {part.type!r}; "
                                   "only text parts are supported", param=f"messages[{index}].content")
+        if part.text is None:
+            raise invalid_request(f"messages[{index}].content[{j}] is a text part with no 'text'; "
+                                  "add its text, or leave the part out",
+                                  param=f"messages[{index}].content[{j}].text")
         parts.append(part.text)
     return "".join(parts)
 

@@ -72,10 +72,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: LogitBiases | None = None
     """Token id (a decimal string, as JSON keys are) -> bias added to its logit."""
 
-    def unsupported_field(self) -> str | None:
-        """The first OpenAI field set to something this gateway cannot honour, if any: better a
-        400 than a reply that silently ignored it. The shared sampling fields are all honoured;
-        each endpoint's body adds its own."""
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first OpenAI field set to something this gateway cannot honour,
+        if any: better a 400 than a reply that silently ignored it. The shared sampling fields are
+        all honoured; each endpoint's body adds its own."""
         return None
 
     def conflict(self) -> tuple[str, str] | None:
@@ -83,6 +83,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
+
+
+def _unsupported(field: str) -> tuple[str, str]:
+    """(field, why) for a field this server does not support."""
+    return field, f"'{field}' is not supported by this server; leave it out"
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -96,9 +101,9 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: NumChoices | None = None
 
-    def unsupported_field(self) -> str | None:
+    def unsupported_field(self) -> tuple[str, str] | None:
         if self.suffix or (self.best_of or 1) > (self.n or 1):
-            return "suffix" if self.suffix else "best_of"
+            return _unsupported("suffix" if self.suffix else "best_of")
         return super().unsupported_field()
 
     def conflict(self) -> tuple[str, str] | None:
@@ -112,10 +117,27 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # the roles a chat's messages may have
+_TOOL_ROLES = ("tool", "function")  # the results of tool and function calls
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # A chat with tool or function calls (which this server never makes), refused rather than
+    # read without them: an assistant turn's calls, and the id of the call a result answers.
+    tool_calls: list[dict] | None = None
+    function_call: dict | None = None
+    tool_call_id: str | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The field that holds a tool or function call, or its result, if any ("role" for a
+        message of a call's result)."""
+        for name in ("tool_calls", "function_call", "tool_call_id"):
+            if getattr(self, name):
+                return name
+        return "role" if self.role in _TOOL_ROLES else None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -134,18 +156,24 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     modalities: list[str] | None = None
     audio: dict | None = None
 
-    def unsupported_field(self) -> str | None:
+    def unsupported_field(self) -> tuple[str, str] | None:
         for name in ("tools", "functions", "audio"):
             if getattr(self, name):
-                return name
+                return _unsupported(name)
         if self.function_call not in (None, "none"):
-            return "function_call"
+            return _unsupported("function_call")
         if self.tool_choice not in (None, "none"):  # no tools are ever called
-            return "tool_choice"
+            return _unsupported("tool_choice")
         if any(modality != "text" for modality in self.modalities or ()):
-            return "modalities"
+            return _unsupported("modalities")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
+            return _unsupported("response_format")
+        for i, message in enumerate(self.messages):
+            if (name := message.unsupported_field()) is not None:
+                held = f"the role {message.role!r}" if name == "role" else f"'{name}'"
+                return (f"messages[{i}].{name}",
+                        f"messages[{i}] has {held}, but this server calls no tools or functions, "
+                        "so a chat cannot hold their calls or results; leave them out")
         return super().unsupported_field()
 
 

@@ -55,10 +55,8 @@ def refuse_unsupported(body: SamplingFields, target: Target) -> None:
     """400 for a known OpenAI field set to something this server cannot honour, and for fields
     that name token ids (stop_token_ids, logit_bias) on a route whose models read text with
     different tokenizers: there an id means a different token to each model."""
-    unsupported = body.unsupported_field()
-    if unsupported is not None:
-        raise invalid_request(f"'{unsupported}' is not supported by this server; leave it out",
-                              param=unsupported, code="unsupported_parameter")
+    if (unsupported := body.unsupported_field()) is not None:
+        raise invalid_request(unsupported[1], param=unsupported[0], code="unsupported_parameter")
     if (conflict := body.conflict()) is not None:
         raise invalid_request(conflict[1], param=conflict[0])
     for name in ("stop_token_ids", "logit_bias"):

@@ -145,6 +145,40 @@ def test_chat_fields_this_server_cannot_honour_are_refused(client, extra, param)
     assert fine.choices[0].finish_reason in ("stop", "length")
 
 
+TOOL_CALL = {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize("turns, param", [
+    ([{"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "18C"}], "messages[2].tool_calls"),
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "18C"}], "messages[2].tool_call_id"),
+    ([{"role": "tool", "content": "18C"}], "messages[2].role"),
+    ([{"role": "assistant", "content": None, "function_call": TOOL_CALL["function"]}],
+     "messages[2].function_call"),
+    ([{"role": "function", "name": "get_weather", "content": "18C"}], "messages[2].role"),
+])
+def test_tool_calls_and_their_results_in_messages_are_refused(client, turns, param):
+    """Tool and function calls are never made here: a chat that holds them is refused, as the
+    `tools` that would make them are, never answered as if they were not there."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES + turns, max_tokens=1)
+    error = raised.value.body
+    assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    assert "calls no tools or functions" in error["message"]
+
+
+def test_messages_as_openai_clients_send_them_back_are_answered(client):
+    """An assistant turn as the SDK returns it (its unused fields null, no tool calls) is fine."""
+    reply = {"role": "assistant", "content": "hi", "tool_calls": None, "function_call": None,
+             "refusal": None, "audio": None}
+    chat = client.chat.completions.create(
+        model=DEMO_MODEL, max_tokens=1,
+        messages=[*MESSAGES, reply, {"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": "again", "tool_calls": []}])
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
 def test_n_choices_with_seeds_are_reproducible(client):
     kwargs = dict(model=DEMO_MODEL, prompt=PROMPT, max_tokens=6, n=3, seed=7, temperature=1.0,
                   extra_body={"ignore_eos": True})
@@ -455,6 +489,16 @@ def test_chat_errors_name_the_field(client):
         client.chat.completions.create(model=DEMO_MODEL, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     assert raised.value.body["param"] == "messages[0].content"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text"}]}])
+    assert raised.value.body["param"] == "messages[0].content[1].text"
+    assert "a text part with no 'text'" in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=[
+            *MESSAGES, {"role": "wizard", "content": "hi"}])
+    assert raised.value.body["param"] == "messages[2].role"
+    assert "one of system, developer, user, assistant" in raised.value.body["message"]
 
 
 def test_malformed_json_is_a_bad_request(server, key):
