@@ -97,9 +97,10 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
 async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
                             request_id: str, tenant: str | None,
                             guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
-    """Run the one prompt of `ask` on the first of `tiers`, unless its engine fails or refuses
-    before the first token: then on the next (a learned route's other tier). Tiers that failed go
-    into `attempts`, unjudged; the one that answers does not."""
+    """Run the one prompt of `ask` on the first of `tiers` (those whose context can hold it),
+    unless its engine fails or refuses before the first token: then on the next (a learned
+    route's other tier). Tiers that failed go into `attempts`, unjudged; the one that answers
+    does not."""
     for step, tier in enumerate(tiers):
         [(prompt, options)] = ask.read(tier)
         stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
@@ -131,12 +132,10 @@ async def _first_chunks(tier: Tier, stream: AsyncIterator[GenerationChunk], num_
 
 
 def _fitting_steps(tiers: list[Tier], ask: Ask) -> list[tuple[int, Tier]]:
-    """The route's steps whose tier can hold the prompt and its answer in its context; the last
-    step alone when none can (its engine's refusal then says why)."""
-    steps = [(step, tier) for step, tier in enumerate(tiers)
-             if all(len(prompt) + options.max_tokens <= tier.engine.max_model_len
-                    for prompt, options in ask.read(tier))]
-    return steps or [(len(tiers) - 1, tiers[-1])]
+    """The route's steps whose tier can hold the prompt and its answer in its context.
+
+    NOTE: never none: a call that no tier can hold is refused before it runs (serving)."""
+    return [(step, tier) for step, tier in enumerate(tiers) if ask.fits(tier)]
 
 
 async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | None,

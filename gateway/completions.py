@@ -14,8 +14,8 @@ from gateway.auth import authenticate_tenant
 from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
-from gateway.protocol import (MAX_CHOICES_PER_CALL, MAX_PROMPTS, Completion, CompletionChoice,
-                              CompletionLogprobs, CompletionRequest)
+from gateway.protocol import (MAX_CHOICES_PER_CALL, MAX_PROMPT_LIST_CHARS, MAX_PROMPTS, Completion,
+                              CompletionChoice, CompletionLogprobs, CompletionRequest)
 from gateway.serving import (Call, Target, decode_body, refuse_token_ids, refuse_unsupported,
                              resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
@@ -194,12 +194,23 @@ def _prompts(target: Target, prompt: str | list) -> list[Prompt]:
         raise invalid_request(f"prompt is a list of {len(prompt)} prompts; one call takes at most "
                               f"{MAX_PROMPTS}: send the others in further calls", param="prompt")
     if all(isinstance(p, str) for p in prompt):
+        _refuse_too_much_text(prompt)
         return [Prompt.of_text(p) for p in prompt]
     if not all(isinstance(p, list) and p for p in prompt):
         raise invalid_request("prompt must be a string, a list of strings, a list of token ids "
                               "or a list of non-empty lists of token ids", param="prompt")
     refuse_token_ids(target, "prompt", "send the prompt as text")
     return [Prompt(token_ids=p) for p in prompt]
+
+
+def _refuse_too_much_text(prompts: list[str]) -> None:
+    """400 for a list of text prompts with more characters in all than the gateway tokenizes
+    for one call."""
+    num_chars = sum(map(len, prompts))
+    if len(prompts) > 1 and num_chars > MAX_PROMPT_LIST_CHARS:
+        raise invalid_request(f"the {len(prompts)} prompts hold {num_chars} characters in all; a "
+                              f"list of prompts holds at most {MAX_PROMPT_LIST_CHARS}: split it "
+                              "over several calls", param="prompt")
 
 
 def _refuse_too_many_choices(num_prompts: int, n: int) -> None:

@@ -153,6 +153,12 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class ContextExceeded(RequestRejected):
+    """The call cannot fit the model's context: its prompt alone (`param` "prompt"), or with its
+    answer's max_tokens ("max_tokens"). A model with a longer context may hold it, so a route
+    runs the call on its tiers that can."""
+
+
 class AdapterRejected(RequestRejected):
     """An adapter the engine cannot serve: the message says what is wrong with it."""
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, GenerationChunk,
-                                   RequestRejected, SamplingOptions, TokenLogprob)
+from gateway.engine_client import (AdapterRef, ContextExceeded, EngineClient, EngineFailure,
+                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
 from gateway.metrics import LatencyMetrics
 
 _TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
@@ -85,17 +85,12 @@ class Tier:
 Reading = tuple[list[int], SamplingOptions]  # a prompt as one tier reads it, and its answer's options
 
 
-class ContextExceeded(RequestRejected):
-    """A prompt and its answer's max_tokens do not fit a tier's context; `param` is the request
-    field to lower (as the client named it)."""
-
-
 @dataclass(frozen=True)
 class Ask:
     """What one call asks of the tier that runs it: answers to `prompts`, sampled with `options`.
 
-    A prompt and its answer that cannot fit a tier's context are refused there (ContextExceeded,
-    as an engine refuses a request), so a cascade escalates past that tier.
+    A prompt, or a prompt and its answer, that cannot fit a tier's context is refused as the
+    tier reads it (ContextExceeded), so a route runs the call on its tiers that can hold it.
     """
 
     prompts: list[Prompt]
@@ -107,14 +102,13 @@ class Ask:
 
     def param_of(self, error: RequestRejected) -> str | None:
         """The request field, as the client named it, that `error` is about."""
-        if isinstance(error, ContextExceeded):
-            return error.param
         return {"prompt": self.prompt_param,
                 "max_tokens": self.max_tokens_param}.get(error.param, error.param)
 
     def read(self, tier: Tier) -> list[Reading]:
-        """Each prompt as `tier` reads it, with the options of its answer there; RequestRejected
-        if the tier cannot read one."""
+        """Each prompt as `tier` reads it, with the options of its answer there. RequestRejected
+        if the tier cannot read one; ContextExceeded as soon as one cannot fit its context,
+        before the prompts after it are tokenized (a call's other prompts cannot save it)."""
         readings = []
         for prompt in self.prompts:
             token_ids = prompt.tokens(tier.engine)
@@ -122,31 +116,43 @@ class Ask:
             if max_tokens is None:
                 max_tokens = max(1, tier.engine.max_model_len - len(token_ids))
                 max_tokens = min(max_tokens, self.implicit_max_tokens or max_tokens)
+            self._check_context(tier.engine.max_model_len, len(token_ids), max_tokens)
             readings.append((token_ids, msgspec.structs.replace(self.options,
                                                                 max_tokens=max_tokens)))
         return readings
 
-    def context_error(self, tier: Tier, prompt: list[int], options: SamplingOptions
-                      ) -> ContextExceeded | None:
-        """Why one answer (a reading of `read`) cannot fit `tier`'s context, if it cannot.
+    def fits(self, tier: Tier) -> bool:
+        """Whether `tier`'s context can hold every prompt and its answer (`read` raises no
+        ContextExceeded); cheap once `read` has run, as prompts keep their tokens."""
+        try:
+            self.read(tier)
+        except ContextExceeded:
+            return False
+        return True
 
-        NOTE: a prompt that alone fills the context is the engine's to refuse (its message says so)."""
-        max_model_len, num_tokens = tier.engine.max_model_len, len(prompt) + options.max_tokens
-        if len(prompt) < max_model_len < num_tokens:
-            return ContextExceeded(
+    def _check_context(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ContextExceeded if a prompt of `num_prompt_tokens` and an answer of `max_tokens` cannot
+        fit a context of `max_model_len` tokens.
+
+        NOTE: a context of 0 is not known yet (no engine worker of the model has registered): the
+        call gets a 503 instead (serving._ensure_some_tier_available)."""
+        if max_model_len == 0:
+            return
+        if num_prompt_tokens >= max_model_len:  # as the engine words it (LLMEngine.add_request)
+            raise ContextExceeded(f"the prompt has {num_prompt_tokens} tokens but this model "
+                                  f"accepts at most {max_model_len - 1}; shorten the prompt",
+                                  "prompt")
+        num_tokens = num_prompt_tokens + max_tokens
+        if num_tokens > max_model_len:
+            raise ContextExceeded(
                 f"this model's maximum context length is {max_model_len} tokens, but you asked "
-                f"for {num_tokens} ({len(prompt)} in the prompt, {options.max_tokens} for the "
-                f"output); lower {self.max_tokens_param} or shorten the prompt",
-                self.max_tokens_param)
-        return None
+                f"for {num_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+                f"output); lower {self.max_tokens_param} or shorten the prompt", "max_tokens")
 
     async def generate(self, tier: Tier, prompt: list[int], options: SamplingOptions, *,
                        request_id: str, tenant: str | None) -> AsyncIterator[GenerationChunk]:
         """The stream of one answer on `tier` (a reading of `read`); like the engine's own, its
         first iteration raises RequestRejected if the request cannot run there."""
-        error = self.context_error(tier, prompt, options)
-        if error is not None:
-            raise error
         async with contextlib.aclosing(tier.engine.generate(
                 prompt, options, request_id=request_id, tenant=tenant,
                 adapter=tier.adapter)) as stream:  # closing it aborts the engine request

@@ -28,6 +28,11 @@ NumChoices = Annotated[int, Meta(ge=1, le=128)]
 # that one call cannot hold the engine (and the gateway's memory) that every tenant shares.
 MAX_PROMPTS = 2048  # prompts in one completions call, as OpenAI allows
 MAX_CHOICES_PER_CALL = 2048  # prompts x n
+# The gateway tokenizes a call's prompts before it admits the call, in threads that every
+# tenant's calls share: a list of prompts is bounded in all (about a million tokens, seconds of
+# tokenizing), so that one call cannot hold them for minutes. One prompt alone is bounded by its
+# model's context (gateway/text_codec.py).
+MAX_PROMPT_LIST_CHARS = 2**22
 Penalty = Annotated[float, Meta(ge=0.01, le=100)]  # wider ones make float32 logits overflow
 OpenAIPenalty = Annotated[float, Meta(ge=-2, le=2)]
 LogitBias = Annotated[float, Meta(ge=-100, le=100)]

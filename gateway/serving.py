@@ -23,8 +23,8 @@ from starlette.responses import Response
 
 from gateway.admission import Admission, admit
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
-from gateway.engine_client import (AdapterRef, EngineClient, EngineFailure, EngineUnavailable,
-                                   RequestRejected, SamplingOptions)
+from gateway.engine_client import (AdapterRef, ContextExceeded, EngineClient, EngineFailure,
+                                   EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
 from gateway.generation import Ask, Generation, Reading, Tier, tokenizer_key
@@ -307,7 +307,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     try:
         # NOTE: in a thread: tokenizing a long prompt takes seconds, which the event loop must not
         # wait out (the tokenizer releases the GIL); later reads find the tokens cached.
-        readings = await asyncio.to_thread(lambda: [ask.read(tier) for tier in target.tiers])
+        readings = await asyncio.to_thread(_read_tiers, ask, target.tiers)
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.param_of(error) or ask.prompt_param) from None
     await _ensure_some_tier_available(target)
@@ -315,7 +315,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         limits = await _call_limits(state, tenant)
         if limits is not None:
             ask, readings = _fit_to_limits(state, target, ask, readings, n, *limits)
-    admission = await admit(state.require_store(), tenant, *_hold(state, target, ask, readings, n))
+    admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n))
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:
@@ -327,16 +327,17 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
         elif isinstance(target.route, LearnedRoute):
-            first = target.tiers[0]
+            fitting = [t for t, reading in zip(target.tiers, readings) if reading is not None]
             text = prompt_text if prompt_text is not None else \
-                first.engine.detokenize(ask.prompts[0].tokens(first.engine))
+                fitting[0].engine.detokenize(ask.prompts[0].tokens(fitting[0].engine))
             decision = state.learned.decide(target.route, tenant, text)
             picked, other = target.tiers[decision.tier], target.tiers[1 - decision.tier]
             attempts.append(Attempt(picked.model, decision.score, decision.threshold, 0, 0))
-            # The other tier answers if the picked one fails before its first token.
+            # The other tier answers if the picked one cannot hold the call, or fails before its
+            # first token.
             outcome = await run_with_fallback(
-                [picked, other], ask, attempts, request_id=call_id, tenant=tenant.incarnation,
-                guard=functools.partial(_unless_disconnected, request))
+                [t for t in (picked, other) if t in fitting], ask, attempts, request_id=call_id,
+                tenant=tenant.incarnation, guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
         else:
@@ -381,27 +382,38 @@ async def _ensure_some_tier_available(target: Target) -> None:
     raise engine_failed(refusal)
 
 
-def _hold(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],
+def _read_tiers(ask: Ask, tiers: tuple[Tier, ...]) -> list[list[Reading] | None]:
+    """Each tier's reading of the call (Ask.read), None for a tier whose context cannot hold it
+    (a route runs the call on its other tiers). Raises RequestRejected if a tier cannot read the
+    prompts, and the roomiest tier's ContextExceeded if no tier can hold them."""
+    readings: list[list[Reading] | None] = []
+    refusals: list[tuple[int, ContextExceeded]] = []
+    for tier in tiers:
+        try:
+            readings.append(ask.read(tier))
+        except ContextExceeded as error:
+            readings.append(None)
+            refusals.append((tier.engine.max_model_len, error))
+    if refusals and all(reading is None for reading in readings):
+        # The roomiest tier's refusal: the call must shrink to fit that one.
+        raise max(refusals, key=lambda entry: entry[0])[1]
+    return readings
+
+
+def _hold(state: GatewayState, target: Target, readings: list[list[Reading] | None],
           n: int) -> tuple[int, float]:
     """The tokens and spend to hold before a call runs: the most its tiers may use, each in its
     own tokens and at its own price.
 
-    A tier whose context cannot fit the call never runs it (a cascade escalates past it), so it
-    holds nothing, and when no tier fits, the call is a 400 before anything is held. A cascade may
-    run, and bill, every tier: it holds their sum. A model, or a learned route, runs one tier: the
-    dearest one's.
+    A tier whose context cannot hold the call (its reading None) never runs it, so it holds
+    nothing. A cascade may run, and bill, every other tier: it holds their sum. A model, or a
+    learned route, runs one tier: the dearest one's.
     """
-    holds, refusals = [], []
+    holds = []
     for tier, reading in zip(target.tiers, readings):
-        error = next(filter(None, (ask.context_error(tier, p, o) for p, o in reading)), None)
-        if error is None:
+        if reading is not None:
             tokens = _estimate(reading, n)
             holds.append((sum(tokens), state.price_of(tier.model).cost(*tokens)))
-        else:
-            refusals.append((tier.engine.max_model_len, error))
-    if not holds:  # the roomiest tier's refusal: the call must shrink to fit that one
-        _, refusal = max(refusals, key=lambda entry: entry[0])
-        raise invalid_request(str(refusal), param=refusal.param)
     tokens, spend = zip(*holds)
     if isinstance(target.route, CascadeRoute):
         return sum(tokens), sum(spend)
@@ -419,26 +431,25 @@ async def _call_limits(state: GatewayState, tenant: Tenant) -> tuple[float, floa
     return None if tokens == spend == math.inf else (tokens, spend)
 
 
-def _fit_to_limits(state: GatewayState, target: Target, ask: Ask, readings: list[list[Reading]],
-                   n: int, tokens: float, spend_usd: float) -> tuple[Ask, list[list[Reading]]]:
+def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
+                   readings: list[list[Reading] | None], n: int, tokens: float, spend_usd: float
+                   ) -> tuple[Ask, list[list[Reading] | None]]:
     """A call that left max_tokens out, with its answers shortened so that what it holds fits
     `tokens` and `spend_usd` (the tenant's tpm and what its monthly budgets have left; they end
     with finish_reason "length"), rather than refused for holding the rest of the context.
     Unchanged when it fits already; when it cannot fit at all, the least call (one token per
     answer), so that admission says what the tenant lacks (its budget is used up), rather than
     that the rest of the context is more than it may ever hold."""
-    def capped(cap: int) -> list[list[Reading]]:
-        return [[(p, msgspec.structs.replace(o, max_tokens=min(o.max_tokens, cap))) for p, o in reading]
+    def capped(cap: int) -> list[list[Reading] | None]:
+        return [None if reading is None else
+                [(p, msgspec.structs.replace(o, max_tokens=min(o.max_tokens, cap))) for p, o in reading]
                 for reading in readings]
 
     def fits(cap: int) -> bool:
-        try:
-            held_tokens, held_spend = _hold(state, target, ask, capped(cap), n)
-        except ApiError:  # no tier fits the context: not the limits' to settle
-            return False
+        held_tokens, held_spend = _hold(state, target, capped(cap), n)
         return held_tokens <= tokens and held_spend <= spend_usd
 
-    longest = max(o.max_tokens for reading in readings for _, o in reading)
+    longest = max(o.max_tokens for reading in readings if reading for _, o in reading)
     if fits(longest):
         return ask, readings
     if not fits(1):

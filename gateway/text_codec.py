@@ -12,7 +12,7 @@ import functools
 import re
 from typing import Any
 
-from gateway.engine_client import RequestRejected
+from gateway.engine_client import ContextExceeded, RequestRejected
 
 _BYTES_PREFIX = "bytes:"
 _ESCAPED_BYTES = re.compile(r"(?:\\x[0-9a-fA-F]{2})+")
@@ -70,9 +70,9 @@ class TextCodec:
         # "A") is refused before the seconds that tokenizing megabytes takes.
         max_bytes = _MAX_NORMALIZATION_SHRINK * self.max_token_bytes * self.max_model_len
         if 0 < max_bytes < len(text) or 0 < max_bytes < len(text.encode()):  # 0: no worker yet
-            raise RequestRejected(
+            raise ContextExceeded(
                 f"the prompt is {len(text)} characters long, more than this model's context of "
-                f"{self.max_model_len} tokens can hold; shorten the prompt")
+                f"{self.max_model_len} tokens can hold; shorten the prompt", "prompt")
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @functools.cached_property

@@ -1,5 +1,6 @@
 """The OpenAI API through the official `openai` client against a real server and engine."""
 
+import re
 import time
 
 import httpx
@@ -438,7 +439,7 @@ def test_the_most_stop_conditions_allowed_are_honoured(client, offline):
     assert (choice.text, choice.finish_reason) == (full[:full.index(stop)], "stop")
 
 
-def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
+def test_a_prompt_longer_than_the_context_is_refused_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=DEMO_MODEL, prompt="x" * 2100, max_tokens=1)
     assert "shorten the prompt" in raised.value.body["message"]
@@ -452,6 +453,41 @@ def test_a_prompt_longer_than_the_context_is_refused_by_the_engine(client):
         client.completions.create(model=DEMO_MODEL, prompt=[5, 99999], max_tokens=1)
     assert "outside the vocabulary" in raised.value.body["message"]
     assert raised.value.body["param"] == "prompt"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_anything_is_held(server, demo_engine):
+    """As the engine words it, even for a tenant whose tpm could never hold the prompt: the
+    context is what to fix. The prompts after it are never tokenized (see
+    test_gateway_generation.py), and the call is not admitted."""
+    name = "context-tests"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.new_tenant(name, tpm=1000),
+                           max_retries=0)
+    too_long = "x" * 30_000
+    expected = (r"the prompt has 300\d\d tokens but this model accepts at most "
+                f"{demo_engine.max_model_len - 1}; shorten the prompt")
+    calls = [(lambda: client.completions.create(model=DEMO_MODEL, prompt=too_long, max_tokens=1),
+              "prompt"),
+             (lambda: client.completions.create(model=DEMO_MODEL, prompt=["hi", too_long] * 50,
+                                                max_tokens=1), "prompt"),
+             (lambda: client.chat.completions.create(
+                 model=DEMO_MODEL, messages=[{"role": "user", "content": too_long}]), "messages")]
+    for create, param in calls:
+        with pytest.raises(openai.BadRequestError) as raised:
+            create()
+        body = raised.value.body
+        assert body["param"] == param and re.fullmatch(expected, body["message"]), body
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["reserved_tokens"], usage["tokens_in"], usage["requests"]) == (0, 0, 0)
+
+
+def test_a_list_of_prompts_is_bounded_in_characters_before_any_is_tokenized(client):
+    prompts = ["x" * 30_000] * 150  # each short enough to be tokenized, were it alone
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=DEMO_MODEL, prompt=prompts, max_tokens=1)
+    body = raised.value.body
+    assert body["param"] == "prompt"
+    assert "the 150 prompts hold 4500000 characters in all" in body["message"]
+    assert "at most 4194304" in body["message"]
 
 
 def test_prompts_refused_beside_others_leave_the_engine_serving(client):

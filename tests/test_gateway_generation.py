@@ -1,12 +1,14 @@
-"""Generation: the engine requests of one call, merged; what it counts when a call ends early."""
+"""Generation: the engine requests of one call, merged; what it counts when a call ends early;
+and Ask, how a tier reads a call's prompts."""
 
 import asyncio
 
 import pytest
 
-from gateway.engine_client import GenerationChunk
-from gateway.generation import Generation
+from gateway.engine_client import GenerationChunk, RequestRejected, SamplingOptions
+from gateway.generation import Ask, Generation, Prompt, Tier
 from gateway.metrics import GatewayMetrics
+from tests.conftest import DEMO_MODEL
 
 
 pytestmark = pytest.mark.anyio
@@ -48,3 +50,23 @@ async def test_chunks_produced_but_never_read_are_still_counted_when_the_call_cl
     assert [c.text for c in generation.choices] == \
         ["".join(chr(t) for t in produced if t < 97), "".join(chr(t) for t in produced if t >= 97)]
     assert generation.choices[1].finish_reason == "length"  # its three tokens all came
+
+
+async def test_reading_stops_at_the_first_prompt_too_long_for_the_context(demo_engine):
+    """A prompt the model's context cannot hold is refused as the engine refuses it, as soon as
+    it is tokenized: the prompts after it are never read (a call of many over-long prompts
+    costs one prompt's tokenizing)."""
+    def never_read(engine):
+        raise AssertionError("a prompt after the one refused was read")
+
+    too_long = "x" * demo_engine.max_model_len  # <s> and a token a byte: one token too many
+    ask = Ask([Prompt.of_text("hi"), Prompt.of_text(too_long), Prompt(never_read)],
+              SamplingOptions(), max_tokens=1)
+    with pytest.raises(RequestRejected) as refused:
+        ask.read(Tier(DEMO_MODEL, demo_engine))
+    with pytest.raises(RequestRejected) as by_engine:
+        async for _ in demo_engine.generate(demo_engine.tokenize(too_long), SamplingOptions(),
+                                            request_id="too-long"):
+            pass
+    assert (str(refused.value), refused.value.param) == (str(by_engine.value), "prompt")
+    assert "shorten the prompt" in str(refused.value)

@@ -142,6 +142,8 @@ def routed(engines, router_dir, tmp_path_factory):
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
                   "thresholds": [math.log(0.5), math.log(0.5)]},
         "to-cramped": {"tiers": ["small", "cramped"], "measure": "min_prob", "threshold": 0.5},
+        "learned-cramped": {"kind": "learned", "tiers": ["cramped", "large"],
+                            "router": str(router_dir)},
     }, engines)
     with serve_gateway(engines, tmp_path_factory.mktemp("routed"), prices=PRICES, routes=routes,
                        default_route="auto") as server:
@@ -408,6 +410,32 @@ def test_a_call_that_cannot_fit_the_context_is_a_400_before_any_budget_is_held(r
             (400, "invalid_request_error", "max_tokens"), error
     usage = spend(routed, name)
     assert (usage["reserved_tokens"], usage["tokens_in"]) == (0, 0)
+
+
+def test_a_prompt_no_tier_can_hold_is_refused_before_anything_is_held(routed, engines):
+    name, key = new_tenant(routed, monthly_token_budget=1000)
+    started = {model: len(engine.started) for model, engine in engines.items()}
+    for model in ("small", "to-cramped", "learned-cramped"):
+        refused = complete(routed, key, "hard " * 60, model=model)  # 300 tokens
+        error = refused.json()["error"]
+        assert (refused.status_code, error["param"]) == (400, "prompt"), error
+        context = 24 if model == "learned-cramped" else 256  # the first tier's refusal
+        assert error["message"] == (f"the prompt has 300 tokens but this model accepts at most "
+                                    f"{context - 1}; shorten the prompt")
+    assert {model: len(engine.started) for model, engine in engines.items()} == started
+    usage = spend(routed, name)
+    assert (usage["reserved_tokens"], usage["tokens_in"]) == (0, 0)
+
+
+def test_a_learned_route_runs_a_prompt_its_pick_cannot_hold_on_its_other_tier(routed, engines):
+    _, key = new_tenant(routed)
+    before = len(engines["cramped"].started)
+    fits = complete(routed, key, "easy 1000", model="learned-cramped")
+    assert fits.json()["model"] == "cramped"  # its pick for easy prompts
+    longer = complete(routed, key, "easy 1000 " + "1" * 20, model="learned-cramped")
+    assert longer.status_code == 200, longer.text
+    assert (longer.json()["model"], longer.headers["x-switchboard-escalated"]) == ("large", "true")
+    assert len(engines["cramped"].started) == before + 1
 
 
 def test_routes_are_checked_at_startup(tmp_path):
