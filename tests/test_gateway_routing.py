@@ -419,9 +419,9 @@ def test_a_prompt_no_tier_can_hold_is_refused_before_anything_is_held(routed, en
         refused = complete(routed, key, "hard " * 60, model=model)  # 300 tokens
         error = refused.json()["error"]
         assert (refused.status_code, error["param"]) == (400, "prompt"), error
-        context = 24 if model == "learned-cramped" else 256  # the first tier's refusal
-        assert error["message"] == (f"the prompt has 300 tokens but this model accepts at most "
-                                    f"{context - 1}; shorten the prompt")
+        # The roomiest tier's refusal (256 tokens, for a learned route's second tier too)
+        assert error["message"] == ("the prompt has 300 tokens but this model accepts at most "
+                                    "255; shorten the prompt")
     assert {model: len(engine.started) for model, engine in engines.items()} == started
     usage = spend(routed, name)
     assert (usage["reserved_tokens"], usage["tokens_in"]) == (0, 0)
