@@ -26,6 +26,8 @@ class InstantEngine:
     """The EngineClient protocol with no model: byte-level tokens, and every request finishes at
     once with the first `max_tokens` bytes of a fixed text (one chunk, finish_reason "length")."""
 
+    counts_text_bytes = False
+
     def __init__(self, max_model_len: int = 4096):
         self._max_model_len = max_model_len
         self._num_prompt_tokens = 0

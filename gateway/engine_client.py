@@ -118,6 +118,12 @@ class EngineClient(Protocol):
     def supports_adapters(self) -> bool:
         """Whether this engine serves LoRA adapters (started with adapter slots)."""
 
+    @property
+    def counts_text_bytes(self) -> bool:
+        """Whether `tokenize` gives the text's bytes, not the model's tokens (an upstream, which
+        tokenizes on its side): several bytes make a token, so only the model can tell that a
+        prompt alone overflows its context."""
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         """Validate a PEFT adapter folder against this base model, reading all of it.
 

@@ -116,7 +116,7 @@ class Ask:
             if max_tokens is None:
                 max_tokens = max(1, tier.engine.max_model_len - len(token_ids))
                 max_tokens = min(max_tokens, self.implicit_max_tokens or max_tokens)
-            self._check_context(tier.engine.max_model_len, len(token_ids), max_tokens)
+            self._check_context(tier.engine, len(token_ids), max_tokens)
             readings.append((token_ids, msgspec.structs.replace(self.options,
                                                                 max_tokens=max_tokens)))
         return readings
@@ -130,13 +130,15 @@ class Ask:
             return False
         return True
 
-    def _check_context(self, max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
+    def _check_context(self, engine: EngineClient, num_prompt_tokens: int, max_tokens: int) -> None:
         """ContextExceeded if a prompt of `num_prompt_tokens` and an answer of `max_tokens` cannot
-        fit a context of `max_model_len` tokens.
+        fit `engine`'s context.
 
         NOTE: a context of 0 is not known yet (no engine worker of the model has registered): the
-        call gets a 503 instead (serving._ensure_some_tier_available)."""
-        if max_model_len == 0:
+        call gets a 503 instead (serving._ensure_some_tier_available). A prompt of more bytes than
+        an upstream's context may still fit its tokens: the upstream judges it."""
+        max_model_len = engine.max_model_len
+        if max_model_len == 0 or (engine.counts_text_bytes and num_prompt_tokens >= max_model_len):
             return
         if num_prompt_tokens >= max_model_len:  # as the engine words it (LLMEngine.add_request)
             raise ContextExceeded(f"the prompt has {num_prompt_tokens} tokens but this model "

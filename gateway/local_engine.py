@@ -44,6 +44,10 @@ class LocalEngineClient(TextCodec):
     def supports_adapters(self) -> bool:
         return self._engine.engine.config.lora is not None
 
+    @property
+    def counts_text_bytes(self) -> bool:
+        return False
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         engine = self._engine.engine
         if engine.config.lora is None:

@@ -191,6 +191,10 @@ class RemoteEngineClient(TextCodec):
     def supports_adapters(self) -> bool:
         return any(r.supports_adapters for r in self._records())
 
+    @property
+    def counts_text_bytes(self) -> bool:
+        return False
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         """The adapter checked by a worker of the model; one that cannot be reached is passed
         over for the next, as for a request."""

@@ -304,6 +304,10 @@ class UpstreamEngineClient:
     def supports_adapters(self) -> bool:
         return False
 
+    @property
+    def counts_text_bytes(self) -> bool:
+        return True
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("this model is served by an upstream server, which takes no "
                               "adapters from this gateway; upload the adapter for a local model")

@@ -180,6 +180,8 @@ class IdleEngineParts:
     """The EngineClient methods a scripted test engine has nothing to say in: idle stats, no-op
     close, and token texts where a token is the character of its id."""
 
+    counts_text_bytes = False
+
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 

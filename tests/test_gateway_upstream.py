@@ -797,6 +797,10 @@ def test_a_chat_without_max_tokens_fills_what_the_upstream_s_context_leaves(fron
     assert "max_tokens" not in hosted.requests[-1][1]  # the hosted API's default: the rest
     chat(server.url, key, model="hosted", messages=CHAT, max_tokens=5)
     assert hosted.requests[-1][1]["max_tokens"] == 5
+    # More bytes than its context (8192) holds tokens, fewer tokens: the upstream judges that.
+    long_chat = [{"role": "user", "content": "many words " * 1000}]
+    assert chat(server.url, key, model="hosted", messages=long_chat).status_code == 200
+    assert hosted.requests[-1][1]["messages"] == long_chat
 
 
 def test_an_answer_left_early_bills_its_prompt_at_the_upstream_s_tokens_per_byte(stalling, hosted):
