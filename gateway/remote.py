@@ -50,6 +50,7 @@ _CONNECT_TIMEOUT_S = 2.0
 STREAM_SILENCE_S = 6 * KEEPALIVE_S
 _STREAM_TIMEOUT = httpx.Timeout(STREAM_SILENCE_S, connect=_CONNECT_TIMEOUT_S)
 _MAX_PLACEMENTS = 3  # workers tried for one request before it fails
+_MAX_IDLE_CONNECTIONS = 20  # connections to workers kept open for reuse (as httpx by default)
 
 
 class WorkerPool:
@@ -76,8 +77,13 @@ class WorkerPool:
         self._inflight_at_beat: dict[str, int] = {}  # the same, when its last record was read
         self._down: dict[str, float] = {}  # worker id -> the beat_at it had when it failed
         self.internal_key = ""
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s,
-                                                            connect=_CONNECT_TIMEOUT_S))
+        # NOTE: no limit of its own on connections to workers (httpx's default is 100): each
+        # request holds its stream for its whole life, and workers queue what they cannot run
+        # yet. Past a limit, requests waited for another's stream to end, and those that waited
+        # too long took their worker for dead.
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout_s, connect=_CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
         self._polling: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -1,19 +1,28 @@
 """The gateway over the worker registry, in-process: a model whose only worker cannot be reached
-answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too."""
+answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too; over real
+workers (in-process, on the demo engine), a gateway streams from them past any connection limit
+of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import msgspec
 
-from gateway.engine_client import EngineStats
+from gateway.engine_client import AdapterRef, EngineStats, SamplingOptions
+from gateway.remote import RemoteEngineClient, WorkerPool
+from gateway.worker import Worker, create_worker_app
+from store.blobs import BlobStore
 from store.workers import WorkerRecord, WorkerRegistry
-from tests.conftest import serve_gateway
+from tests.conftest import DEMO_MODEL, run_server, serve_gateway
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 GHOST = "ghost"
+_HEARTBEAT_S = 0.1
 
 
 def _record(worker_id: str, load: int = 0, beat_at: float = 0.0, **fields) -> WorkerRecord:
@@ -49,6 +58,66 @@ class _Registry:
 
     async def workers(self) -> list[WorkerRecord]:
         return self.records
+
+
+class _Requests:
+    """An ASGI app that records each HTTP request's (method, path) as it arrives, then hands it to
+    `app`: what a worker was asked to do, seen from the worker's side."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.seen: list[tuple[str, str]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.seen.append((scope["method"], scope["path"]))
+        await self.app(scope, receive, send)
+
+
+@contextlib.contextmanager
+def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str) -> Iterator[_Requests]:
+    """A real worker of DEMO_MODEL over `engine`, registered in the Redis at `registry_url` and
+    serving on a loopback port until the block ends; yields the record of what it was asked."""
+    registry = WorkerRegistry.open(registry_url)
+    worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(folder),
+                    registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S, id=worker_id)
+    requests = _Requests(create_worker_app(worker))
+    with run_server(requests) as url:
+        worker.url = url  # NOTE: known once it serves; its next heartbeat publishes it
+
+        async def published() -> None:
+            reader = WorkerRegistry.open(registry_url)
+            try:
+                while not any(r.id == worker_id and r.url == url for r in await reader.workers()):
+                    await asyncio.sleep(_HEARTBEAT_S / 2)
+            finally:
+                await reader.close()
+
+        asyncio.run(asyncio.wait_for(published(), 10))
+        yield requests
+
+
+@contextlib.asynccontextmanager
+async def _gateway_pool(registry_url: str, folder: Path) -> AsyncIterator[WorkerPool]:
+    """A gateway's pool over the workers registered in the Redis at `registry_url`, read once (it
+    does not poll, so that each test decides when the gateway sees their heartbeats)."""
+    pool = WorkerPool(WorkerRegistry.open(registry_url), folder, lambda tokenizer_dir: None,
+                      lambda name, client: None)
+    await pool.refresh()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def _token_ids(client: RemoteEngineClient, request_id: str, max_tokens: int,
+                     adapter: AdapterRef | None = None) -> list[int]:
+    """The whole greedy answer to a fixed prompt, through `client`."""
+    options = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    tokens = []
+    async for chunk in client.generate([1, 2, 3], options, request_id=request_id, adapter=adapter):
+        tokens += chunk.token_ids
+    return tokens
 
 
 def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path):  # noqa: F811
@@ -200,3 +269,40 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
     asyncio.run(pool.refresh())  # it once kept the old template for good
     assert models[GHOST].render_chat(chat) == "NEW hi"
     asyncio.run(pool.http.aclose())
+
+
+def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    num_held = 100  # httpx's default limit on one client's connections
+    options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> tuple[list[int], list[str]]:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            started, release = asyncio.Semaphore(0), asyncio.Event()
+
+            async def held(i: int) -> None:
+                # A slow client: its first token read, the rest not yet; its stream stays open.
+                stream = client.generate([1, 2, 3], options, request_id=f"held-{i}")
+                try:
+                    await anext(stream)
+                    started.release()
+                    await release.wait()
+                finally:
+                    await stream.aclose()
+
+            holders = [asyncio.create_task(held(i)) for i in range(num_held)]
+            try:
+                for _ in range(num_held):
+                    await started.acquire()
+                # It once waited 12 s for a connection, took the worker for dead and failed.
+                async with asyncio.timeout(30):
+                    tokens = await _token_ids(client, "one-more", max_tokens=2)
+            finally:
+                release.set()
+                await asyncio.gather(*holders)
+            return tokens, [c.id for c in pool.candidates(DEMO_MODEL, set())]
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
+        tokens, up = asyncio.run(scenario())
+    assert len(tokens) == 2 and up == ["solo"]
