@@ -22,7 +22,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ class WorkerPool:
         self.slack = slack
         self.workers: dict[str, WorkerRecord] = {}
         self.clients: dict[str, RemoteEngineClient] = {}
-        self.inflight: dict[str, int] = {}  # this gateway's requests running on each worker
+        self.inflight: dict[str, int] = {}  # this gateway's requests placed on each worker
         self._inflight_at_beat: dict[str, int] = {}  # the same, when its last record was read
         self._down: dict[str, float] = {}  # worker id -> the beat_at it had when it failed
         self.internal_key = ""
@@ -154,6 +154,19 @@ class WorkerPool:
         """
         others = max(0, record.load - self._inflight_at_beat.get(record.id, 0))
         return others + self.inflight.get(record.id, 0)
+
+    @contextlib.contextmanager
+    def placed_on(self, worker_id: str) -> Iterator[None]:
+        """Count a request against the worker's load while the block runs.
+
+        NOTE: from the moment it is placed, not from its first token: queued on the worker, or
+        in prefill, it loads the worker already, and a burst placed meanwhile must see it.
+        """
+        self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1
+        try:
+            yield
+        finally:
+            self.inflight[worker_id] -= 1
 
     def mark_down(self, worker_id: str) -> None:
         """Pass over this worker until it heartbeats again."""
@@ -246,37 +259,36 @@ class RemoteEngineClient(TextCodec):
             model=self.model, prompt_token_ids=prompt_token_ids, options=options,
             request_id=request_id, tenant=tenant,
             adapter=None if adapter is None else adapter.digest))
-        first, lines, worker_id = await self._open(body, request_id, adapter)
-        pool = self._pool
-        pool.inflight[worker_id] = pool.inflight.get(worker_id, 0) + 1
-        try:
-            line = first
-            while True:
-                if line.error is not None:
-                    logger.warning("request %s: worker %s failed: %s", request_id, worker_id,
-                                   line.error)
-                    raise EngineFailure(f"worker {worker_id} failed: {line.error}")
-                yield line.chunk
-                if line.chunk.finished:
-                    return
-                line = await anext(lines)
-        except StopAsyncIteration:
-            logger.warning("request %s: worker %s ended its stream early", request_id, worker_id)
-            raise EngineFailure(f"worker {worker_id} ended the stream early") from None
-        except httpx.TransportError as error:
-            logger.warning("request %s: lost worker %s mid-answer (%s)", request_id, worker_id,
-                           _describe(error))
-            pool.mark_down(worker_id)
-            raise EngineFailure(f"lost worker {worker_id} mid-answer ({_describe(error)}); "
-                                "retry the request") from None
-        finally:
-            pool.inflight[worker_id] -= 1
-            await lines.aclose()  # closes the connection, so the worker aborts the request
+        async with self._started(body, request_id, adapter) as (first, lines, worker_id):
+            try:
+                line = first
+                while True:
+                    if line.error is not None:
+                        logger.warning("request %s: worker %s failed: %s", request_id, worker_id,
+                                       line.error)
+                        raise EngineFailure(f"worker {worker_id} failed: {line.error}")
+                    yield line.chunk
+                    if line.chunk.finished:
+                        return
+                    line = await anext(lines)
+            except StopAsyncIteration:
+                logger.warning("request %s: worker %s ended its stream early", request_id,
+                               worker_id)
+                raise EngineFailure(f"worker {worker_id} ended the stream early") from None
+            except httpx.TransportError as error:
+                logger.warning("request %s: lost worker %s mid-answer (%s)", request_id,
+                               worker_id, _describe(error))
+                self._pool.mark_down(worker_id)
+                raise EngineFailure(f"lost worker {worker_id} mid-answer ({_describe(error)}); "
+                                    "retry the request") from None
 
-    async def _open(self, body: bytes, request_id: str, adapter: AdapterRef | None
-                    ) -> tuple[StreamLine, AsyncIterator[StreamLine], str]:
+    @contextlib.asynccontextmanager
+    async def _started(self, body: bytes, request_id: str, adapter: AdapterRef | None
+                       ) -> AsyncIterator[tuple[StreamLine, AsyncIterator[StreamLine], str]]:
         """The first line and the rest of the stream of the first worker that starts the
-        request, and that worker's id."""
+        request, and that worker's id. The request counts against each worker's load from when
+        it is placed there until that worker is passed over, or the block ends (which closes the
+        stream, so that the worker aborts the request if it still runs)."""
         pool, tried = self._pool, set()
         digest = None if adapter is None else adapter.digest
         for _ in range(_MAX_PLACEMENTS):
@@ -285,20 +297,24 @@ class RemoteEngineClient(TextCodec):
                 break
             worker = pool.workers[place(candidates, digest or request_id, digest, pool.slack).id]
             tried.add(worker.id)
-            lines = _stream_lines(pool, worker, body, adapter)
-            try:
-                first = await anext(lines)
-            except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
-                # NOTE: the generator raised, so it is finished and its connection closed.
-                if not isinstance(error, _Retry) or error.down:
-                    pool.mark_down(worker.id)
-                logger.warning("request %s not started on worker %s (%s); placing it again",
-                               request_id, worker.id, _describe(error))
-                continue
-            if first.rejected is not None:
-                await lines.aclose()
-                raise RequestRejected(first.rejected.message, first.rejected.param)
-            return first, lines, worker.id
+            with pool.placed_on(worker.id):
+                lines = _stream_lines(pool, worker, body, adapter)
+                try:
+                    first = await anext(lines)
+                except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
+                    # NOTE: the generator raised, so it is finished and its connection closed.
+                    if not isinstance(error, _Retry) or error.down:
+                        pool.mark_down(worker.id)
+                    logger.warning("request %s not started on worker %s (%s); placing it again",
+                                   request_id, worker.id, _describe(error))
+                    continue
+                try:
+                    if first.rejected is not None:
+                        raise RequestRejected(first.rejected.message, first.rejected.param)
+                    yield first, lines, worker.id
+                finally:
+                    await lines.aclose()
+                return
         raise EngineUnavailable(self._no_worker())
 
     async def ensure_available(self) -> None:

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import pytest
 
-from gateway.engine_client import AdapterRef, EngineStats, SamplingOptions
+from gateway.engine_client import AdapterRef, EngineStats, RequestRejected, SamplingOptions
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
+from gateway.worker_api import GENERATE_PATH, GenerateBody
 from store.blobs import BlobStore
 from store.workers import WorkerRecord, WorkerRegistry
 from tests.conftest import DEMO_MODEL, run_server, serve_gateway
@@ -118,6 +120,28 @@ async def _token_ids(client: RemoteEngineClient, request_id: str, max_tokens: in
     async for chunk in client.generate([1, 2, 3], options, request_id=request_id, adapter=adapter):
         tokens += chunk.token_ids
     return tokens
+
+
+async def _load_in_registry(pool: WorkerPool, worker_id: str) -> int | None:
+    return next((r.load for r in await pool.registry.workers() if r.id == worker_id), None)
+
+
+def _counted(pool: WorkerPool) -> dict[str, int]:
+    """This gateway's calls counted against each worker's load now (workers with none left out)."""
+    return {worker_id: n for worker_id, n in pool.inflight.items() if n}
+
+
+@pytest.fixture(scope="module")
+def second_engine(demo_engine, demo_model_dir) -> Iterator:
+    """Another engine over the demo model (built, as demo_engine, with one intra-op thread), so
+    that two workers each report a load of their own."""
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512),
+                                    show_progress=False)
+    yield engine
+    engine.close()
 
 
 def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path):  # noqa: F811
@@ -306,3 +330,83 @@ def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own
     with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
         tokens, up = asyncio.run(scenario())
     assert len(tokens) == 2 and up == ["solo"]
+
+
+def test_a_burst_counts_each_call_against_its_worker_from_the_moment_it_is_placed(
+        demo_engine, second_engine, redis_url, tmp_path):  # noqa: F811
+    num_others, num_burst = 3, 8
+
+    async def scenario() -> None:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool, \
+                httpx.AsyncClient(timeout=30) as other_gateway:
+            busy = pool.workers["busy"]
+            body = GenerateBody(model=DEMO_MODEL, prompt_token_ids=[1, 2, 3], request_id="",
+                                options=SamplingOptions(max_tokens=1900, ignore_eos=True))
+
+            async def run_elsewhere(i: int, release: asyncio.Event) -> None:
+                # Another gateway's long request on "busy", as a worker sees it.
+                async with other_gateway.stream(
+                        "POST", busy.url + GENERATE_PATH, headers=pool.headers(),
+                        content=msgspec.json.encode(msgspec.structs.replace(
+                            body, request_id=f"other-{i}"))) as response:
+                    assert response.status_code == 200
+                    await release.wait()
+
+            release = asyncio.Event()
+            others = [asyncio.create_task(run_elsewhere(i, release)) for i in range(num_others)]
+            try:
+                async with asyncio.timeout(10):
+                    while (await _load_in_registry(pool, "busy")) != num_others:
+                        await asyncio.sleep(_HEARTBEAT_S / 2)
+                await pool.refresh()  # this gateway sees them; the burst comes before its next read
+                client = pool.clients[DEMO_MODEL]
+                await asyncio.gather(*(_token_ids(client, f"burst-{i}", max_tokens=2)
+                                       for i in range(num_burst)))
+            finally:
+                release.set()
+                await asyncio.gather(*others)
+            assert _counted(pool) == {}
+
+    with _serving_worker(second_engine, redis_url, tmp_path / "busy", "busy") as busy, \
+            _serving_worker(demo_engine, redis_url, tmp_path / "idle", "idle") as idle:
+        asyncio.run(scenario())
+    generates = [[path for _, path in w.seen].count(GENERATE_PATH) for w in (busy, idle)]
+    # Spread as evenly as the loads allow: "idle" first catches up with the others' 3, then the
+    # two alternate (ties go by each request's hash). It once took all 8: each call counted only
+    # from its first token, so the whole burst saw "idle" as it was at the last heartbeat.
+    assert generates in ([num_others + 2, 6], [num_others + 3, 5]), generates
+
+
+def test_a_call_stops_counting_against_its_worker_however_it_ends(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    options = SamplingOptions(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            held = client.generate([1, 2, 3], options, request_id="held")
+            await anext(held)
+            assert _counted(pool) == {"solo": 1}
+            # A worker that cannot be reached, less loaded: tried first, then passed over.
+            await pool.registry.heartbeat(_record("gone", model=DEMO_MODEL), ttl_s=60)
+            await pool.refresh()
+            assert await _token_ids(client, "replaced", max_tokens=2) != []
+            assert _counted(pool) == {"solo": 1}
+            await held.aclose()  # its client went away mid-answer
+            assert _counted(pool) == {}
+
+            waiting = asyncio.create_task(_token_ids(client, "gone-early", max_tokens=2))
+            await asyncio.sleep(0)  # placed, it waits for the worker's answer: it counts already
+            assert _counted(pool) == {"solo": 1}
+            waiting.cancel()  # its client went away before its first token
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            assert _counted(pool) == {}
+
+            with pytest.raises(RequestRejected):
+                await anext(client.generate([1, 2, 3], SamplingOptions(stop_token_ids=(10**6,)),
+                                            request_id="refused"))
+            assert _counted(pool) == {}
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
+        asyncio.run(scenario())
