@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
@@ -76,6 +77,8 @@ class WorkerPool:
         self.inflight: dict[str, int] = {}  # this gateway's requests placed on each worker
         self._inflight_at_beat: dict[str, int] = {}  # the same, when its last record was read
         self._down: dict[str, float] = {}  # worker id -> the beat_at it had when it failed
+        # (worker id, adapter digest) -> the adapter's files on their way to that worker
+        self._transfers: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.internal_key = ""
         # NOTE: no limit of its own on connections to workers (httpx's default is 100): each
         # request holds its stream for its whole life, and workers queue what they cannot run
@@ -95,6 +98,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._polling is not None:
             self._polling.cancel()
+        for transfer in self._transfers.values():
+            transfer.cancel()
         await self.http.aclose()
         await self.registry.close()
 
@@ -178,6 +183,32 @@ class WorkerPool:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.internal_key}"}
+
+    async def send_adapter(self, worker: WorkerRecord, adapter: AdapterRef) -> None:
+        """Send the adapter's files to the worker. Requests that need them there while they are
+        on their way wait for that one transfer and share its outcome, instead of each reading
+        and sending the files again."""
+        key = (worker.id, adapter.digest)
+        transfer = self._transfers.get(key)
+        if transfer is None:
+            transfer = asyncio.create_task(self._put_adapter(worker, adapter))
+            self._transfers[key] = transfer
+            transfer.add_done_callback(functools.partial(self._transfer_done, key))
+        # NOTE: shielded: a request whose client goes away stops waiting, but the transfer goes
+        # on for the others.
+        await asyncio.shield(transfer)
+
+    def _transfer_done(self, key: tuple[str, str], transfer: asyncio.Task[None]) -> None:
+        del self._transfers[key]  # the next request that finds the files missing sends them anew
+        if not transfer.cancelled():
+            transfer.exception()  # NOTE: retrieved, so no warning when every waiter went away
+
+    async def _put_adapter(self, worker: WorkerRecord, adapter: AdapterRef) -> None:
+        response = await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}",
+                                       files=await _adapter_parts(adapter.path),
+                                       headers=self.headers())
+        if response.status_code != 204:
+            raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
 
 
 class RemoteEngineClient(TextCodec):
@@ -365,21 +396,13 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
                 raise _Retry(f"HTTP {response.status_code} that is not a worker's answer",
                              down=True) from None
         if response.status_code == 409 and adapter is not None and attempt == 0:
-            await _send_adapter(pool, worker, adapter)
+            await pool.send_adapter(worker, adapter)
             continue
         if response.status_code == 400:
             raise RequestRejected(error.message, error.param)
         if error.kind == "engine_failure":
             raise EngineFailure(f"worker {worker.id} failed: {error.message}")
         raise _Retry(f"HTTP {response.status_code} {error.kind}: {error.message}")
-
-
-async def _send_adapter(pool: WorkerPool, worker: WorkerRecord, adapter: AdapterRef) -> None:
-    response = await pool.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}",
-                                   files=await _adapter_parts(adapter.path),
-                                   headers=pool.headers())
-    if response.status_code != 204:
-        raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
 
 
 async def _adapter_parts(folder: str) -> dict[str, tuple[str, bytes]]:

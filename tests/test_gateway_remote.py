@@ -1,7 +1,8 @@
 """The gateway over the worker registry, in-process: a model whose only worker cannot be reached
-answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too; over real
-workers (in-process, on the demo engine), a gateway streams from them past any connection limit
-of its own."""
+answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too. Over real
+workers (in-process, on the demo engine): a gateway streams from them past any connection limit
+of its own, counts each call against its worker from the moment it places it there, and sends an
+adapter's files to a worker once however many calls need them at once."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.engine_client import AdapterRef, EngineStats, RequestRejected, SamplingOptions
+from gateway.engine_client import (AdapterRef, EngineStats, EngineUnavailable, RequestRejected,
+                                   SamplingOptions)
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
-from gateway.worker_api import GENERATE_PATH, GenerateBody
-from store.blobs import BlobStore
+from gateway.worker_api import ADAPTERS_PATH, GENERATE_PATH, GenerateBody
+from store.blobs import BlobStore, digest_files
 from store.workers import WorkerRecord, WorkerRegistry
 from tests.conftest import DEMO_MODEL, run_server, serve_gateway
 from tests.redis_server import redis_server, redis_url  # noqa: F401
+from tests.test_scaleout_adapters import demo_adapter
 
 GHOST = "ghost"
 _HEARTBEAT_S = 0.1
@@ -410,3 +413,57 @@ def test_a_call_stops_counting_against_its_worker_however_it_ends(
 
     with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
         asyncio.run(scenario())
+
+
+def test_concurrent_calls_for_an_adapter_a_worker_lacks_send_its_files_once(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    first, second = (demo_adapter(tmp_path / name) for name in ("first", "second"))
+    first_ref, second_ref = (AdapterRef(digest_files(f), str(f)) for f in (first, second))
+
+    async def scenario(worker: _Requests) -> tuple[list[list[int]], list[int]]:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            burst = await asyncio.gather(*(_token_ids(client, f"first-{i}", 2, first_ref)
+                                           for i in range(8)))
+            # All but one go away while the files are on their way: the last one is answered.
+            calls = [asyncio.create_task(_token_ids(client, f"second-{i}", 2, second_ref))
+                     for i in range(4)]
+            async with asyncio.timeout(10):
+                while ("PUT", f"{ADAPTERS_PATH}/{second_ref.digest}") not in worker.seen:
+                    await asyncio.sleep(0.005)
+            for call in calls[:-1]:
+                call.cancel()
+            return burst, await calls[-1]
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo") as worker:
+        burst, last = asyncio.run(scenario(worker))
+    assert len(burst[0]) == 2 and burst == [burst[0]] * 8 and len(last) == 2
+    # Each adapter's files went once (they once went for every call that found the worker
+    # without them: 8 times for the 8 calls).
+    assert [path for method, path in worker.seen if method == "PUT"] == [
+        f"{ADAPTERS_PATH}/{first_ref.digest}", f"{ADAPTERS_PATH}/{second_ref.digest}"]
+
+
+def test_calls_waiting_for_an_adapter_transfer_the_worker_refuses_fail_as_one_call_alone(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    folder, other = demo_adapter(tmp_path / "adapter"), demo_adapter(tmp_path / "other")
+    mislabelled = AdapterRef(digest_files(other), str(folder))  # the worker refuses these files
+
+    async def scenario() -> list[BaseException | list[int]]:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            async with asyncio.timeout(30):
+                burst = await asyncio.gather(*(_token_ids(client, f"burst-{i}", 2, mislabelled)
+                                               for i in range(4)), return_exceptions=True)
+                # Nothing of the failed transfer is kept: a later call tries the worker again.
+                later = await asyncio.gather(_token_ids(client, "later", 2, mislabelled),
+                                             return_exceptions=True)
+            return burst + later
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo") as worker:
+        outcomes = asyncio.run(scenario())
+    assert [type(o) for o in outcomes] == [EngineUnavailable] * 5, outcomes
+    # Sent for the burst (again for a call that found the worker without the files only once
+    # that transfer had failed), then for the later call.
+    puts = [path for method, path in worker.seen if method == "PUT"]
+    assert set(puts) == {f"{ADAPTERS_PATH}/{mislabelled.digest}"} and 2 <= len(puts) <= 5
