@@ -490,6 +490,29 @@ def test_a_list_of_prompts_is_bounded_in_characters_before_any_is_tokenized(clie
     assert "at most 4194304" in body["message"]
 
 
+def test_a_body_past_the_limit_is_a_413_before_it_is_read_whole(server, key, monkeypatch):
+    from gateway import serving
+
+    monkeypatch.setattr(serving, "MAX_BODY_BYTES", 1000)  # NOTE: the server runs in this process
+    url, headers = server.url + "/v1/completions", {"Authorization": f"Bearer {key}"}
+    body = {"model": DEMO_MODEL, "prompt": "x" * 900, "max_tokens": 1}
+    assert httpx.post(url, headers=headers, json=body).status_code == 200
+    declared = httpx.post(url, headers=headers, json={**body, "prompt": "x" * 1000})
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield b'{"model": "' + DEMO_MODEL.encode() + b'", "prompt": "'
+        for _ in range(100):
+            yield b"x" * 100
+        yield b'"}'
+
+    streamed = httpx.post(url, headers={**headers, "Content-Type": "application/json"},
+                          content=chunked())
+    for refused in (declared, streamed):
+        assert refused.status_code == 413
+        assert refused.json()["error"]["code"] == "body_too_large"
+        assert "(1000 bytes)" in refused.json()["error"]["message"]
+
+
 def test_prompts_refused_beside_others_leave_the_engine_serving(client):
     # The first prompt is refused while the second's request is still on its way to the engine:
     # that one is given up, which once killed the engine's thread after a few such calls.
