@@ -24,7 +24,8 @@ from store.models import TENANT_SETTINGS
 
 
 # The bounds of a tenant's settings, for creating and updating one alike.
-_Limit = Annotated[int, msgspec.Meta(gt=0)]
+# NOTE: at most 2^53, the largest integer a float holds exactly: rate buckets count in floats.
+_Limit = Annotated[int, msgspec.Meta(gt=0, le=2**53)]
 _SpendLimit = Annotated[float, msgspec.Meta(gt=0)]
 _Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 _MONTH = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")  # "YYYY-MM", as store.limits.month_of writes it

@@ -86,6 +86,8 @@ def test_tenant_lifecycle(server):
     ({"name": "bad/name"}, "name"),
     ({"name": "ok", "rpm": 0}, "rpm"),
     ({"name": "ok", "rpm": -1}, "rpm"),
+    ({"name": "ok", "tpm": 10**400}, "tpm"),  # once accepted, then a 500 for each of its calls
+    ({"name": "ok", "monthly_token_budget": 2**53 + 1}, "monthly_token_budget"),
     ({"name": "ok", "monthly_spend_budget_usd": 0}, "monthly_spend_budget_usd"),
     ({"name": "ok", "strong_share": 2}, "strong_share"),
     ({"rpm": 3}, "name"),
