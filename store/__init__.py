@@ -1,7 +1,7 @@
 """Tenants, hashed API keys, adapter records, usage and budgets behind one `Store` protocol.
 
-A call that the store cannot do now raises one of UNAVAILABLE_ERRORS: Redis cannot be reached,
-or another process held the SQLite file's write lock too long. The caller should say "retry
+A call that the store cannot do now raises one of UNAVAILABLE_ERRORS: Redis cannot be reached
+or refuses writes, or another process held the SQLite file's write lock too long. The caller should say "retry
 shortly"; the store needs no reopening once Redis is back or the lock is let go.
 """
 

@@ -30,8 +30,12 @@ from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation
 from store.redis_blobs import RedisBlobs
 
 # Redis is down, unreachable, stuck, or still loading its data after a restart (BusyLoadingError
-# is a ConnectionError): the call did not happen or its outcome is unknown; retry later.
-REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError)
+# is a ConnectionError), or it refuses writes for now: out of its maxmemory with noeviction, a
+# replica after a failover, a transaction it discarded for either: the call did not happen or its
+# outcome is unknown; retry later.
+REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError,
+                            redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError,
+                            redis_errors.ExecAbortError, redis_errors.MasterDownError)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
 
@@ -140,7 +144,8 @@ class RedisStore:
         await self.shared_blobs.close()
 
     async def ensure_writable(self) -> None:
-        await self._redis.ping()
+        # NOTE: a write: a Redis out of memory, or a replica, answers PING but refuses writes.
+        await self._redis.set(self._keys.p + "writable", "1", ex=60)
 
     # Tenants.
 

@@ -541,6 +541,31 @@ async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
         server.stop()
 
 
+async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_again(
+    tmp_path: Path,
+) -> None:
+    """Out of its maxmemory with noeviction (the policy README asks for), Redis answers PING but
+    refuses writes: calls, and ensure_writable (the gateway's /health), must say "retry later"."""
+    server = PersistentRedisServer(tmp_path)
+    store, admin = await RedisStore.open(server.url), redis.Redis.from_url(server.url)
+    try:
+        acme = await make_tenant(store, rpm=10, monthly_token_budget=1000)
+        admin.config_set("maxmemory", 1)
+        refused = [store.ensure_writable(), store.create_tenant(Tenant(name="b", created_at=T0)),
+                   store.create_key("acme"), store.check_and_consume_rate(acme, now=T0),
+                   store.reserve_tokens(acme, 10, now=T0)]
+        for call in refused:
+            with pytest.raises(UNAVAILABLE_ERRORS):
+                await call
+        admin.config_set("maxmemory", 0)
+        await store.ensure_writable()
+        assert (await store.check_and_consume_rate(acme, now=T0)).allowed
+    finally:
+        admin.close()
+        await store.close()
+        server.stop()
+
+
 async def test_redis_calls_past_the_pooled_connections_wait_for_one(redis_url: str) -> None:
     """A burst larger than the connection pool on a healthy Redis is served, not refused as if
     Redis were down (redis-py's default pool: "Too many connections")."""
