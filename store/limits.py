@@ -31,6 +31,14 @@ def month_of(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
 
 
+def months_in_flight(now: float) -> tuple[str, str]:
+    """The months a call still running at `now` may bill: this one, and the one before (a call
+    that began before the month turned)."""
+    this_month = month_of(now)
+    first_day = datetime.strptime(this_month, "%Y-%m").replace(tzinfo=UTC).timestamp()
+    return this_month, month_of(first_day - 1)
+
+
 def rate_costs(tenant: Tenant, requests: int, tokens: int) -> dict[str, tuple[int, int]]:
     """{kind: (limit, cost)} for the buckets a request of this size must pay into (a negative
     cost gives back what a call refused after admission paid)."""

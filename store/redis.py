@@ -23,8 +23,8 @@ from redis.backoff import NoBackoff
 from store import redis_lua
 from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
-from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, month_of, new_reservation, now_or,
-                          rate_costs)
+from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, month_of, months_in_flight,
+                          new_reservation, now_or, rate_costs)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
                           with_settings)
 from store.redis_blobs import RedisBlobs
@@ -193,8 +193,14 @@ class RedisStore:
         # this one still in flight settles into nothing: see settle).
         monthly = [key for pattern in k.monthly_patterns(name)
                    async for key in self._redis.scan_iter(match=pattern, count=1000)]
+        # NOTE: a call still in flight may create its month's usage or holds after the scan (its
+        # first of the month): watched, so that such a write retries this delete, which then
+        # deletes them too. A settle after the delete finds no tenant and writes nothing.
+        in_flight = [key for month in months_in_flight(now_or(None))
+                     for key in (k.usage(name, month), k.holds(name, month))]
 
         async def delete(pipe: Pipeline) -> list[AdapterRecord]:
+            await pipe.watch(*in_flight)
             if not await pipe.exists(k.tenant(name)):
                 raise NotFound(f"tenant {name!r} does not exist")
             key_keys = [k.api_key(i) for i in await pipe.smembers(k.api_keys(name))]
@@ -211,8 +217,7 @@ class RedisStore:
             pipe.srem(k.tenants, name)
             for key in key_keys + adapter_keys + [k.api_key_hash(r.key_hash) for r in key_records]:
                 pipe.delete(key)
-            if monthly:
-                pipe.delete(*monthly)
+            pipe.delete(*dict.fromkeys(monthly + in_flight))
             for a in removed:
                 pipe.srem(k.digest(a.digest), _ref(a))
             return sorted(removed, key=lambda a: (a.name, a.version))

@@ -541,6 +541,35 @@ async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
         server.stop()
 
 
+async def test_redis_a_call_settling_while_its_tenant_is_deleted_leaves_a_new_one_nothing(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call's first settle of the month lands between the delete's scan of the tenant's
+    usage keys and its transaction (a large keyspace makes that window a second wide)."""
+    store = await RedisStore.open(redis_url)
+    try:
+        acme = await make_tenant(store, monthly_token_budget=1000)
+        held = await store.reserve_tokens(acme, 100)
+        scan = store._redis.scan_iter
+        settled = []
+
+        async def scan_then_settle(*args, **kwargs):
+            async for key in scan(*args, **kwargs):
+                yield key
+            if not settled:
+                settled.append(await store.settle(held, tokens_in=40, tokens_out=60, spend_usd=0))
+
+        monkeypatch.setattr(store._redis, "scan_iter", scan_then_settle)
+        await store.delete_tenant("acme")
+        assert settled
+        anew = await make_tenant(store, monthly_token_budget=1000)
+        usage = await store.get_usage("acme")
+        assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (0, 0, 0, 0)
+        assert await store.reserve_tokens(anew, 1000) is not None
+    finally:
+        await store.close()
+
+
 async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_again(
     tmp_path: Path,
 ) -> None:
