@@ -36,6 +36,8 @@ from store.blobs import ADAPTER_FILES
 
 ARCHIVE_PART = "file"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_WEIGHTS_FILE = "adapter_model.safetensors"
+_WEIGHTS_STEM = PurePosixPath(_WEIGHTS_FILE).stem
 _MAX_ARCHIVE_MEMBERS = 1000
 _COPY_CHUNK = 1 << 20
 # What a tar adds around its members' data: a 512-byte header per member (long names and pax
@@ -146,13 +148,16 @@ def _write_files(files: dict[str, UploadFile], folder: Path, max_bytes: int) -> 
 
 
 def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
-    """Copy the adapter files out of a tar(.gz) stream; other members are skipped, never written.
+    """Copy the adapter files out of a tar(.gz) stream; other members (a Trainer checkpoint's
+    optimizer.pt and training_args.bin included) are skipped, never read or written. An archive
+    whose weights are only a pickle (adapter_model.bin) is refused as pickle_not_allowed.
 
     Counts every member's size against `max_bytes`, and every byte the archive inflates to
     (headers included: tarfile reads a long name's or a pax header's data whole), so a small
     archive that inflates to a huge one is refused before it is unpacked or held in memory.
     """
     found: set[str] = set()
+    pickled_weights: str | None = None  # e.g. "adapter_model.bin", saved without safetensors
     total = 0
     try:
         inflated = _Capped(_decompressed(archive), max_bytes + _TAR_OVERHEAD, max_bytes)
@@ -167,10 +172,12 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                 if count > _MAX_ARCHIVE_MEMBERS or total > max_bytes:
                     raise _too_large(max_bytes)
                 name = path.name
-                if name.endswith(_PICKLE_SUFFIXES):
-                    raise _pickle_refused(member.name)
                 if name not in ADAPTER_FILES or member.isdir():
-                    continue  # README.md and the like: not needed, never written
+                    # README.md, a Trainer checkpoint's optimizer.pt and the like: not needed, never
+                    # read or written. A pickle of the weights is remembered for the refusal below.
+                    if PurePosixPath(name).stem == _WEIGHTS_STEM and name.endswith(_PICKLE_SUFFIXES):
+                        pickled_weights = pickled_weights or member.name
+                    continue
                 if not member.isfile():
                     raise invalid_request(f"{member.name!r} in the archive is a link or a special "
                                           "file; pack the files themselves", code="invalid_upload")
@@ -185,6 +192,8 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
         raise invalid_request(f"the 'file' part is not a readable .tar.gz ({error}); create it "
                               "with `tar czf adapter.tar.gz -C <adapter folder> .`",
                               code="invalid_upload") from None
+    if pickled_weights is not None and _WEIGHTS_FILE not in found:
+        raise _pickle_refused(pickled_weights)
     _require_both(found, "the archive")
 
 

@@ -171,6 +171,17 @@ def test_uploaded_adapters_answer_as_peft_does(server, tenant, adapters):
     assert "switchboard_adapter_cache_hits{" in metrics
 
 
+def test_an_archive_of_a_trainer_checkpoint_uploads_its_safetensors(server, tenant, adapters):
+    _, key = tenant
+    pickled = adapters["pickled"] / "adapter_model.bin"  # any pickle: it must never be read
+    members = {f"checkpoint-500/{f}": data for f, (_, data) in files_of(adapters["attn-r4"]).items()}
+    members |= {"checkpoint-500/training_args.bin": pickled.read_bytes(),
+                "checkpoint-500/optimizer.pt": pickled.read_bytes()}
+    created = upload(server, key, "trained", {"file": ("ckpt.tar.gz", tar_gz(members))})
+    assert created.status_code == 201, created.text
+    assert greedy_ids(server, key, "trained") == adapters["expected"]["attn-r4"]
+
+
 def test_streamed_chat_with_an_adapter(server, tenant, adapters):
     _, key = tenant
     assert upload(server, key, "chatty", files_of(adapters["attn-r4"])).status_code == 201
