@@ -292,8 +292,9 @@ class AdapterCache:
         adapter = load_adapter(folder, self.spec, self.config.max_lora_rank)
         if adapter.digest != adapter_id:
             raise AdapterValidationError(
-                f"the files in {folder} have digest {adapter.digest}, not {adapter_id}: the stored "
-                "blob is corrupt or the loader returned another adapter's folder; upload it again")
+                f"{folder} holds files of digest {adapter.digest}, not {adapter_id}: they were "
+                "damaged after they were stored, or the loader returned another adapter's folder; "
+                "upload the adapter again")
         packed = pack_adapter(adapter, self.spec, self.dtype, pin_memory=self.device.type == "cuda")
         with self._lock:
             self._host[adapter_id] = packed

@@ -77,7 +77,7 @@ class LocalEngineClient(TextCodec):
                 if output.finish_reason == "error":  # this request alone failed in the engine
                     message = output.error or "the engine failed the request"
                     if adapter is not None:  # the folder is this server's: its path means nothing
-                        message = message.replace(adapter.path, "the adapter's stored files")
+                        message = message.replace(adapter.path, "the adapter's stored copy")
                     raise EngineFailure(message)
                 yield _chunk(output)
         except ValueError as error:  # NOTE: the engine only raises it when adding the request

@@ -96,10 +96,11 @@ class BlobStore:
         """Store copies of the named files of folder `src`; returns (digest, total bytes).
 
         Atomic: the files are written and synced in a temporary folder that is then renamed to
-        its digest, so a reader sees all of a blob or none of it. `link`: hard-link the files
-        instead of copying them where `src` is on the same file system (an upload staged under
-        `root` is then stored without being written twice); the caller must never change them
-        in place afterwards. Elsewhere, or where links fail, they are copied. `expected`: the
+        its digest, so a reader sees all of a blob or none of it. A stored copy of the same
+        digest is hashed again, and replaced where its files were damaged since. `link`:
+        hard-link the files instead of copying them where `src` is on the same file system (an
+        upload staged under `root` is then stored without being written twice); the caller must
+        never change them in place afterwards. Elsewhere, or where links fail, they are copied. `expected`: the
         digest the files must have; StoreError if they have another, and nothing is stored.
         """
         for name in names:
@@ -119,15 +120,22 @@ class BlobStore:
                 raise StoreError(f"the files hash to {digest}, not to {expected}: they were "
                                  "changed or damaged")
             size = sum((tmp / n).stat().st_size for n in names)
-            try:
-                os.rename(tmp, self.root / digest)
-            except OSError:
-                # The target exists (ENOTEMPTY/EEXIST): the same files are stored already.
-                if not (self.root / digest).is_dir():
-                    raise
+            self._install(tmp, digest, names)
             return digest, size
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _install(self, tmp: Path, digest: str, names: Sequence[str]) -> None:
+        """Rename the finished folder `tmp` to `digest`, replacing a damaged stored copy."""
+        target = self.root / digest
+        if _rename_unless_present(tmp, target) or _holds(target, digest, names):
+            return
+        # The stored copy changed on disk since it was put (bit rot, a truncated or removed file):
+        # the new files repair it, so that uploading them again, as an error tells users to, works.
+        # NOTE: moved aside whole, then replaced whole: a reader sees the old or new copy, or none.
+        logger.warning("replacing the damaged stored copy of adapter %s in %s", digest, self.root)
+        self.delete(digest)
+        _rename_unless_present(tmp, target)
 
     def path(self, digest: str) -> Path | None:
         """The folder holding the blob's files, or None if it is not stored."""
@@ -209,6 +217,25 @@ async def drop_deleted_adapters(blobs: BlobStore, store: Store) -> None:
     removed = await collect_garbage(blobs, store)
     if removed:
         logger.info("removed the files of %d deleted adapters from %s", len(removed), blobs.root)
+
+
+def _rename_unless_present(src: Path, dst: Path) -> bool:
+    """Rename folder `src` to `dst`; False if `dst` is a folder already."""
+    try:
+        os.rename(src, dst)
+        return True
+    except OSError:  # ENOTEMPTY/EEXIST: `dst` exists
+        if not dst.is_dir():
+            raise
+        return False
+
+
+def _holds(folder: Path, digest: str, names: Sequence[str]) -> bool:
+    """Whether `folder` has all the named files, hashing to `digest`."""
+    try:
+        return digest_files(folder, names) == digest
+    except FileNotFoundError:
+        return False
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:

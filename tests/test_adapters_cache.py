@@ -126,7 +126,7 @@ def test_new_version_under_same_name_gets_new_slot(blobs, tmp_path):
 def test_loader_folder_with_other_digest_is_rejected(blobs):
     store, (a, b, *_) = blobs
     cache = make_cache(store, loader=lambda _: store.path(b))
-    with pytest.raises(AdapterValidationError, match=f"have digest {b}, not {a}"):
+    with pytest.raises(AdapterValidationError, match=f"holds files of digest {b}, not {a}"):
         cache.acquire(a)
     assert cache.resident_ids() == [] and cache.host_ids() == []
 

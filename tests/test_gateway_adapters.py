@@ -214,6 +214,25 @@ def test_reupload_makes_a_new_version_that_requests_use(server, tenant, adapters
     assert [(a["id"], a["version"]) for a in listed] == [("bot", 2)]
 
 
+def test_uploading_the_files_again_repairs_a_damaged_stored_copy(server, tenant, adapters):
+    _, key = tenant
+    files = unique_files(adapters["all-r8"])
+    digest = upload(server, key, "rotted", files).json()["digest"]
+    weights = server.app.state.gateway.blobs.path(digest) / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF  # bit rot in the stored copy
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(openai.InternalServerError) as failed:
+        greedy_ids(server, key, "rotted")
+    message = failed.value.body["message"]
+    assert "the adapter's stored copy holds files of digest " in message, message
+    assert "upload the adapter again" in message and "/tmp" not in message
+    again = upload(server, key, "rotted", files)  # what the message asks for
+    assert again.status_code == 201 and again.json()["digest"] == digest, again.text
+    assert greedy_ids(server, key, "rotted") == adapters["expected"]["all-r8"]
+
+
 @pytest.mark.parametrize("gone", ["tenant made anew", "key revoked", "admin's tenant made anew"])
 def test_an_upload_whose_tenant_or_key_went_while_it_streamed_stores_nothing(server, tenant, adapters,
                                                                              gone):
