@@ -10,6 +10,7 @@ gateways fetch them) and its record to the store, as the next version of its nam
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -25,9 +26,11 @@ from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
 from routing.routes import AUTO
-from store import AdapterRecord, InvalidName, NotFound, Store, Tenant
+from store import UNAVAILABLE_ERRORS, AdapterRecord, InvalidName, NotFound, Store, StoreError, Tenant
 from store.blobs import collect_garbage
 from store.models import is_valid_name, validate_name
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterObject(msgspec.Struct, kw_only=True):
@@ -146,15 +149,26 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
-    store = state.require_store()
     try:
         return await _record_adapter(state, record, uploaded.folder, confirm_tenant)
-    except NotFound:  # the tenant was deleted meanwhile: its blob must not linger
-        await collect_garbage(state.blobs, store, [digest])
-        raise not_found(f"tenant {tenant.name!r} does not exist", code="tenant_not_found") from None
-    except ApiError:  # the same, found out by confirm_tenant
-        await collect_garbage(state.blobs, store, [digest])
+    except Exception as error:
+        # Refused after its files were placed (the tenant was deleted meanwhile, the store was
+        # locked or failed): no record references them, so they must not linger.
+        await _drop_unrecorded_files(state, digest)
+        if isinstance(error, NotFound):
+            raise not_found(f"tenant {tenant.name!r} does not exist",
+                            code="tenant_not_found") from None
         raise
+
+
+async def _drop_unrecorded_files(state: GatewayState, digest: str) -> None:
+    """Delete the blob `digest` unless a record references it (another upload of the same files)."""
+    try:
+        await collect_garbage(state.blobs, state.require_store(), [digest])
+    except (StoreError, *UNAVAILABLE_ERRORS) as error:
+        # NOTE: kept where the store cannot tell whether a record references it: deleting the
+        # files of a stored adapter would break it. The next start's sweep collects them.
+        logger.warning("kept the files of refused upload %s: %s", digest, error)
 
 
 async def _record_adapter(state: GatewayState, record: AdapterRecord, folder: Path,

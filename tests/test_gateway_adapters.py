@@ -9,6 +9,7 @@ import concurrent.futures
 import io
 import itertools
 import json
+import sqlite3
 import tarfile
 import threading
 import time
@@ -19,6 +20,7 @@ import openai
 import pytest
 import torch
 
+from store.sqlite import SqliteStore
 from tests.conftest import DEMO_MAX_LORA_RANK, DEMO_MODEL, gateway_server
 from tests.helpers import hf_greedy, make_peft_model
 from tests.redis_server import redis_server  # noqa: F401
@@ -263,6 +265,23 @@ def test_an_upload_whose_tenant_or_key_went_while_it_streamed_stores_nothing(ser
     assert response.status_code == (401 if gone != "admin's tenant made anew" else 404), response.text
     assert server.admin("GET", f"/admin/tenants/{name}/adapters").json()["data"] == []
     assert sorted(p.name for p in server.app.state.gateway.blobs.root.iterdir()) == blobs_before
+
+
+def test_an_upload_the_locked_store_refuses_keeps_no_files(server, tenant, adapters):
+    name, key = tenant
+    state = server.app.state.gateway
+    if not isinstance(state.store, SqliteStore):
+        pytest.skip("another process's write lock is SQLite's")
+    before = _snapshot(server, name)
+    other = sqlite3.connect(state.store.path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # an sqlite3 shell, a script's long write
+        refused = upload(server, key, "locked-out", unique_files(adapters["all-r8"]))
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "store_unavailable"
+    assert _snapshot(server, name) == before
 
 
 def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
