@@ -100,8 +100,9 @@ class BlobStore:
         digest is hashed again, and replaced where its files were damaged since. `link`:
         hard-link the files instead of copying them where `src` is on the same file system (an
         upload staged under `root` is then stored without being written twice); the caller must
-        never change them in place afterwards. Elsewhere, or where links fail, they are copied. `expected`: the
-        digest the files must have; StoreError if they have another, and nothing is stored.
+        never change them in place afterwards. Elsewhere, or where links fail, they are copied.
+        `expected`: the digest the files must have; StoreError if they have another, and nothing
+        is stored.
         """
         for name in names:
             validate_name("adapter file", name)
