@@ -470,6 +470,10 @@ def test_a_shutdown_drops_the_requests_still_running_at_its_deadline_and_settles
                 upload.sendall(b"POST /v1/adapters HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                                + key.encode() + b"\r\nContent-Type: multipart/form-data; "
                                b"boundary=b\r\nContent-Length: 1000\r\n\r\n--b\r\n")
+                # NOTE: the server reads its connections in the order they came, so once this later
+                # one is answered it is handling the upload; signalled before it has read the
+                # upload's head, it would close that connection as idle (1 task cancelled, not 2).
+                assert httpx.get(url + "/health", timeout=30).status_code == 200
                 stopping = time.monotonic()
                 process.send_signal(signal.SIGTERM)
                 _, stderr = process.communicate(timeout=20)  # once never: it waited for both
