@@ -352,6 +352,8 @@ HOSTILE_CONFIGS = {
 }
 
 
+# NOTE: the bounds below are on this thread's CPU time, the work the checks do: on a loaded
+# machine the wall time of the step-budget test reached 3.6 s, against 1 s of CPU time.
 @pytest.mark.parametrize("case", HOSTILE_CONFIGS)
 def test_hostile_config_is_rejected_quickly(tmp_path, case):
     edit, message = HOSTILE_CONFIGS[case]
@@ -360,10 +362,10 @@ def test_hostile_config_is_rejected_quickly(tmp_path, case):
     # Reading the config alone rejects it, before any module name is matched.
     with pytest.raises(AdapterValidationError, match=message):
         read_lora_settings(tmp_path)
-    start = time.perf_counter()
+    start = time.thread_time()
     with pytest.raises(AdapterValidationError, match=message):
         load_adapter(tmp_path, SPEC, MAX_RANK)
-    assert time.perf_counter() - start < 0.5
+    assert time.thread_time() - start < 0.5
 
 
 # Regexes on which re could backtrack for minutes on one module name, and whether they match the
@@ -377,10 +379,10 @@ BACKTRACKING_REGEXES = {POLYNOMIAL: False, r"\d+.*?[a-z]{2,}Z": False, ".?" * 24
 @pytest.mark.parametrize("template", ["{}", r"(.*\.)?({})$"], ids=["target_modules", "rank_pattern"])
 def test_regexes_re_could_backtrack_on_match_in_bounded_time(regex, template):
     names = [module_key(layer, proj) for layer in range(32) for proj in ALL_PROJECTIONS]  # Llama-3-8B's
-    start = time.perf_counter()
+    start = time.thread_time()
     matcher = Regexes().compile_module_regex(regex, "target_modules", template)
     matched = [name for name in names if matcher.matches(name)]
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     assert isinstance(matcher, PositionSets)
     assert matched == (names if BACKTRACKING_REGEXES[regex] else [])
 
@@ -413,11 +415,11 @@ def test_regexes_with_three_wildcards_or_repeated_groups_match_as_in_peft(tmp_pa
 
 def test_a_regex_past_the_step_budget_is_refused():
     matcher = Regexes().compile_module_regex("(?:a?){60000}", "target_modules", "{}")
-    start = time.perf_counter()
+    start = time.thread_time()
     with pytest.raises(AdapterValidationError, match=r"target_modules '\(\?:a\?\)\{60000\}' takes too long"):
         for layer in range(126):
             matcher.matches(module_key(layer, "q_proj"))
-    assert time.perf_counter() - start < 2.0
+    assert time.thread_time() - start < 2.0
 
 
 _REGEX_ATOMS = ["a", "b", "_", ".", r"\.", "[ab]", "[^a]", r"\d", r"\w", r"\W", "(?i:A)", "(?i:[A-B])",
