@@ -12,7 +12,6 @@ import json
 import sqlite3
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -245,22 +244,25 @@ def test_an_upload_whose_tenant_or_key_went_while_it_streamed_stores_nothing(ser
         (f"/admin/tenants/{name}/adapters", server.admin_key)
     request = httpx.Request("POST", server.url + path, data={"name": "late", "base_model": DEMO_MODEL},
                             files=unique_files(adapters["all-r8"]), headers=auth(credential))
-    body, half_sent = request.read(), threading.Event()
+    body, half_sent, acted = request.read(), threading.Event(), threading.Event()
 
     def slowly():
         yield body[:len(body) // 2]
         half_sent.set()
-        time.sleep(1.0)  # the admin acts now
+        acted.wait(30)  # the rest once the admin has acted (it once had 1 s to)
         yield body[len(body) // 2:]
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         sent = pool.submit(httpx.post, request.url, content=slowly(), headers=request.headers, timeout=60)
         assert half_sent.wait(30)
-        if gone == "key revoked":
-            assert server.admin("DELETE", f"/admin/keys/{key['id']}").status_code == 200
-        else:
-            assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
-            assert server.admin("POST", "/admin/tenants", json={"name": name}).status_code == 201
+        try:
+            if gone == "key revoked":
+                assert server.admin("DELETE", f"/admin/keys/{key['id']}").status_code == 200
+            else:
+                assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+                assert server.admin("POST", "/admin/tenants", json={"name": name}).status_code == 201
+        finally:
+            acted.set()
         response = sent.result()
     assert response.status_code == (401 if gone != "admin's tenant made anew" else 404), response.text
     assert server.admin("GET", f"/admin/tenants/{name}/adapters").json()["data"] == []
