@@ -274,8 +274,9 @@ def test_a_worker_that_cannot_reach_the_store_keeps_its_files(demo_engine, tmp_p
     with caplog.at_level(logging.WARNING, logger="gateway.worker"):
         asyncio.run(start())
     assert blobs.digests() == [digest]
-    assert caplog.messages[0].startswith(f"kept the adapter files in {blobs.root}: cannot ask "
-                                         "the store which adapters were deleted: ")
+    [kept] = [r.getMessage() for r in caplog.records if r.name == "gateway.worker"]
+    assert kept.startswith(f"kept the adapter files in {blobs.root}: cannot ask "
+                           "the store which adapters were deleted: ")
 
 
 def test_deleting_a_tenant_removes_its_adapters_redis_copies(gateways, adapter, client):
