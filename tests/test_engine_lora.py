@@ -54,8 +54,20 @@ def _peft_greedy(model, prompt):
     return out[0, len(prompt):].tolist()
 
 
+def lora_engine(base, engine_options: dict | None = None, **lora_options) -> LLMEngine:
+    """An engine over `base` serving adapters of rank up to 16; `lora_options` go to AdapterConfig,
+    `engine_options` to EngineConfig."""
+    return LLMEngine(EngineConfig(model=str(base), **(engine_options or {}),
+                                  lora=AdapterConfig(max_lora_rank=16, **lora_options)),
+                     show_progress=False)
+
+
+def greedy(max_tokens: int = NUM_NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
 def run_mixed(engine, prompts, adapters, assignment, arrivals):
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     tokens = {i: [] for i in range(len(assignment))}
     step = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
@@ -72,8 +84,7 @@ def run_mixed(engine, prompts, adapters, assignment, arrivals):
 
 def test_base_and_three_adapters_in_one_batch_match_peft(setup):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=4, num_load_threads=0)), show_progress=False)
+    engine = lora_engine(base, dict(block_size=4), max_gpu_adapters=4, num_load_threads=0)
     assignment = [(a, p) for p in range(4) for a in (None, 0, 1, 2)]
     tokens = run_mixed(engine, prompts, adapters, assignment, [i // 4 for i in range(len(assignment))])
     for i, (adapter_index, prompt_index) in enumerate(assignment):
@@ -88,9 +99,8 @@ def test_base_and_three_adapters_in_one_batch_match_peft(setup):
 
 def test_two_slots_six_adapters_stay_exact_and_count_evictions(setup):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, max_num_seqs=6, lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=2, max_cpu_adapters=3, num_load_threads=0)),
-        show_progress=False)
+    engine = lora_engine(base, dict(block_size=4, max_num_seqs=6), max_gpu_adapters=2,
+                         max_cpu_adapters=3, num_load_threads=0)
     assignment = [(a, (a + k) % len(prompts)) for k in range(2) for a in range(6)] + [(None, 3)]
     tokens = run_mixed(engine, prompts, adapters, assignment, [0] * len(assignment))
     for i, (adapter_index, prompt_index) in enumerate(assignment):
@@ -105,9 +115,8 @@ def test_two_slots_six_adapters_stay_exact_and_count_evictions(setup):
 
 def test_adapter_requests_do_not_block_base_requests(setup):
     base, prompts, adapters, _ = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=1, num_load_threads=0)), show_progress=False)
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine = lora_engine(base, max_gpu_adapters=1, num_load_threads=0)
+    params = greedy(30)
     engine.add_request("a0", prompts[0], params, lora=adapters[0])
     engine.add_request("a1", prompts[1], params, lora=adapters[1])
     engine.add_request("base", prompts[2], params)
@@ -118,8 +127,7 @@ def test_adapter_requests_do_not_block_base_requests(setup):
 
 def test_prefix_cache_is_not_shared_across_adapters(setup):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=2, num_load_threads=0)), show_progress=False)
+    engine = lora_engine(base, dict(block_size=4), max_gpu_adapters=2, num_load_threads=0)
     tokens = run_mixed(engine, prompts, adapters, [(None, 3), (0, 3), (0, 3)], [0, 10, 20])
     assert tokens[1] == tokens[2] == references[0][3]
     assert tokens[0] == references[None][3]
@@ -137,10 +145,9 @@ def test_lora_request_on_an_engine_without_lora_is_refused(setup):
 
 def test_an_adapter_that_fails_to_load_fails_only_its_request(setup, tmp_path):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, num_load_threads=0)), show_progress=False)
+    engine = lora_engine(base, num_load_threads=0)
     missing = LoraRequest("0" * 64, str(tmp_path / "nothing-here"))
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("bad", prompts[0], params, lora=missing)
     engine.add_request("good", prompts[0], params, lora=adapters[0])
     outputs = {}
@@ -159,12 +166,11 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(setup, tmp_path):
 
 def test_a_waiting_adapter_is_not_starved_by_a_busy_one(setup):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), max_num_seqs=8, lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=1, num_load_threads=0)), show_progress=False)
-    busy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = lora_engine(base, dict(max_num_seqs=8), max_gpu_adapters=1, num_load_threads=0)
+    busy = greedy(4)
     engine.add_request("busy-0", prompts[0], busy, lora=adapters[0])
     engine.step()
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("patient", prompts[1], params, lora=adapters[1])
     patient = []
     for step in range(1, 60):  # adapter 0 gets a new request every step, forever
@@ -184,12 +190,11 @@ def test_random_arrivals_aborts_and_preemptions_stay_exact_and_leak_nothing(setu
     (waiting, running or preempted): every request that finishes says exactly what PEFT says, the
     engine never wedges, and afterwards no KV block or adapter reference is left behind."""
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), block_size=4, num_kv_blocks=16, max_num_seqs=6,
-                                    max_num_batched_tokens=32, lora=AdapterConfig(
-                                        max_lora_rank=16, max_gpu_adapters=2, max_cpu_adapters=3,
-                                        num_load_threads=0)), show_progress=False)
+    engine = lora_engine(base, dict(block_size=4, num_kv_blocks=16, max_num_seqs=6,
+                                    max_num_batched_tokens=32),
+                         max_gpu_adapters=2, max_cpu_adapters=3, num_load_threads=0)
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     requests = [(rng.choice([None, *range(len(adapters))]), rng.randrange(len(prompts)))
                 for _ in range(30)]
     arrivals = {i: rng.randrange(40) for i in range(len(requests))}
@@ -244,12 +249,10 @@ def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait
     """Requests aborted while their adapters load leave no load behind: host memory holds no more
     adapters than max_cpu_adapters, and an idle step still sleeps on the next load."""
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=1, max_cpu_adapters=2, num_load_threads=1)),
-        show_progress=False)
+    engine = lora_engine(base, max_gpu_adapters=1, max_cpu_adapters=2, num_load_threads=1)
     cache = engine.adapter_cache
     num_packed_before = num_live_packed_adapters()
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("holder", prompts[0], params, lora=adapters[0])  # keeps the only slot
     engine.step()
     for i in range(1, 5):
@@ -277,12 +280,11 @@ def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait
 
 def test_a_load_failure_reaches_no_request_that_arrives_after_its_waiters_left(setup, tmp_path):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, num_load_threads=1)), show_progress=False)
+    engine = lora_engine(base, num_load_threads=1)
     cache = engine.adapter_cache
     gate = _hold_loads(engine)
     late = LoraRequest(adapters[0].adapter_id, str(tmp_path / "fetching"))  # files not there yet
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("gone", prompts[0], params, lora=late)
     engine.step()  # its load starts
     engine.abort_request("gone")
@@ -303,14 +305,12 @@ def test_a_finished_load_is_served_after_the_host_tier_dropped_it(setup, tmp_pat
     scheduler looks at x again, and meanwhile x's files are deleted: x's request runs on the load
     that finished, storage is not read again (on the engine thread), and w's request goes on."""
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, max_gpu_adapters=2, max_cpu_adapters=1, num_load_threads=2)),
-        show_progress=False)
+    engine = lora_engine(base, max_gpu_adapters=2, max_cpu_adapters=1, num_load_threads=2)
     cache = engine.adapter_cache
     shutil.copytree(adapters[0].path, tmp_path / "x")
     x, w = LoraRequest(adapters[0].adapter_id, str(tmp_path / "x")), adapters[1]
     x_files, w_files = _hold_loads(engine, only=x.adapter_id), _hold_loads(engine, only=w.adapter_id)
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("w", prompts[1], params, lora=w)
     engine.step()  # w's load starts
     engine.add_request("x", prompts[0], params, priority=-1, lora=x)
@@ -334,12 +334,11 @@ def test_a_finished_load_is_served_after_the_host_tier_dropped_it(setup, tmp_pat
 
 def test_a_failed_load_fails_every_request_waiting_on_it_at_once(setup, tmp_path):
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, num_load_threads=1)), show_progress=False)
+    engine = lora_engine(base, num_load_threads=1)
     cache = engine.adapter_cache
     storage = _hold_loads(engine)
     missing = LoraRequest("0" * 64, str(tmp_path / "nothing-here"))
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("bad-1", prompts[0], params, lora=missing)
     engine.add_request("good", prompts[1], params, lora=adapters[0])
     engine.add_request("bad-2", prompts[2], params, lora=missing)
@@ -363,8 +362,7 @@ def test_an_adapter_failing_at_admission_fails_its_requests_and_leaves_nothing_b
     """An acquire that raises (a page-in that fails, say) fails that adapter's requests in the step
     where it happens; the step goes on, and no KV block, slot reference or request is left over."""
     base, prompts, adapters, references = setup
-    engine = LLMEngine(EngineConfig(model=str(base), lora=AdapterConfig(
-        max_lora_rank=16, num_load_threads=0)), show_progress=False)
+    engine = lora_engine(base, num_load_threads=0)
     cache = engine.adapter_cache
     acquire, broken = cache.acquire, adapters[0].adapter_id
 
@@ -374,7 +372,7 @@ def test_an_adapter_failing_at_admission_fails_its_requests_and_leaves_nothing_b
         return acquire(adapter_id)
 
     cache.acquire = acquire_failing_for_broken
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = greedy()
     engine.add_request("bad-1", prompts[0], params, lora=adapters[0])
     engine.add_request("good", prompts[1], params, lora=adapters[1])
     engine.add_request("bad-2", prompts[2], params, lora=adapters[0])
