@@ -16,6 +16,7 @@ import re
 import msgspec
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis._parsers import BaseParser
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -29,13 +30,27 @@ from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation
                           with_settings)
 from store.redis_blobs import RedisBlobs
 
+
+
+class PersistenceError(redis_errors.ResponseError):
+    """MISCONF: Redis refuses writes (and PING) because its last snapshot to disk failed, a full
+    or lost disk, until a save succeeds again. redis-py knows no class for it."""
+
+
+# NOTE: registered in redis-py's own table, which every parser reads (a parser subclass would
+# have to be passed to each connection, and redis-py's newer connection features refuse one). A
+# subclass of ResponseError, so code catching that still catches it.
+BaseParser.EXCEPTION_CLASSES.setdefault("MISCONF", PersistenceError)
+
+
 # Redis is down, unreachable, stuck, or still loading its data after a restart (BusyLoadingError
 # is a ConnectionError), or it refuses writes for now: out of its maxmemory with noeviction, a
-# replica after a failover, a transaction it discarded for either: the call did not happen or its
-# outcome is unknown; retry later.
+# replica after a failover, its disk failing its snapshots, a transaction it discarded for any of
+# them: the call did not happen or its outcome is unknown; retry later.
 REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutError,
                             redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError,
-                            redis_errors.ExecAbortError, redis_errors.MasterDownError)
+                            redis_errors.ExecAbortError, redis_errors.MasterDownError,
+                            PersistenceError)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
 
@@ -134,9 +149,11 @@ class RedisStore:
             await client.aclose()
             await blob_client.aclose()
             # NOTE: from None: the message holds the cause, and startup logs show only this.
+            unreachable = isinstance(error, (redis_errors.ConnectionError, redis_errors.TimeoutError))
+            fix = "start Redis, or correct the store URL" if unreachable else "mend what Redis says"
             raise redis_errors.ConnectionError(
-                f"cannot reach the Redis store at {_address(client)} (start Redis, or correct the "
-                f"store URL): {error}") from None
+                f"cannot {'reach' if unreachable else 'use'} the Redis store at {_address(client)} "
+                f"({fix}): {error}") from None
         return cls(client, blob_client, prefix)
 
     async def close(self) -> None:

@@ -595,6 +595,34 @@ async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_ag
         server.stop()
 
 
+async def test_a_redis_whose_snapshots_fail_is_unavailable_until_they_may(tmp_path: Path) -> None:
+    """A Redis whose last background save failed (its disk full or gone) answers MISCONF to
+    writes and PING until a save succeeds: "retry later", as for the other refusals, not a 500."""
+    (tmp_path / "data").mkdir()
+    server = PersistentRedisServer(tmp_path / "data")
+    store, admin = await RedisStore.open(server.url), redis.Redis.from_url(server.url)
+    try:
+        acme = await make_tenant(store, rpm=10)
+        admin.config_set("save", "3600 1")  # snapshots on, so a failed one stops writes
+        shutil.rmtree(tmp_path / "data")  # Redis's working directory: the snapshot cannot be written
+        with pytest.raises(redis.ResponseError):
+            admin.bgsave()
+            while admin.info("persistence")["rdb_bgsave_in_progress"]:
+                time.sleep(0.01)
+            admin.set("probe", 1)
+        for call in [store.ensure_writable(), store.create_key("acme"),
+                     store.check_and_consume_rate(acme, now=T0)]:
+            with pytest.raises(UNAVAILABLE_ERRORS, match="unable to persist"):
+                await call
+        admin.config_set("save", "")  # snapshots off: writes are taken again
+        await store.ensure_writable()
+        assert (await store.check_and_consume_rate(acme, now=T0)).allowed
+    finally:
+        admin.close()
+        await store.close()
+        server.stop()
+
+
 async def test_redis_calls_past_the_pooled_connections_wait_for_one(redis_url: str) -> None:
     """A burst larger than the connection pool on a healthy Redis is served, not refused as if
     Redis were down (redis-py's default pool: "Too many connections")."""
