@@ -4,6 +4,7 @@ healthy, stop it (gracefully, or kill it). Output goes to a log file that failur
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,13 +16,24 @@ from pathlib import Path
 
 import httpx
 
+_random = random.SystemRandom()  # a test seeding `random` must not make every run pick alike
 _START_TIMEOUT_S = 120.0  # loading torch and the model on a busy 2-core machine
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a server started later. Not one that binding port 0 gives:
+    that comes from the system's ephemeral range, from which any outgoing connection (a test's
+    own clients) may take it in between; a port below that range is taken only by naming it."""
+    lowest_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = _random.randrange(max(1024, lowest_ephemeral - 16384), lowest_ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {lowest_ephemeral}")
 
 
 @dataclass
