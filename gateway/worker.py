@@ -14,7 +14,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +97,21 @@ class Worker:
             logger.warning("kept the adapter files in %s: cannot ask the store which adapters were "
                            "deleted: %s", self.blobs.root, error)
 
+    async def dropping_a_damaged_copy(self, answer: AsyncGenerator[GenerationChunk, None],
+                                      adapter: AdapterRef | None) -> AsyncIterator[GenerationChunk]:
+        """`answer`, whose failure also deletes this worker's copy of the adapter's files if they
+        were damaged on its disk: the gateway's next request for it is then answered 409 and
+        sends the files again, instead of failing the same way until the worker's disk is mended."""
+        async with contextlib.aclosing(answer):
+            try:
+                async for chunk in answer:
+                    yield chunk
+            except EngineFailure:
+                if adapter is not None:
+                    async with self.blobs.locks.hold(adapter.digest):
+                        await asyncio.to_thread(self.blobs.delete_if_damaged, adapter.digest)
+                raise
+
     async def keep_beating(self) -> None:
         """Heartbeat until cancelled, riding out Redis outages."""
         await keep_running(self.beat, self.heartbeat_s, "heartbeating to Redis")
@@ -147,9 +162,9 @@ async def generate(request: Request) -> Response:
         if folder is None:
             return _error(409, "adapter_missing", f"send the files of adapter {body.adapter}")
         adapter = AdapterRef(body.adapter, str(folder))
-    answer = _KeptAlive(worker.engine.generate(body.prompt_token_ids, body.options,
-                                               request_id=body.request_id, tenant=body.tenant,
-                                               adapter=adapter))
+    answer = _KeptAlive(worker.dropping_a_damaged_copy(
+        worker.engine.generate(body.prompt_token_ids, body.options, request_id=body.request_id,
+                               tenant=body.tenant, adapter=adapter), adapter))
     # NOTE: answered at once, not after the first chunk: a request queued behind others for
     # minutes is not a silent worker (the keepalives say so).
     return EventStreamResponse(answer.lines(), on_close=answer.close)

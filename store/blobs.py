@@ -153,6 +153,15 @@ class BlobStore:
         shutil.rmtree(trash)
         return True
 
+    def delete_if_damaged(self, digest: str) -> bool:
+        """Remove a blob whose files no longer hash to its digest (changed on disk since it was
+        put); whether it was removed. Hashes every file: for after a failure, not every read."""
+        folder = self.path(digest)
+        if folder is None or _holds(folder, digest, ADAPTER_FILES):
+            return False
+        logger.warning("removing the damaged stored copy of adapter %s from %s", digest, self.root)
+        return self.delete(digest)
+
     def digests(self) -> list[str]:
         """The digests of every stored blob, sorted."""
         return sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))

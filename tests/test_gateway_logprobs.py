@@ -353,10 +353,11 @@ def _damage(folder: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def assert_engine_failure(url: str, key: str, model: str, reason: str, hidden: str) -> None:
+def assert_engine_failure(url: str, key: str, model: str, reason: str, hidden: str,
+                          streams: tuple[bool, ...] = (False, True)) -> None:
     """A request the engine fails is a 500 engine_failure saying why, whole or streamed, and
     never naming `hidden` (the server's files)."""
-    for stream in (False, True):
+    for stream in streams:
         response = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "stream": stream}, headers={"Authorization": f"Bearer {key}"})
@@ -388,7 +389,7 @@ def _worker_urls(redis_url: str) -> list[str]:
 def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
         demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path):
     from gateway.worker import Worker, create_worker_app, tokenizer_files
-    from store.blobs import BlobStore
+    from store.blobs import BlobStore, digest_files
 
     worker = Worker(model=DEMO_MODEL, engine=demo_engine, url="", blobs=BlobStore(tmp_path / "w"),
                     registry=WorkerRegistry.open(redis_url),
@@ -409,7 +410,16 @@ def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
                 (folder / name).write_bytes(data)
             _damage(folder)
             assert_engine_failure(gateway.url, key, "damaged",
-                                  f"adapter {digest} could not be loaded", hidden=str(folder))
+                                  f"adapter {digest} could not be loaded", hidden=str(folder),
+                                  streams=(False,))
+            # The failure dropped the damaged copy, so the next request has the gateway send
+            # the files again, and answers.
+            assert worker.blobs.path(digest) is None
+            response = httpx.post(gateway.url + "/v1/completions", timeout=60, json={
+                "model": "damaged", "prompt": "hi", "max_tokens": 3},
+                headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+            assert digest_files(worker.blobs.path(digest)) == digest
 
 
 class FailingAsyncEngine:
