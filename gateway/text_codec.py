@@ -103,6 +103,10 @@ class TextCodec:
         return b"" if token_id in self._special_ids else self.token_bytes(token_id)
 
     def detokenize(self, token_ids: list[int]) -> str:
+        """The ids' text; ids outside the vocabulary read as nothing. A learned route reads a
+        prompt before the engine checks its ids (and refuses those), and the tokenizer raises
+        on ids past its own integer type."""
         if self._tokenizer is None:
             return "".join(map(self.token_text, token_ids))
-        return self._tokenizer.decode(token_ids)
+        size = len(self._tokenizer)
+        return self._tokenizer.decode([t for t in token_ids if 0 <= t < size])

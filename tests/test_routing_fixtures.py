@@ -19,6 +19,7 @@ def server(tmp_path_factory):
     from benchmarks.routing import FIXTURES as FOLDER
     from engine.config import EngineConfig
     from gateway.local_engine import LocalEngineClient
+    from routing.learned import Example, train_router
     from routing.routes import parse_routes
 
     threads = torch.get_num_threads()
@@ -26,8 +27,12 @@ def server(tmp_path_factory):
     engines = {name: LocalEngineClient.load(EngineConfig(model=str(FOLDER / name),
                                                          num_kv_blocks=64), show_progress=False)
                for name in FIXTURES}
+    router, _ = train_router([Example(p.prompt, True) for p in EASY] +
+                             [Example(p.prompt, False) for p in HARD], target_strong_share=0.5)
+    router.save(router_dir := tmp_path_factory.mktemp("router"))
     routes = parse_routes({
         "auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": CONFIDENT},
+        "learned": {"kind": "learned", "tiers": ["small", "large"], "router": str(router_dir)},
         "three": {"tiers": list(FIXTURES), "measure": "min_prob",
                   "thresholds": [CONFIDENT, CONFIDENT]},
     }, engines)
@@ -41,7 +46,7 @@ def server(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-def ask(server, prompt: str, model: str = "auto", stream: bool = False) -> httpx.Response:
+def ask(server, prompt: str | list[int], model: str = "auto", stream: bool = False) -> httpx.Response:
     gateway, key = server
     return httpx.post(gateway.url + "/v1/completions", timeout=60,
                       headers={"Authorization": f"Bearer {key}"},
@@ -85,3 +90,15 @@ def test_a_streamed_hard_sum_is_escalated_before_any_byte(server):
     assert all(e["model"] == "large" for e in events)
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]).strip() == \
         HARD[0].answer
+
+
+def test_a_learned_route_refuses_token_ids_outside_the_vocabulary_as_a_model_does(server):
+    """The router reads the prompt before the engine checks its ids, so ids no tokenizer can
+    decode must still get the model's own 400."""
+    for ids in ([65, 66, -1], [65, 2**40], [70000]):
+        for stream in (False, True):
+            refused = ask(server, ids, model="learned", stream=stream)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "prompt"
+            assert "outside the vocabulary" in refused.json()["error"]["message"]
+    assert ask(server, EASY[0].prompt, model="learned").status_code == 200
