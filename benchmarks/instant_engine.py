@@ -49,7 +49,7 @@ class InstantEngine:
     def text_bytes(self, token_id: int) -> bytes:
         return bytes([token_id])
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return bytes(token_ids).decode(errors="replace")
 
     @property

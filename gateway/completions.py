@@ -43,8 +43,7 @@ async def create_completion(request: Request) -> Response:
     # NOTE: max_tokens 0 runs one token, as the engine always samples one; echo leaves it out.
     ask = Ask(prompts, options, max(max_tokens, 1))
     call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,
-                            streamed=bool(body.stream),
-                            prompt_text=body.prompt if isinstance(body.prompt, str) else None)
+                            streamed=bool(body.stream))
     name = token_namer(call.engine, body.return_tokens_as_token_ids) \
         if body.logprobs is not None else None
     echo = Echo.of(call, ask, drop_output=max_tokens == 0) if body.echo else None

@@ -111,8 +111,9 @@ class EngineClient(Protocol):
         """The bytes one generated token adds to the reply's text: its own, or none for a
         special token, which the engine's text leaves out."""
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """How a run of tokens reads (for echo: a character may span several tokens)."""
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """How a run of tokens reads (for echo: a character may span several tokens); without
+        the special ones ("<s>") if `skip_special_tokens`."""
 
     @property
     def supports_adapters(self) -> bool:

@@ -27,7 +27,7 @@ from gateway.engine_client import (AdapterRef, ContextExceeded, EngineClient, En
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
-from gateway.generation import Ask, Generation, Reading, Tier, tokenizer_key
+from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
 from gateway.state import GatewayState, gateway_state
@@ -319,8 +319,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                      prompt_text: str | None = None) -> Call:
     """Admit the call and start `n` engine requests per prompt (a route picks its tier first);
     returns once each produced its first token, so a request the engine refuses still gets a 400,
-    not a broken stream. `prompt_text` is what a learned route reads (default: the prompt's
-    tokens as text)."""
+    not a broken stream. `prompt_text` is what a learned route reads (default: _router_text)."""
     state = gateway_state(request)
     if target.route is not None and (n != 1 or len(ask.prompts) != 1):
         raise invalid_request(f"routes answer one prompt with one choice; send n = 1 and a single "
@@ -350,8 +349,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             streams, prompt_indices = [outcome.stream], [0]
         elif isinstance(target.route, LearnedRoute):
             fitting = [t for t, reading in zip(target.tiers, readings) if reading is not None]
-            text = prompt_text if prompt_text is not None else \
-                fitting[0].engine.detokenize(ask.prompts[0].tokens(fitting[0].engine))
+            text = prompt_text if prompt_text is not None else _router_text(ask.prompts[0],
+                                                                             fitting[0].engine)
             decision = state.learned.decide(target.route, tenant, text)
             picked, other = target.tiers[decision.tier], target.tiers[1 - decision.tier]
             attempts.append(Attempt(picked.model, decision.score, decision.threshold, 0, 0))
@@ -389,6 +388,14 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         await call.finish()
         raise
     return call
+
+
+def _router_text(prompt: Prompt, engine: EngineClient) -> str:
+    """What a learned route reads of a prompt: its text as sent, or the text of its ids without
+    special tokens (routers are trained on prompts' text, which has no "<s>")."""
+    if prompt.token_ids is None:
+        return prompt.render(engine)[0]
+    return engine.detokenize(prompt.token_ids, skip_special_tokens=True)
 
 
 async def _ensure_some_tier_available(target: Target) -> None:

@@ -102,10 +102,12 @@ class TextCodec:
     def text_bytes(self, token_id: int) -> bytes:
         return b"" if token_id in self._special_ids else self.token_bytes(token_id)
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         """The ids' text; ids outside the vocabulary read as nothing. A learned route reads a
         prompt before the engine checks its ids (and refuses those), and the tokenizer raises
         on ids past its own integer type."""
+        if skip_special_tokens:
+            token_ids = [t for t in token_ids if t not in self._special_ids]
         if self._tokenizer is None:
             return "".join(map(self.token_text, token_ids))
         size = len(self._tokenizer)

@@ -288,7 +288,8 @@ class UpstreamEngineClient:
         reach the upstream's template (the gateway's transcript is sent)."""
         return RenderedChat(messages) if self._source.api == "chat" else None
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        # Only byte ids have text: the others are the names of tokens an upstream answered with.
         return bytes(t for t in token_ids if 0 <= t < TEXT_PIECE_ID).decode(errors="replace")
 
     def token_text(self, token_id: int) -> str:

@@ -188,7 +188,7 @@ class IdleEngineParts:
     def text_bytes(self, token_id: int) -> bytes:
         return chr(token_id).encode()
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(map(chr, token_ids))
 
     def stats(self):

@@ -102,3 +102,16 @@ def test_a_learned_route_refuses_token_ids_outside_the_vocabulary_as_a_model_doe
             assert refused.json()["error"]["param"] == "prompt"
             assert "outside the vocabulary" in refused.json()["error"]["message"]
     assert ask(server, EASY[0].prompt, model="learned").status_code == 200
+
+
+def test_a_learned_route_reads_a_prompt_alike_as_a_string_a_list_or_token_ids(server):
+    """Routers are trained on prompt text: a one-prompt list, or the prompt's ids (with the
+    "<s>" the tokenizer adds), must be scored as the string is."""
+    gateway, _ = server
+    small = gateway.app.state.gateway.engines["small"]
+    for problem in EASY[:3] + HARD[:3]:
+        ids = small.tokenize(problem.prompt)
+        assert ids[0] == small.tokenize("")[0]  # starts with a special token
+        scores = {ask(server, form, model="learned").headers["x-switchboard-score"]
+                  for form in (problem.prompt, [problem.prompt], ids)}
+        assert len(scores) == 1, (problem.prompt, scores)
