@@ -13,7 +13,8 @@ import msgspec
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """How one engine request is decoded; mirrors the engine's SamplingParams field for field."""
+    """How one engine request is decoded; mirrors the engine's SamplingParams field for field,
+    but for `fills_context`."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -31,6 +32,10 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = {}
+    # The client left max_tokens out, and max_tokens is what the context leaves after the prompt
+    # (as this gateway counts it): an upstream, which counts the prompt its own way, is not held
+    # to that count (UpstreamEngineClient._upstream_max_tokens). An engine here ignores it.
+    fills_context: bool = False
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

@@ -112,13 +112,14 @@ class Ask:
         readings = []
         for prompt in self.prompts:
             token_ids = prompt.tokens(tier.engine)
-            max_tokens = self.max_tokens
+            max_tokens, fills_context = self.max_tokens, False
             if max_tokens is None:
-                max_tokens = max(1, tier.engine.max_model_len - len(token_ids))
-                max_tokens = min(max_tokens, self.implicit_max_tokens or max_tokens)
+                context_left = max(1, tier.engine.max_model_len - len(token_ids))
+                max_tokens = min(context_left, self.implicit_max_tokens or context_left)
+                fills_context = max_tokens == context_left
             self._check_context(tier.engine, len(token_ids), max_tokens)
-            readings.append((token_ids, msgspec.structs.replace(self.options,
-                                                                max_tokens=max_tokens)))
+            readings.append((token_ids, msgspec.structs.replace(
+                self.options, max_tokens=max_tokens, fills_context=fills_context)))
         return readings
 
     def fits(self, tier: Tier) -> bool:

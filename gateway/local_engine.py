@@ -66,7 +66,9 @@ class LocalEngineClient(TextCodec):
                        request_id: str, tenant: str | None = None,
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         try:
-            params = SamplingParams(**msgspec.structs.asdict(options))
+            fields = msgspec.structs.asdict(options)
+            del fields["fills_context"]  # for upstreams; this engine fills its context anyway
+            params = SamplingParams(**fields)
         except ValueError as error:
             raise _rejected(error) from None
         lora = None if adapter is None else LoraRequest(adapter.digest, adapter.path)

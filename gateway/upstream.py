@@ -375,7 +375,7 @@ class UpstreamEngineClient:
         body = {"model": self._source.model, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": options.temperature,
                 "top_p": options.top_p}
-        if (max_tokens := self._upstream_max_tokens(prompt_token_ids, options)) is not None:
+        if (max_tokens := self._upstream_max_tokens(options)) is not None:
             body["max_tokens"] = max_tokens
         # NOTE: logprobs always asked: their tokens are how output tokens are counted
         if self._source.api == "chat":
@@ -393,15 +393,14 @@ class UpstreamEngineClient:
                 body[name] = value
         return msgspec.json.encode(body | _vllm_extras(options))
 
-    def _upstream_max_tokens(self, prompt_token_ids: list[int], options: SamplingOptions
-                             ) -> int | None:
-        """What to ask the upstream for. An answer that may run to the end of the context (a
-        chat that left max_tokens out) cannot be sent as it is: the prompt's count here is its
-        bytes, and the upstream adds its special tokens, and the chat API its template, so it
-        would refuse the call as too long. The chat API is sent no max_tokens (it then fills
-        what its context leaves), the completions API (where it defaults to 16) leaves room for
-        the special tokens."""
-        if len(prompt_token_ids) + options.max_tokens < self.max_model_len:
+    def _upstream_max_tokens(self, options: SamplingOptions) -> int | None:
+        """What to ask the upstream for: the client's max_tokens as it is. But an answer that
+        may run to the end of the context (a call that left max_tokens out) cannot be sent as
+        it is: the prompt's count here is its bytes, and the upstream adds its special tokens,
+        and the chat API its template, so it would refuse the call as too long. The chat API is
+        then sent no max_tokens (it fills what its context leaves), the completions API (where
+        it defaults to 16) leaves room for the special tokens."""
+        if not options.fills_context:
             return options.max_tokens
         if self._source.api == "chat":
             return None

@@ -805,6 +805,15 @@ def test_a_chat_without_max_tokens_fills_what_the_upstream_s_context_leaves(fron
     assert hosted.requests[-1][1]["messages"] == long_chat
 
 
+def test_a_client_s_max_tokens_reaches_the_upstream_as_it_is(front, hosted):
+    """Only a max_tokens the gateway filled in is adjusted for the upstream's own counting: the
+    client's own holds the answer (and the budget held for it) to what the client asked."""
+    server, key = front
+    long_chat = [{"role": "user", "content": "many words " * 1000}]  # more bytes than 8192
+    assert chat(server.url, key, model="hosted", messages=long_chat, max_tokens=5).status_code == 200
+    assert hosted.requests[-1][1]["max_tokens"] == 5
+
+
 def test_an_answer_left_early_bills_its_prompt_at_the_upstream_s_tokens_per_byte(stalling, hosted):
     """The upstream counts the prompt only at the end: until then each chunk carries an estimate,
     what a cascade's judged tier or a client that leaves is billed. It is learnt from the
