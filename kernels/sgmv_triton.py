@@ -172,7 +172,8 @@ def sgmv_expand_triton(
         return
     block_m = _block_m(max_seg_len)
     num_m_tiles = triton.cdiv(max_seg_len, block_m)
-    block_n = _expand_block_n(num_segs * num_m_tiles, d_out, block_m)
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_n = _expand_block_n(num_segs * num_m_tiles, d_out, block_m, block_r)
     _expand_kernel[(num_segs, num_m_tiles, triton.cdiv(d_out, block_n))](
         buf, lora_b, out, seg_starts, seg_slots, slot_ranks, slot_scalings,
         slice_offsets,
@@ -180,8 +181,7 @@ def sgmv_expand_triton(
         *buf.stride(),
         *lora_b.stride(),
         *out.stride(),
-        NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         INPUT_PRECISION=_input_precision(out.dtype),
     )
 
@@ -193,15 +193,17 @@ def _block_m(max_seg_len: int) -> int:
 
 def _shrink_config(num_tiles: int, d_in: int, block_m: int, block_r: int) -> tuple[int, int]:
     """(BLOCK_K, SPLIT_K): the widest K block that fits in registers; split K until the GPU is full."""
-    # Past these widths sm90 builds need over 128 registers a thread, or spill.
-    block_k = min(128, 2048 // max(block_m, block_r), max(16, triton.next_power_of_2(d_in)))
+    # Past these widths sm90 builds need over 128 registers a thread, or spill; but never under
+    # 16, the narrowest K tl.dot takes for 16-bit inputs on NVIDIA GPUs (a rank past 128).
+    block_k = max(16, min(128, 2048 // max(block_m, block_r), triton.next_power_of_2(d_in)))
     split_k = min(triton.cdiv(d_in, block_k), max(1, _TARGET_PROGRAMS // num_tiles))
     return block_k, split_k
 
 
-def _expand_block_n(num_tiles: int, d_out: int, block_m: int) -> int:
+def _expand_block_n(num_tiles: int, d_out: int, block_m: int, block_r: int) -> int:
     """Widest column tile (fewer programs, each moving more of B) that still fills the GPU."""
-    widest = max(16, triton.next_power_of_2(d_out))
+    # A program holds a [BLOCK_R, BLOCK_N] tile of B: ranks past 128 get narrower columns.
+    widest = max(16, min(triton.next_power_of_2(d_out), 32768 // block_r))
     for block_n in (256, 128):
         # Wider accumulators push sm90 builds of the 3-slice kernel past 255 registers, into spills.
         fits = block_n <= widest and block_m * block_n <= 4096

@@ -60,6 +60,17 @@ def interpreter_bf16_dot():
         yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def nvidia_dot_shapes():
+    """The interpreter takes a tl.dot of any shape; an NVIDIA build refuses K under 16 for 16-bit
+    inputs (8 for float32). Check the kernels' tiles by NVIDIA's rule, as a CUDA build would."""
+    from triton.backends.nvidia.compiler import min_dot_size
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(interpreter.interpreter_builder.codegen_fns, "min_dot_size", min_dot_size(None))
+        yield
+
+
 @dataclass
 class Batch:
     x: torch.Tensor  # [num_tokens, d_in]
@@ -218,6 +229,18 @@ def test_triton_matches_twins(dtype, slice_widths, max_seg_len):
     assert_shrink_matches(run_shrink(sgmv_shrink_triton, b, max_seg_len), run_shrink(sgmv_shrink_torch, b), b)
     buf = expand_input(b)
     assert_expand_matches(run_expand(sgmv_expand_triton, b, buf, max_seg_len), run_expand(sgmv_expand_torch, b, buf), b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_rank", [256, 512])
+def test_triton_matches_twins_in_slots_wider_than_128_ranks(dtype, max_rank):
+    """A server started with --max-lora-rank past 128 sizes every slot to it: the tiles must still
+    be ones NVIDIA's tl.dot takes, whatever rank the adapters have."""
+    b = make_batch(seg_lens=[1, 3, 0, 2], seg_slots=[1, 0, 2, -1], slot_ranks=[8, max_rank, 3],
+                   max_rank=max_rank, d_in=64, slice_widths=(24, 40), dtype=dtype).to(DEVICE)
+    assert_shrink_matches(run_shrink(sgmv_shrink_triton, b), run_shrink(sgmv_shrink_torch, b), b)
+    buf = expand_input(b)
+    assert_expand_matches(run_expand(sgmv_expand_triton, b, buf), run_expand(sgmv_expand_torch, b, buf), b)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])
