@@ -106,6 +106,11 @@ class AdapterCache:
         self._promised[adapter_id] = packed
         return True
 
+    def is_loading(self, adapter_id: str) -> bool:
+        """Whether the adapter's load from storage is under way (on a loader thread)."""
+        future = self._loading.get(adapter_id)
+        return future is not None and not future.done()
+
     def acquire(self, adapter_id: str) -> int:
         """Pin the adapter in a device slot (paging it in if needed) and return the slot.
 

@@ -150,8 +150,9 @@ class Scheduler:
 
         Adapter slots are not: a request whose adapter cannot get a slot now waits without blocking
         requests of the base model behind it, and preempts nothing. NOTE: once one adapter request
-        is blocked, later adapter requests wait too, so the busy adapters drain and free a slot for
-        it; otherwise a steady stream for resident adapters could starve it forever.
+        is blocked for want of a slot, later adapter requests wait too, so the busy adapters drain
+        and free a slot for it; otherwise a steady stream for resident adapters could starve it
+        forever. One whose adapter is still loading blocks no one: storage may take seconds.
         """
         in_flight = self._blocks_in_flight(scheduled)
         slot_blocked = False
@@ -165,7 +166,8 @@ class Scheduler:
                 if request.is_finished:  # its adapter failed to load: its requests left the queue
                     index = self._index_after(request)
                     continue
-                slot_blocked = True
+                # A request whose adapter is still on its way from storage needs no slot yet.
+                slot_blocked = slot_blocked or not self.adapter_slots.is_loading(request.adapter_id)
                 index += 1
                 continue
             # Cached blocks would skip the positions whose logits prompt logprobs come from.

@@ -278,6 +278,34 @@ def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait
     cache.close()
 
 
+def test_an_adapter_still_loading_holds_back_no_request_of_a_resident_adapter(setup):
+    """Slow storage for one tenant's adapter delays that adapter's requests alone: a request for
+    an adapter already in a slot, arriving behind it, runs to the end meanwhile."""
+    base, prompts, adapters, references = setup
+    engine = lora_engine(base, max_gpu_adapters=4, num_load_threads=1)
+    params = greedy()
+    engine.add_request("warm-up", prompts[0], params, lora=adapters[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+    gate = _hold_loads(engine, only=adapters[1].adapter_id)
+    engine.add_request("slow", prompts[1], params, lora=adapters[1])
+    engine.step()  # its load starts, and waits for storage
+    engine.add_request("resident", prompts[2], params, lora=adapters[0])
+    tokens = {"slow": [], "resident": []}
+    for _ in range(4 * NUM_NEW_TOKENS):
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        if len(tokens["resident"]) == NUM_NEW_TOKENS:
+            break
+    assert tokens == {"slow": [], "resident": references[0][2]}
+    gate.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens["slow"] == references[1][1]
+    engine.adapter_cache.close()
+
+
 def test_a_load_failure_reaches_no_request_that_arrives_after_its_waiters_left(setup, tmp_path):
     base, prompts, adapters, references = setup
     engine = lora_engine(base, num_load_threads=1)
