@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from adapters import AdapterConfig, AdapterValidationError, load_adapter
+from adapters import AdapterConfig, AdapterValidationError, LoraAdapter, load_adapter
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
@@ -22,6 +22,7 @@ from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, Eng
                                    EngineStats, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
 from gateway.text_codec import TextCodec
+from kernels.sgmv_cpu import pin_num_threads
 
 
 class LocalEngineClient(TextCodec):
@@ -53,9 +54,14 @@ class LocalEngineClient(TextCodec):
         if engine.config.lora is None:
             raise AdapterRejected("this model is served without adapter slots (--max-loras 0), "
                                   "so it takes no adapters; start it with --max-loras above 0")
+        def check() -> LoraAdapter:
+            # NOTE: an executor thread whose first torch call landed in a LoRA decode's one-thread
+            # window (kernels/sgmv_cpu.py) would otherwise check every upload on one thread.
+            pin_num_threads(engine.num_threads)
+            return load_adapter(folder, engine.spec, engine.config.lora.max_lora_rank)
+
         try:
-            adapter = await asyncio.to_thread(load_adapter, folder, engine.spec,
-                                              engine.config.lora.max_lora_rank)
+            adapter = await asyncio.to_thread(check)
         except AdapterValidationError as error:
             # The folder is the server's temporary copy: its path means nothing to the client.
             raise AdapterRejected(str(error).replace(str(folder), "the adapter")) from None

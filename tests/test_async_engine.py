@@ -13,7 +13,7 @@ from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.request import SamplingParams
 from kernels import sgmv_cpu
-from tests.helpers import torch_threads
+from tests.helpers import TINY_DIMS, save_peft_adapter, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +214,33 @@ def test_the_engine_thread_keeps_its_thread_count_through_another_engines_lora_d
     asyncio.run(collect(engine, "after", params))
     engine.shutdown()
     assert len(seen) >= 6 and set(seen) == {2}
+
+
+def test_adapter_checks_keep_the_engine_s_thread_count_whatever_window_their_thread_starts_in(
+        demo_folder, tmp_path, monkeypatch):
+    """An upload's adapter is checked on an executor thread, which may make its first torch call
+    inside another engine's one-thread LoRA decode window: it still checks on the engine's count."""
+    from adapters import AdapterConfig
+    from engine.demo import demo_config
+    from gateway import local_engine
+
+    with torch_threads(2):
+        client = local_engine.LocalEngineClient.load(EngineConfig(
+            model=str(demo_folder), num_kv_blocks=64, lora=AdapterConfig(max_lora_rank=8)),
+            show_progress=False)
+    save_peft_adapter(tmp_path / "adapter", model_overrides={
+        name: getattr(demo_config(), name) for name in TINY_DIMS}, r=4, lora_alpha=8)
+    seen, load_adapter = [], local_engine.load_adapter
+
+    def recording_load(*args):
+        seen.append(torch.get_num_threads())
+        return load_adapter(*args)
+
+    monkeypatch.setattr(local_engine, "load_adapter", recording_load)
+    try:
+        with sgmv_cpu._one_thread():  # asyncio.run's new loop starts its executor thread inside
+            asyncio.run(client.check_adapter(str(tmp_path / "adapter")))
+        asyncio.run(client.check_adapter(str(tmp_path / "adapter")))
+    finally:
+        client.close()
+    assert seen == [2, 2]
