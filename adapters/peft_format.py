@@ -28,9 +28,12 @@ from store.blobs import digest_files
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+# NOTE: ASCII, and a layer number as PEFT writes it (no leading zero, at most 6 digits): PEFT
+# matches names to modules as strings, so "layers.01." or an Arabic-Indic "layers.١." would be
+# weights PEFT leaves out, not layer 1's.
 _LORA_NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)"
-    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
+    r"base_model\.model\.model\.layers\.(?P<layer>0|[1-9][0-9]{0,5})\.(?P<parent>self_attn|mlp)"
+    r"\.(?P<proj>\w+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight", re.ASCII)
 
 
 @dataclass(frozen=True)

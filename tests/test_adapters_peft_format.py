@@ -233,6 +233,12 @@ def _truncate(folder):
     (folder / WEIGHTS).write_bytes((folder / WEIGHTS).read_bytes()[:-100])
 
 
+def _renumber_layer_1(spelled: str):
+    """Layer 1's weights under another spelling of its number, which PEFT does not read as 1."""
+    return _edit_tensors(lambda t: {k.replace(".layers.1.", f".layers.{spelled}."): v
+                                    for k, v in t.items()})
+
+
 def _nan_row(t: torch.Tensor) -> torch.Tensor:
     return t.index_fill(0, torch.tensor([1]), math.nan)
 
@@ -285,6 +291,9 @@ REJECTIONS = {
                           "layers_to_transform cannot be used"),
     "bad regex": (_edit_config(target_modules="(q_proj"), "not a valid regular expression"),
     "no tensors": (_edit_tensors(lambda t: {}), "holds no LoRA weights"),
+    "layer with a leading zero": (_renumber_layer_1("01"), r"layers\.01\..* is not a LoRA weight"),
+    "layer in other digits": (_renumber_layer_1("\u0661"), "is not a LoRA weight"),
+    "layer of 5000 digits": (_renumber_layer_1("9" * 5000), "is not a LoRA weight"),
 }
 
 
