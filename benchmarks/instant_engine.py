@@ -56,6 +56,9 @@ class InstantEngine:
     def supports_adapters(self) -> bool:
         return False
 
+    def check_options(self, options: SamplingOptions) -> None:
+        """Nothing: it ignores the options."""
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("the instant engine serves no adapters")
 

@@ -6,10 +6,11 @@ a streamed one on its first `prefix_tokens`, before any byte reaches the client,
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
 refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
-fallback; only the last tier's failure reaches the client. Tiers whose context cannot hold the
-prompt and its answer are left out: the last tier that can is the one that answers whatever its
-score. Each tier reads the prompt with its own tokenizer (gateway/generation.py Ask), so a route
-may mix local models and upstreams.
+fallback; only the last tier's failure reaches the client. Tiers that cannot serve the call are
+left out (their context cannot hold the prompt and its answer, or they do not serve its options,
+as an upstream asked for the prompt's logprobs): the last tier that can is the one that answers
+whatever its score. Each tier reads the prompt with its own tokenizer (gateway/generation.py
+Ask), so a route may mix local models and upstreams.
 
 Every token a tier generated is billed, however the call ends: each tier goes into the caller's
 list of attempts as soon as it is done with (kept, escalated, failed, or cut short because the
@@ -59,10 +60,10 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
 
     `guard` wraps each wait on a judged tier (the caller cancels it when the client leaves).
     """
-    steps = _fitting_steps(tiers, ask)
+    steps = _serving_steps(tiers, ask)
     for step, tier in steps:
-        # The last tier that can hold the call answers: escalating into one that cannot would end
-        # a call that an earlier tier could answer with a 400, after billing that tier.
+        # The last tier that can serve the call answers: escalating into one that cannot would
+        # end a call that an earlier tier could answer with a 400, after billing that tier.
         threshold = route.threshold(step) if step != steps[-1][0] else None
         [(prompt, options)] = ask.read(tier)
         if threshold is not None:  # judged on its logprobs
@@ -97,7 +98,7 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
 async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
                             request_id: str, tenant: str | None,
                             guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
-    """Run the one prompt of `ask` on the first of `tiers` (those whose context can hold it),
+    """Run the one prompt of `ask` on the first of `tiers` (those that can serve it),
     unless its engine fails or refuses before the first token: then on the next (a learned
     route's other tier). Tiers that failed go into `attempts`, unjudged; the one that answers
     does not."""
@@ -131,11 +132,11 @@ async def _first_chunks(tier: Tier, stream: AsyncIterator[GenerationChunk], num_
         raise
 
 
-def _fitting_steps(tiers: list[Tier], ask: Ask) -> list[tuple[int, Tier]]:
-    """The route's steps whose tier can hold the prompt and its answer in its context.
+def _serving_steps(tiers: list[Tier], ask: Ask) -> list[tuple[int, Tier]]:
+    """The route's steps whose tier can serve the call (Ask.can_serve).
 
-    NOTE: never none: a call that no tier can hold is refused before it runs (serving)."""
-    return [(step, tier) for step, tier in enumerate(tiers) if ask.fits(tier)]
+    NOTE: never none: a call that no tier can serve is refused before it runs (serving)."""
+    return [(step, tier) for step, tier in enumerate(tiers) if ask.can_serve(tier)]
 
 
 async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | None,

@@ -130,6 +130,12 @@ class EngineClient(Protocol):
         tokenizes on its side): several bytes make a token, so only the model can tell that a
         prompt alone overflows its context."""
 
+    def check_options(self, options: SamplingOptions) -> None:
+        """OptionNotServed if this engine refuses every request with `options`, whatever its
+        prompt. Cheap, and checked before a call runs: a route leaves out a tier that would
+        refuse the call, rather than escalate into it after running (and billing) the tiers
+        before it."""
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         """Validate a PEFT adapter folder against this base model, reading all of it.
 
@@ -165,10 +171,19 @@ class RequestRejected(ValueError):
         self.param = param
 
 
-class ContextExceeded(RequestRejected):
+class CannotServe(RequestRejected):
+    """This model cannot serve the call as asked, though another model may: a route runs the
+    call on its tiers that can (ContextExceeded, OptionNotServed)."""
+
+
+class ContextExceeded(CannotServe):
     """The call cannot fit the model's context: its prompt alone (`param` "prompt"), or with its
-    answer's max_tokens ("max_tokens"). A model with a longer context may hold it, so a route
-    runs the call on its tiers that can."""
+    answer's max_tokens ("max_tokens"). A model with a longer context may hold it."""
+
+
+class OptionNotServed(CannotServe):
+    """A sampling option this engine never serves, whatever the prompt (`param` names it, as a
+    SamplingOptions field): an upstream asked for the prompt's logprobs. Another model may."""
 
 
 class AdapterRejected(RequestRejected):

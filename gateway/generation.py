@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, ContextExceeded, EngineClient, EngineFailure,
-                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
+from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, EngineClient,
+                                   EngineFailure, GenerationChunk, RequestRejected, SamplingOptions,
+                                   TokenLogprob)
 from gateway.metrics import LatencyMetrics
 
 _TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
@@ -89,8 +90,9 @@ Reading = tuple[list[int], SamplingOptions]  # a prompt as one tier reads it, an
 class Ask:
     """What one call asks of the tier that runs it: answers to `prompts`, sampled with `options`.
 
-    A prompt, or a prompt and its answer, that cannot fit a tier's context is refused as the
-    tier reads it (ContextExceeded), so a route runs the call on its tiers that can hold it.
+    A tier that cannot serve the call refuses it as it reads it (CannotServe): one whose
+    context cannot fit a prompt, or a prompt and its answer (ContextExceeded), or that does not
+    serve its options (OptionNotServed). A route runs the call on its tiers that can serve it.
     """
 
     prompts: list[Prompt]
@@ -102,13 +104,16 @@ class Ask:
 
     def param_of(self, error: RequestRejected) -> str | None:
         """The request field, as the client named it, that `error` is about."""
-        return {"prompt": self.prompt_param,
-                "max_tokens": self.max_tokens_param}.get(error.param, error.param)
+        # The prompt's logprobs are asked for by echo (with logprobs) alone.
+        return {"prompt": self.prompt_param, "max_tokens": self.max_tokens_param,
+                "prompt_logprobs": "echo"}.get(error.param, error.param)
 
     def read(self, tier: Tier) -> list[Reading]:
-        """Each prompt as `tier` reads it, with the options of its answer there. RequestRejected
-        if the tier cannot read one; ContextExceeded as soon as one cannot fit its context,
-        before the prompts after it are tokenized (a call's other prompts cannot save it)."""
+        """Each prompt as `tier` reads it, with the options of its answer there. OptionNotServed,
+        before any prompt is tokenized, if the tier does not serve the options; RequestRejected
+        if it cannot read a prompt; ContextExceeded as soon as one cannot fit its context, before
+        the prompts after it are tokenized (a call's other prompts cannot save it)."""
+        tier.engine.check_options(self.options)
         readings = []
         for prompt in self.prompts:
             token_ids = prompt.tokens(tier.engine)
@@ -122,12 +127,13 @@ class Ask:
                 self.options, max_tokens=max_tokens, fills_context=fills_context)))
         return readings
 
-    def fits(self, tier: Tier) -> bool:
-        """Whether `tier`'s context can hold every prompt and its answer (`read` raises no
-        ContextExceeded); cheap once `read` has run, as prompts keep their tokens."""
+    def can_serve(self, tier: Tier) -> bool:
+        """Whether `tier` serves the options and its context can hold every prompt and its
+        answer (`read` raises no CannotServe); cheap once `read` has run, as prompts keep their
+        tokens."""
         try:
             self.read(tier)
-        except ContextExceeded:
+        except CannotServe:
             return False
         return True
 

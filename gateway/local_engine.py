@@ -49,6 +49,10 @@ class LocalEngineClient(TextCodec):
     def counts_text_bytes(self) -> bool:
         return False
 
+    def check_options(self, options: SamplingOptions) -> None:
+        """Nothing: the engine serves every option (values out of bounds, the same on every
+        engine, are refused by `generate`)."""
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         engine = self._engine.engine
         if engine.config.lora is None:

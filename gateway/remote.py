@@ -245,6 +245,9 @@ class RemoteEngineClient(TextCodec):
     def counts_text_bytes(self) -> bool:
         return False
 
+    def check_options(self, options: SamplingOptions) -> None:
+        """Nothing: workers run the local engine, which serves every option."""
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         """The adapter checked by a worker of the model; one that cannot be reached is passed
         over for the next, as for a request."""

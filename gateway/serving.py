@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from gateway.admission import Admission, admit
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
-from gateway.engine_client import (AdapterRef, ContextExceeded, EngineClient, EngineFailure,
+from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
                            model_not_found)
@@ -348,16 +348,16 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
         elif isinstance(target.route, LearnedRoute):
-            fitting = [t for t, reading in zip(target.tiers, readings) if reading is not None]
+            serving = [t for t, reading in zip(target.tiers, readings) if reading is not None]
             text = prompt_text if prompt_text is not None else _router_text(ask.prompts[0],
-                                                                             fitting[0].engine)
+                                                                             serving[0].engine)
             decision = state.learned.decide(target.route, tenant, text)
             picked, other = target.tiers[decision.tier], target.tiers[1 - decision.tier]
             attempts.append(Attempt(picked.model, decision.score, decision.threshold, 0, 0))
-            # The other tier answers if the picked one cannot hold the call, or fails before its
-            # first token.
+            # The other tier answers if the picked one cannot serve the call, or fails before
+            # its first token.
             outcome = await run_with_fallback(
-                [t for t in (picked, other) if t in fitting], ask, attempts, request_id=call_id,
+                [t for t in (picked, other) if t in serving], ask, attempts, request_id=call_id,
                 tenant=tenant.incarnation, guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
@@ -412,19 +412,20 @@ async def _ensure_some_tier_available(target: Target) -> None:
 
 
 def _read_tiers(ask: Ask, tiers: tuple[Tier, ...]) -> list[list[Reading] | None]:
-    """Each tier's reading of the call (Ask.read), None for a tier whose context cannot hold it
-    (a route runs the call on its other tiers). Raises RequestRejected if a tier cannot read the
-    prompts, and the roomiest tier's ContextExceeded if no tier can hold them."""
+    """Each tier's reading of the call (Ask.read), None for a tier that cannot serve it (a route
+    runs the call on its other tiers). Raises RequestRejected if a tier cannot read the prompts,
+    and the roomiest tier's CannotServe if no tier can serve the call."""
     readings: list[list[Reading] | None] = []
-    refusals: list[tuple[int, ContextExceeded]] = []
+    refusals: list[tuple[int, CannotServe]] = []
     for tier in tiers:
         try:
             readings.append(ask.read(tier))
-        except ContextExceeded as error:
+        except CannotServe as error:
             readings.append(None)
             refusals.append((tier.engine.max_model_len, error))
     if refusals and all(reading is None for reading in readings):
-        # The roomiest tier's refusal: the call must shrink to fit that one.
+        # The roomiest tier's refusal: the call must shrink to fit that one, or leave out what
+        # it does not serve.
         raise max(refusals, key=lambda entry: entry[0])[1]
     return readings
 
@@ -434,9 +435,9 @@ def _hold(state: GatewayState, target: Target, readings: list[list[Reading] | No
     """The tokens and spend to hold before a call runs: the most its tiers may use, each in its
     own tokens and at its own price.
 
-    A tier whose context cannot hold the call (its reading None) never runs it, so it holds
-    nothing. A cascade may run, and bill, every other tier: it holds their sum. A model, or a
-    learned route, runs one tier: the dearest one's.
+    A tier that cannot serve the call (its reading None) never runs it, so it holds nothing. A
+    cascade may run, and bill, every other tier: it holds their sum. A model, or a learned
+    route, runs one tier: the dearest one's.
     """
     holds = []
     for tier, reading in zip(target.tiers, readings):

@@ -31,10 +31,10 @@ alike (text, tokens, logprobs, usage):
 Sampling options the OpenAI APIs lack (vLLM's extras) are sent only when set, so an upstream that
 does not know one refuses the request rather than ignoring it. Token ids in sampling options
 (`stop_token_ids`, `logit_bias`) are passed as they are: they name the upstream's own tokens.
-Prompt logprobs (for echo) are refused: the client cannot ask the upstream for them. A prompt
-sent as token ids is read as above: ids with the marks spell a chat, read strictly (each message a
-role and a content, maybe a name: what the chat endpoint passes on), so they reach nothing the chat
-endpoint does not.
+Prompt logprobs (for echo) are refused up front (`check_options`): the client cannot ask the
+upstream for them. A prompt sent as token ids is read as above: ids with the marks spell a chat,
+read strictly (each message a role and a content, maybe a name: what the chat endpoint passes on),
+so they reach nothing the chat endpoint does not.
 
 Refused connections, timeouts (to connect, to send, and for each read: a stream that stalls midway
 too) and 429/503/504 answers are UpstreamUnavailable; 401/403/404 and other 5xx answers and
@@ -69,8 +69,9 @@ import msgspec
 
 from gateway.config import UpstreamSource
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineStats,
-                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob,
-                                   UpstreamFailure, UpstreamUnavailable)
+                                   GenerationChunk, OptionNotServed, RequestRejected,
+                                   SamplingOptions, TokenLogprob, UpstreamFailure,
+                                   UpstreamUnavailable)
 from gateway.sse import sse_lines
 from gateway.text_codec import name_bytes
 
@@ -309,6 +310,12 @@ class UpstreamEngineClient:
     def counts_text_bytes(self) -> bool:
         return True
 
+    def check_options(self, options: SamplingOptions) -> None:
+        if options.prompt_logprobs is not None:  # the APIs have no way to ask for them
+            raise OptionNotServed(f"{self._public_name} returns no logprobs of the prompt through "
+                                  "this gateway; leave out echo with logprobs, or call a local "
+                                  "model", "prompt_logprobs")
+
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("this model is served by an upstream server, which takes no "
                               "adapters from this gateway; upload the adapter for a local model")
@@ -318,9 +325,7 @@ class UpstreamEngineClient:
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         if adapter is not None:
             raise RequestRejected(f"{self._public_name} serves no adapters from this gateway")
-        if options.prompt_logprobs is not None:
-            raise RequestRejected(f"{self._public_name} returns no logprobs of the prompt through "
-                                  "this gateway; leave out echo with logprobs, or call a local model")
+        self.check_options(options)
         body = self._request_body(prompt_token_ids, options)
         if self._is_closed:
             raise UpstreamUnavailable(f"{self._public_name} is unavailable: the gateway has closed "

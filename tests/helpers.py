@@ -182,6 +182,9 @@ class IdleEngineParts:
 
     counts_text_bytes = False
 
+    def check_options(self, options) -> None:
+        pass
+
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 

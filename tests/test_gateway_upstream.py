@@ -569,6 +569,7 @@ def test_echo_through_an_upstream_puts_the_prompt_first_but_has_no_prompt_logpro
     assert echoed["choices"][0]["text"] == "Hello there" + direct["choices"][0]["text"]
     refused = post(server.url, key, model="demo", prompt="Hello there", echo=True, logprobs=1, **GREEDY)
     assert refused.status_code == 400 and "echo with logprobs" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "echo"
     # A route echoes the prompt as the model that answers read it.
     kept = post(server.url, key, model="keeping", prompt="Hello there", echo=True, logprobs=0, **GREEDY).json()
     local = post(server.url, key, model="local", prompt="Hello there", echo=True, logprobs=0, **GREEDY).json()
@@ -577,9 +578,37 @@ def test_echo_through_an_upstream_puts_the_prompt_first_but_has_no_prompt_logpro
     assert kept_logprobs["tokens"] == local_logprobs["tokens"]
     assert kept_logprobs["token_logprobs"][0] is None
     assert kept_logprobs["token_logprobs"][1:] == pytest.approx(local_logprobs["token_logprobs"][1:], abs=1e-4)
-    # A tier that cannot score the prompt refuses, so a route that escalates to it does too.
-    escalated = post(server.url, key, model="escalating", prompt="Hello there", echo=True, logprobs=0, **GREEDY)
-    assert escalated.status_code == 400 and "echo with logprobs" in escalated.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstream, demo_engine,
+                                                                   stream):
+    """An upstream cannot score an echoed prompt: a cascade that would escalate into it answers
+    with its local tier (it once ran and billed that tier, then answered 400), and a call that no
+    tier of a route serves is refused before anything runs."""
+    server, key = front
+    name = f"echo-{stream}"
+    tenant_key = server.new_tenant(name)
+    body = {"prompt": "Hello there", "echo": True, "logprobs": 0, **GREEDY}
+    local = post(server.url, key, model="local", **body).json()
+    kept = post(server.url, tenant_key, model="escalating", stream=stream, **body)
+    assert kept.status_code == 200, kept.text
+    assert answered_by(kept) == ("local", "false")
+    text = "".join(e["choices"][0]["text"] for e in events(kept)) if stream else \
+        kept.json()["choices"][0]["text"]
+    assert text == local["choices"][0]["text"]
+    num_local = local["usage"]["prompt_tokens"]
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["tokens_in"], usage["tokens_out"]) == (num_local, 8)
+    assert usage["spend_usd"] == pytest.approx(mixed_cost((num_local, 8)))
+
+    started = {model: len(engine.started) for model, engine in upstream.scripted.items()}
+    refused = post(server.url, tenant_key, model="auto", stream=stream, **body)  # upstreams only
+    error = refused.json()["error"]
+    assert (refused.status_code, error["param"]) == (400, "echo"), error
+    assert "echo with logprobs" in error["message"]
+    assert {model: len(engine.started) for model, engine in upstream.scripted.items()} == started
+    assert server.admin("GET", f"/admin/tenants/{name}").json()["usage"] == usage
 
 
 def test_each_tier_checks_its_own_context(front, demo_engine):
