@@ -35,6 +35,7 @@ import msgspec
 
 from routing.confidence import DEFAULT_QUANTILE, MEASURES
 from routing.learned import LearnedRouter
+from store.models import validate_name
 
 AUTO = "auto"  # the model name that means "the tenant's default route"
 DEFAULT_RECALIBRATE_WINDOW = 500
@@ -138,9 +139,12 @@ class _LearnedTable(msgspec.Struct, forbid_unknown_fields=True):
 def parse_routes(tables: dict[str, Any], served: Collection[str] | None) -> dict[str, Route]:
     """Routes from the config file's [routes.NAME] tables, checked against the served models
     (unless `served` is None: not known yet); ValueError, naming the route and the key, for
-    anything wrong."""
+    anything wrong (InvalidName, a ValueError, for a name outside store.models' naming rule)."""
     routes: dict[str, Route] = {}
     for name, table in tables.items():
+        # Names follow the rule of tenants and adapters: one with a ':' could never be called,
+        # since `model` names a route with an adapter as route:adapter (routing.models).
+        validate_name("route", name)
         if served is not None and name in served:
             raise ValueError(f"route {name!r} has the name of a served model; rename one of them")
         if not isinstance(table, dict):
@@ -167,6 +171,9 @@ def parse_routes(tables: dict[str, Any], served: Collection[str] | None) -> dict
 
 
 def _cascade(name: str, table: _CascadeTable) -> CascadeRoute:
+    if table.thresholds is not None and table.threshold is not None:
+        raise ValueError(f"[routes.{name}] gives both threshold and thresholds; keep one "
+                         "(threshold: the same for every step, thresholds: one per step)")
     thresholds = table.thresholds if table.thresholds is not None else table.threshold
     if isinstance(thresholds, float):
         thresholds = (thresholds,) * max(len(table.tiers) - 1, 1)

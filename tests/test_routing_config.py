@@ -87,6 +87,22 @@ def test_a_learned_route_recalibrates_by_default_and_refuses_a_share_it_could_ne
                         SERVED)["r"].recalibrate_window == 0
 
 
+@pytest.mark.parametrize("name", ["a:b", "my route", "", "-x", "r" * 65])
+def test_a_route_name_follows_the_rule_of_names(name):
+    # "a:b" was listed by /v1/models, yet every call to it was a 404: "a" read as a route,
+    # "b" as an adapter.
+    with pytest.raises(ValueError, match=f"invalid route name {name!r}: use 1-64 characters"):
+        parse_routes({name: {"tiers": ["small", "large"], "threshold": 0.5}}, SERVED)
+    assert list(parse_routes({"v1.2_b-c": {"tiers": ["small", "large"], "threshold": 0.5}},
+                             SERVED)) == ["v1.2_b-c"]
+
+
+def test_a_cascade_gives_threshold_or_thresholds_not_both():
+    table = {"tiers": ["small", "large"], "threshold": 0.0, "thresholds": [1.0]}  # once: 1.0
+    with pytest.raises(ValueError, match=r"\[routes.r\] gives both threshold and thresholds"):
+        parse_routes({"r": table}, SERVED)
+
+
 def test_a_route_cannot_shadow_a_model():
     with pytest.raises(ValueError, match="name of a served model"):
         parse_routes({"small": {"tiers": ["small", "large"], "threshold": 0.5}}, SERVED)
