@@ -6,6 +6,7 @@ Key plaintexts appear exactly once, in the reply that creates them; listings sho
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Annotated
 
 import msgspec
@@ -103,6 +104,7 @@ async def create_tenant(request: Request) -> Response:
     store = await _admin_store(request)
     body = await decode_body(request, TenantCreate)
     _check_policy(request, body.allowed_models, body.default_route)
+    _check_default_route_allowed(body.allowed_models, body.default_route)
     allowed = None if body.allowed_models is None else tuple(body.allowed_models)
     try:
         tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
@@ -130,9 +132,15 @@ async def update_tenant(request: Request) -> Response:
     if not changes:
         raise invalid_request(f"send at least one of {', '.join(TENANT_SETTINGS)} to change")
     _check_policy(request, changes.get("allowed_models"), changes.get("default_route"))
+    name = request.path_params["tenant"]
+    tenant = await store.get_tenant(name)  # None: the update says it does not exist
+    if tenant is not None and ("allowed_models" in changes or "default_route" in changes):
+        # When only one changes, against the other as the tenant has it. NOTE: read before the
+        # update, so a concurrent PATCH of the other one is not seen.
+        _check_default_route_allowed(changes.get("allowed_models", tenant.allowed_models),
+                                     changes.get("default_route", tenant.default_route))
     if changes.get("allowed_models") is not None:
         changes["allowed_models"] = tuple(changes["allowed_models"])
-    name = request.path_params["tenant"]
     try:
         return _json(await store.update_tenant(name, changes))
     except NotFound as error:
@@ -156,6 +164,17 @@ def _check_policy(request: Request, allowed_models: list[str] | None,
         raise invalid_request(f"allowed_models names {', '.join(map(repr, unknown))}, which this "
                               f"server does not serve; it serves the base models and routes "
                               f"{', '.join(known)}", param="allowed_models")
+
+
+def _check_default_route_allowed(allowed_models: Collection[str] | None,
+                                 default_route: str | None) -> None:
+    """Refuse a default route the tenant's own allowed_models excludes: `auto` would then be a
+    403 for it, and listed nowhere."""
+    if allowed_models is not None and default_route is not None and \
+            default_route not in allowed_models:
+        raise invalid_request(f"default_route {default_route!r} is not among the tenant's "
+                              f"allowed_models ({', '.join(allowed_models) or 'none'}); add it to "
+                              "them, or name a route they hold", param="default_route")
 
 
 async def list_tenants(request: Request) -> Response:

@@ -340,6 +340,28 @@ def test_policies_limit_routes_and_pick_the_default(routed):
     assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
 
 
+def test_a_tenant_s_default_route_is_one_its_allowed_models_hold(routed):
+    """Else `auto` is a 403 for the tenant, and /v1/models lists no `auto`."""
+    def refused(response: httpx.Response) -> bool:
+        return response.status_code == 400 and response.json()["error"]["param"] == "default_route"
+
+    assert refused(routed.admin("POST", "/admin/tenants", json={
+        "name": "forbidden-default", "allowed_models": ["three"], "default_route": "learned"}))
+    assert routed.admin("GET", "/admin/tenants/forbidden-default").status_code == 404
+    name, key = new_tenant(routed, allowed_models=["three"], default_route="three")
+    for change in ({"default_route": "learned"}, {"allowed_models": ["auto", "small"]},
+                   {"allowed_models": ["learned"], "default_route": "three"}):
+        assert refused(routed.admin("PATCH", f"/admin/tenants/{name}", json=change)), change
+    tenant = routed.admin("GET", f"/admin/tenants/{name}").json()["tenant"]
+    assert (tenant["allowed_models"], tenant["default_route"]) == (["three"], "three")
+    assert complete(routed, key, "hard one").headers["x-switchboard-route"] == "three"
+    for change in ({"allowed_models": None}, {"default_route": "learned"},
+                   {"allowed_models": ["small"], "default_route": None}):
+        assert routed.admin("PATCH", f"/admin/tenants/{name}", json=change).status_code == 200
+    assert refused(routed.admin("PATCH", f"/admin/tenants/{name}",
+                                json={"default_route": "learned"}))
+
+
 def test_the_spend_budget_stops_a_tenant(routed):
     name, key = new_tenant(routed, monthly_spend_budget_usd=cost("large", 8, 4) * 1.5)
     assert complete(routed, key, "easy one", model="large").status_code == 200
