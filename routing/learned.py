@@ -140,10 +140,7 @@ def train(examples: Sequence[Example], settings: RouterSettings = RouterSettings
     """Fit the logistic regression (label: the small model was wrong) with full-batch Adam."""
     import torch  # NOTE: only training needs it; scoring is plain Python
 
-    if not examples or all(e.small_correct for e in examples) or not any(
-            e.small_correct for e in examples):
-        raise ValueError("training needs prompts the small model got right and prompts it got "
-                         "wrong")
+    _require_both_outcomes(examples)
     torch.manual_seed(seed)
     indices, offsets, values = _batch(torch, [featurize(e.prompt, settings) for e in examples])
     labels = torch.tensor([0.0 if e.small_correct else 1.0 for e in examples])
@@ -228,6 +225,7 @@ def train_router(examples: Sequence[Example], target_strong_share: float, *,
     """Train on a seeded split of `examples` and calibrate the threshold on the held-out rest."""
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+    _require_both_outcomes(examples)  # NOTE: _split needs at least one example
     holdout, training = _split(examples, holdout_fraction, seed)
     router = train(training, epochs=epochs, seed=seed)
     router = router.calibrated([e.prompt for e in holdout], target_strong_share)
@@ -235,6 +233,13 @@ def train_router(examples: Sequence[Example], target_strong_share: float, *,
     share = sum(s >= router.settings.threshold for s in scores) / len(scores)
     auc = roc_auc(scores, [not e.small_correct for e in holdout])
     return router, TrainingReport(len(training), len(holdout), router.settings.threshold, share, auc)
+
+
+def _require_both_outcomes(examples: Sequence[Example]) -> None:
+    """ValueError unless `examples` hold prompts of both outcomes: none can be learned from one."""
+    if len({e.small_correct for e in examples}) < 2:
+        raise ValueError("training needs prompts the small model got right and prompts it got "
+                         "wrong")
 
 
 def _split(examples: Sequence[Example], holdout_fraction: float, seed: int

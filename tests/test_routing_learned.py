@@ -102,6 +102,17 @@ def test_router_train_command(tmp_path, capsys):
     assert raised.value.code == 2
 
 
+@pytest.mark.parametrize("lines", [[], ['{"prompt": "1+1=", "small_correct": true}']])
+def test_router_train_on_too_few_outcomes_exits_2_with_one_line(tmp_path, capsys, lines):
+    # An empty file once ended in an IndexError traceback.
+    data = tmp_path / "outcomes.jsonl"
+    data.write_text("".join(line + "\n" for line in lines))
+    assert main(["router", "train", str(data), "--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == ("switchboard router train: training needs prompts the small "
+                                       "model got right and prompts it got wrong\n")
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_held_out_part_has_each_outcome_in_its_share_of_the_whole():
     """The calibration reads the held-out prompts as the traffic to come: a split that left out
     the hard prompts (as one ordered by a checksum of the line number did) calibrates on the
