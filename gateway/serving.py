@@ -211,7 +211,8 @@ class Call:
     admission: Admission
     state: GatewayState
     attempts: list[Attempt] = field(default_factory=list)  # a route's tiers, in the order run
-    escalated: bool = False  # a route answered with a dearer tier than its first
+    # A cascade passed over a tier it ran; a learned route's strong model answers.
+    escalated: bool = False
     is_finished: bool = False
 
     @property
@@ -347,6 +348,9 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
+            # An earlier tier ran and was passed over. One left out, as it cannot serve the
+            # call, was not: the call went straight to the tier that answers.
+            escalated = any(a.model != tier.model for a in attempts)
         elif isinstance(target.route, LearnedRoute):
             serving = [t for t, reading in zip(target.tiers, readings) if reading is not None]
             text = prompt_text if prompt_text is not None else _router_text(ask.prompts[0],
@@ -361,9 +365,11 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 tenant=tenant.incarnation, guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices = [outcome.stream], [0]
+            escalated = tier.model != target.tiers[0].model  # the strong model answers
         else:
             tier = target.tiers[0]
             streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.incarnation)
+            escalated = False
     except BaseException:  # only a route's tiers have used tokens yet; bill those
         await _bill(request, admission, tenant.name, _uses_of(state, attempts))
         raise
@@ -373,7 +379,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at)
     call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
-                admission, state, attempts, escalated=answered_by != target.tiers[0].model)
+                admission, state, attempts, escalated)
     try:
         # A client that leaves while its requests wait for a batch slot or prefill takes them
         # back: they never run, nor are billed.

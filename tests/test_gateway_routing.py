@@ -142,6 +142,7 @@ def routed(engines, router_dir, tmp_path_factory):
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
                   "thresholds": [math.log(0.5), math.log(0.5)]},
         "to-cramped": {"tiers": ["small", "cramped"], "measure": "min_prob", "threshold": 0.5},
+        "from-cramped": {"tiers": ["cramped", "large"], "measure": "min_prob", "threshold": 0.95},
         "learned-cramped": {"kind": "learned", "tiers": ["cramped", "large"],
                             "router": str(router_dir)},
     }, engines)
@@ -420,6 +421,39 @@ def test_a_cascade_never_escalates_into_a_tier_whose_context_cannot_hold_the_cal
     refused = complete(routed, key, "hard one", model="to-cramped", max_tokens=300)
     assert refused.status_code == 400
     assert "maximum context length is 256 tokens" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_that_skips_a_first_tier_it_cannot_fit_is_not_an_escalation(routed, engines, stream):
+    # "easy one" is 8 tokens: with 20 more it does not fit cramped's context (24).
+    _, key = new_tenant(routed)
+    metrics = routed.app.state.gateway.metrics
+
+    def counted(*change: int) -> bool:
+        """Whether the calls answered by large (not escalated, escalated) and cramped's attempts
+        rose by `change` from `before` (a stream counts once it closes)."""
+        return eventually(lambda: counts() == tuple(b + c for b, c in zip(before, change)))
+
+    def counts() -> tuple[float, ...]:
+        return (*(metrics.routed.value(route="from-cramped", model="large", escalated=escalated)
+                  for escalated in ("false", "true")),
+                metrics.route_attempts.value(route="from-cramped", model="cramped"))
+
+    started, before = len(engines["cramped"].started), counts()
+    skipped = complete(routed, key, "easy one", model="from-cramped", max_tokens=20, stream=stream)
+    assert skipped.status_code == 200, skipped.text
+    # It once said escalated, with no score, and was counted as an escalation.
+    assert (skipped.headers["x-switchboard-model"], skipped.headers["x-switchboard-escalated"],
+            skipped.headers["x-switchboard-score"], skipped.headers["x-switchboard-threshold"]) == \
+        ("large", "false", "", "")
+    assert len(engines["cramped"].started) == started
+    assert counted(1, 0, 0)
+    # Where the first tier runs and is passed over, the call is escalated.
+    before = counts()
+    escalated = complete(routed, key, "hard one", model="from-cramped", stream=stream)
+    assert (escalated.headers["x-switchboard-model"], escalated.headers["x-switchboard-escalated"],
+            escalated.headers["x-switchboard-score"]) == ("large", "true", "0.9")
+    assert counted(0, 1, 1)
 
 
 @pytest.mark.parametrize("max_tokens", [300, 2**31 - 1, 2**63 - 1])

@@ -581,8 +581,7 @@ def test_echo_through_an_upstream_puts_the_prompt_first_but_has_no_prompt_logpro
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstream, demo_engine,
-                                                                   stream):
+def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstream, hosted, stream):
     """An upstream cannot score an echoed prompt: a cascade that would escalate into it answers
     with its local tier (it once ran and billed that tier, then answered 400), and a call that no
     tier of a route serves is refused before anything runs."""
@@ -601,6 +600,11 @@ def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstre
     usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
     assert (usage["tokens_in"], usage["tokens_out"]) == (num_local, 8)
     assert usage["spend_usd"] == pytest.approx(mixed_cost((num_local, 8)))
+    # An upstream first tier is left out, not escalated past: it is never asked.
+    num_hosted_requests = len(hosted.requests)
+    skipped = post(server.url, key, model="hosted-first", stream=stream, **body)
+    assert answered_by(skipped) == ("local", "false")
+    assert skipped.headers["x-switchboard-score"] == "" and len(hosted.requests) == num_hosted_requests
 
     started = {model: len(engine.started) for model, engine in upstream.scripted.items()}
     refused = post(server.url, tenant_key, model="auto", stream=stream, **body)  # upstreams only
