@@ -24,6 +24,7 @@ from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, Eng
                                    EngineFailure, GenerationChunk, RequestRejected, SamplingOptions,
                                    TokenLogprob)
 from gateway.metrics import LatencyMetrics
+from gateway.protocol import MAX_LOGPROBS
 
 _TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
 _tokenizer_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -101,11 +102,13 @@ class Ask:
     implicit_max_tokens: int | None = None  # ...up to this many tokens, when set
     prompt_param: str = "prompt"  # the request's fields, for the errors that concern them
     max_tokens_param: str = "max_tokens"
+    logprobs_param: str = "logprobs"
 
     def param_of(self, error: RequestRejected) -> str | None:
         """The request field, as the client named it, that `error` is about."""
         # The prompt's logprobs are asked for by echo (with logprobs) alone.
         return {"prompt": self.prompt_param, "max_tokens": self.max_tokens_param,
+                "logprobs": self.logprobs_param,
                 "prompt_logprobs": "echo"}.get(error.param, error.param)
 
     def read(self, tier: Tier) -> list[Reading]:
@@ -136,6 +139,31 @@ class Ask:
         except CannotServe:
             return False
         return True
+
+    def check_logprobs(self, tier: Tier, reading: list[Reading], n: int) -> None:
+        """RequestRejected if the answers to `reading` (`n` choices per prompt) could carry more
+        logprob entries than one full context of `tier`'s model at the most logprobs.
+
+        The gateway holds a response's logprobs in memory while it builds it (some 200 bytes an
+        entry, some 30 in its JSON), so a call of many prompts or choices must not ask for
+        gigabytes of them; one prompt at its model's whole context still gets every logprob.
+        NOTE: a choice's tokens are counted as its context counts them: the echoed prompt's, and
+        max_tokens, at least one (the engine samples a token even for echo with max_tokens 0).
+        """
+        num_top, max_model_len = self.options.logprobs, tier.engine.max_model_len
+        if num_top is None or max_model_len == 0:  # 0: not known yet (the call gets a 503)
+            return
+        num_tokens = n * sum(options.max_tokens + (0 if options.prompt_logprobs is None else
+                                                   len(token_ids)) for token_ids, options in reading)
+        num_entries, max_entries = num_tokens * (num_top + 1), max_model_len * (MAX_LOGPROBS + 1)
+        if num_entries > max_entries:
+            raise RequestRejected(
+                f"this call asks for the logprobs of up to {num_tokens} tokens (each choice's "
+                f"{self.max_tokens_param}, and its prompt when echoed), each with "
+                f"{self.logprobs_param} = {num_top} alternatives: {num_entries} entries, but one "
+                f"call returns at most {max_entries} (this model's context of {max_model_len} "
+                f"tokens x {MAX_LOGPROBS + 1}); send fewer prompts or choices per call, lower "
+                f"{self.max_tokens_param}, or ask for fewer {self.logprobs_param}", "logprobs")
 
     def _check_context(self, engine: EngineClient, num_prompt_tokens: int, max_tokens: int) -> None:
         """ContextExceeded if a prompt of `num_prompt_tokens` and an answer of `max_tokens` cannot

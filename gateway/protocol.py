@@ -22,7 +22,8 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 MaxTokens = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 PositiveMaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # a 64-bit integer, as torch seeds are
-NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 # A completions call starts one engine request per prompt per choice, all at once: bounded, so
 # that one call cannot hold the engine (and the gateway's memory) that every tenant shares.

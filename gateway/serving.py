@@ -330,6 +330,9 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         # NOTE: in a thread: tokenizing a long prompt takes seconds, which the event loop must not
         # wait out (the tokenizer releases the GIL); later reads find the tokens cached.
         readings = await asyncio.to_thread(_read_tiers, ask, target.tiers)
+        for tier, reading in zip(target.tiers, readings):  # before admission: refused, it costs nothing
+            if reading is not None:
+                ask.check_logprobs(tier, reading, n)
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.param_of(error) or ask.prompt_param) from None
     await _ensure_some_tier_available(target)

@@ -284,6 +284,44 @@ def test_echoed_offsets_count_from_the_prompt_text_not_its_special_tokens(client
     assert choice.logprobs.text_offset == [0, 1, 2, 3, 4]
 
 
+def test_a_call_carries_at_most_one_full_context_of_logprobs(server, demo_engine):
+    """Each choice's logprob entries are its echoed prompt's tokens and its max_tokens (at least
+    one, as the context counts them), times logprobs + 1; one call carries at most the model's
+    context times 21. More is refused before admission: not billed, nor counted against rpm."""
+    name = "logprob-bound-tests"
+    key = server.new_tenant(name, rpm=2)
+    url, headers = server.url + "/v1/completions", {"Authorization": f"Bearer {key}"}
+    max_entries = demo_engine.max_model_len * 21
+    prompt = list(range(3, 103))  # 100 ids; echoed with max_tokens 0: 101 tokens x 21 each
+    most = max_entries // (101 * 21)
+    scoring = dict(model=DEMO_MODEL, echo=True, logprobs=20, max_tokens=0,
+                   return_tokens_as_token_ids=True)
+    too_many = [dict(scoring, prompt=[prompt] * (most + 1)), dict(scoring, prompt=prompt, n=most + 1)]
+    for body in too_many * 2:  # twice the tenant's rpm
+        refused = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert refused.status_code == 400, refused.text[:500]
+        error = refused.json()["error"]
+        assert error["param"] == "logprobs", error
+        assert f"{(most + 1) * 101 * 21} entries" in error["message"]
+        assert f"at most {max_entries}" in error["message"] and "fewer prompts" in error["message"]
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60, json=dict(
+        model=DEMO_MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=1100,
+        logprobs=True, top_logprobs=20))
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs", chat.text
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["reserved_tokens"], usage["tokens_in"], usage["requests"]) == (0, 0, 0)
+
+    scored = httpx.post(url, json=dict(scoring, prompt=[prompt] * most), headers=headers, timeout=60)
+    assert scored.status_code == 200, scored.text
+    choices = scored.json()["choices"]
+    assert len(choices) == most
+    for choice in choices:
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [f"token_id:{t}" for t in prompt]
+        assert logprobs["top_logprobs"][0] is None
+        assert all(20 <= len(top) <= 21 for top in logprobs["top_logprobs"][1:])
+
+
 @pytest.mark.parametrize("echo", [False, True])
 @pytest.mark.parametrize("specials", [NO_SPECIALS, {"256": 6, "257": 6}], ids=["none", "often"])
 def test_text_offsets_are_where_each_token_s_text_starts_whole_or_streamed(client, server, key,
