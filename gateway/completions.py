@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -46,7 +47,15 @@ async def create_completion(request: Request) -> Response:
                             streamed=bool(body.stream))
     name = token_namer(call.engine, body.return_tokens_as_token_ids) \
         if body.logprobs is not None else None
-    echo = Echo.of(call, ask, drop_output=max_tokens == 0) if body.echo else None
+    echo = None
+    if body.echo:
+        try:
+            # NOTE: in a thread: the text offsets of a call's echoed prompts, thousands of tokens
+            # each, take seconds to read, which every other tenant's request would wait out.
+            echo = await asyncio.to_thread(Echo.of, call, ask, max_tokens == 0)
+        except BaseException:  # the client left meanwhile: its engine requests end here
+            await call.finish()
+            raise
     stream = None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
