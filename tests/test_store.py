@@ -570,51 +570,48 @@ async def test_redis_a_call_settling_while_its_tenant_is_deleted_leaves_a_new_on
         await store.close()
 
 
+def _fill_memory(admin: redis.Redis, data_dir: Path) -> None:
+    admin.config_set("maxmemory", 1)  # with noeviction, the policy README asks for
+
+
+def _fail_snapshots(admin: redis.Redis, data_dir: Path) -> None:
+    admin.config_set("save", "3600 1")  # snapshots on, so a failed one stops writes (MISCONF)
+    shutil.rmtree(data_dir)  # Redis's working directory: the snapshot cannot be written
+    with pytest.raises(redis.ResponseError):
+        admin.bgsave()
+        while admin.info("persistence")["rdb_bgsave_in_progress"]:
+            time.sleep(0.01)
+        admin.set("probe", 1)
+
+
+# How a Redis comes to refuse writes, and how it takes them again.
+WRITE_REFUSALS = {
+    "out of maxmemory": (_fill_memory, lambda admin: admin.config_set("maxmemory", 0)),
+    "snapshots failing": (_fail_snapshots, lambda admin: admin.config_set("save", "")),
+}
+
+
+@pytest.mark.parametrize("refusal", WRITE_REFUSALS)
 async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_again(
-    tmp_path: Path,
+    tmp_path: Path, refusal: str
 ) -> None:
-    """Out of its maxmemory with noeviction (the policy README asks for), Redis answers PING but
-    refuses writes: calls, and ensure_writable (the gateway's /health), must say "retry later"."""
-    server = PersistentRedisServer(tmp_path)
+    """Out of its maxmemory, or after a failed snapshot to disk, Redis answers reads (or not even
+    PING) but refuses writes: calls, and ensure_writable (the gateway's /health), must say "retry
+    later", not fail as a bug would."""
+    refuse_writes, take_writes = WRITE_REFUSALS[refusal]
+    (tmp_path / "data").mkdir()
+    server = PersistentRedisServer(tmp_path / "data")
     store, admin = await RedisStore.open(server.url), redis.Redis.from_url(server.url)
     try:
         acme = await make_tenant(store, rpm=10, monthly_token_budget=1000)
-        admin.config_set("maxmemory", 1)
+        refuse_writes(admin, tmp_path / "data")
         refused = [store.ensure_writable(), store.create_tenant(Tenant(name="b", created_at=T0)),
                    store.create_key("acme"), store.check_and_consume_rate(acme, now=T0),
                    store.reserve_tokens(acme, 10, now=T0)]
         for call in refused:
             with pytest.raises(UNAVAILABLE_ERRORS):
                 await call
-        admin.config_set("maxmemory", 0)
-        await store.ensure_writable()
-        assert (await store.check_and_consume_rate(acme, now=T0)).allowed
-    finally:
-        admin.close()
-        await store.close()
-        server.stop()
-
-
-async def test_a_redis_whose_snapshots_fail_is_unavailable_until_they_may(tmp_path: Path) -> None:
-    """A Redis whose last background save failed (its disk full or gone) answers MISCONF to
-    writes and PING until a save succeeds: "retry later", as for the other refusals, not a 500."""
-    (tmp_path / "data").mkdir()
-    server = PersistentRedisServer(tmp_path / "data")
-    store, admin = await RedisStore.open(server.url), redis.Redis.from_url(server.url)
-    try:
-        acme = await make_tenant(store, rpm=10)
-        admin.config_set("save", "3600 1")  # snapshots on, so a failed one stops writes
-        shutil.rmtree(tmp_path / "data")  # Redis's working directory: the snapshot cannot be written
-        with pytest.raises(redis.ResponseError):
-            admin.bgsave()
-            while admin.info("persistence")["rdb_bgsave_in_progress"]:
-                time.sleep(0.01)
-            admin.set("probe", 1)
-        for call in [store.ensure_writable(), store.create_key("acme"),
-                     store.check_and_consume_rate(acme, now=T0)]:
-            with pytest.raises(UNAVAILABLE_ERRORS, match="unable to persist"):
-                await call
-        admin.config_set("save", "")  # snapshots off: writes are taken again
+        take_writes(admin)
         await store.ensure_writable()
         assert (await store.check_and_consume_rate(acme, now=T0)).allowed
     finally:
