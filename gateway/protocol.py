@@ -34,6 +34,9 @@ MAX_CHOICES_PER_CALL = 2048  # prompts x n
 # tokenizing), so that one call cannot hold them for minutes. One prompt alone is bounded by its
 # model's context (gateway/text_codec.py).
 MAX_PROMPT_LIST_CHARS = 2**22
+# A chat's messages are each checked and rendered through the chat template before the call is
+# admitted: bounded, as a list of prompts is, so that one call cannot hold the gateway for seconds.
+MAX_MESSAGES = 2048
 Penalty = Annotated[float, Meta(ge=0.01, le=100)]  # wider ones make float32 logits overflow
 OpenAIPenalty = Annotated[float, Meta(ge=-2, le=2)]
 LogitBias = Annotated[float, Meta(ge=-100, le=100)]
@@ -149,7 +152,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions. `max_completion_tokens` wins over the older `max_tokens`."""
 
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: PositiveMaxTokens | None = None
     max_completion_tokens: PositiveMaxTokens | None = None
     logprobs: bool | None = False

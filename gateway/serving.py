@@ -43,12 +43,21 @@ T = TypeVar("T")
 # The largest JSON body read (2048 prompts of 4096 token ids fit): a larger one is a 413 before it
 # is held in memory, where a few gigabytes would take the gateway down for every tenant.
 MAX_BODY_BYTES = 64 << 20
+# The most arrays and objects a JSON body may hold, counted as its '[' and '{' characters (those in
+# its strings too: telling them apart would cost as much as decoding). Decoding makes a Python
+# object of each, holding the GIL, so the event loop that every tenant shares (a thread would not
+# help): a body of millions of one-element lists would take seconds and gigabytes to decode before
+# its fields could be refused, where this bound keeps any body near the cost of the largest
+# legitimate one (calls need a few thousand: 2048 prompts, 2048 messages).
+MAX_BODY_CONTAINERS = 2**20
 
 
 async def decode_body(request: Request, body_type: type[T]) -> T:
     """The JSON body as `body_type`; a 400 naming the field when it does not fit."""
     try:
-        return msgspec.json.decode(await _read_body(request), type=body_type)
+        body = await _read_body(request)
+        _refuse_too_many_containers(body)
+        return msgspec.json.decode(body, type=body_type)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         raise from_validation_error(error) from None
     except UnicodeDecodeError as error:  # msgspec's own, for a string that is not UTF-8
@@ -71,6 +80,27 @@ async def _read_body(request: Request) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _refuse_too_many_containers(body: bytes) -> None:
+    """400 for a body with more than MAX_BODY_CONTAINERS arrays and objects, before it is decoded,
+    naming the top-level field that holds the most of them."""
+    if len(body) <= MAX_BODY_CONTAINERS or _num_containers(body) <= MAX_BODY_CONTAINERS:
+        return
+    # NOTE: cheap: msgspec skips a Raw value without building it. A body of more '[' and '{' than
+    # the object's own is not empty.
+    fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    counts = {name: _num_containers(value) for name, value in fields.items()}
+    param = max(counts, key=counts.__getitem__)
+    raise invalid_request(
+        f"the request body holds {_num_containers(body)} '[' and '{{' characters (arrays, objects, "
+        f"and those characters in strings), {counts[param]} of them in '{param}'; a body holds at "
+        f"most {MAX_BODY_CONTAINERS}: send fewer prompts or messages per call", param=param)
+
+
+def _num_containers(data: bytes | msgspec.Raw) -> int:
+    data = bytes(data)  # NOTE: no copy of a body, which is bytes already
+    return data.count(b"[") + data.count(b"{")
 
 
 def refuse_unsupported(body: SamplingFields, target: Target) -> None:

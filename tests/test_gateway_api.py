@@ -513,6 +513,40 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_read_whole(server, key, mon
         assert "(1000 bytes)" in refused.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("field, items, element", [
+    ("prompt", 8_000_000, b"[0]"),  # one-token prompts
+    ("tools", 4_000_000, b"{}"),
+    ("messages", 1_100_000, b'{"role": "user", "content": "a"}')])
+def test_a_body_of_millions_of_arrays_or_objects_is_refused_before_it_is_decoded(
+        server, key, field, items, element):
+    """Decoding makes an object of each, in the event loop every tenant shares: 8 million
+    one-token prompts took seconds of it (and gigabytes) before their number was checked."""
+    path = "/v1/completions" if field == "prompt" else "/v1/chat/completions"
+    body = (b'{"model": "' + DEMO_MODEL.encode() + b'", "max_tokens": 1, '
+            b'"messages": [{"role": "user", "content": "hi"}], "'
+            + field.encode() + b'": [' + b",".join([element] * items) + b"]}")
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    started = time.process_time()  # NOTE: CPU time, of the server too (it runs in this process)
+    refused = httpx.post(server.url + path, headers=headers, content=body, timeout=120)
+    cpu_seconds = time.process_time() - started
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", field)
+    assert f"characters (arrays, objects, and those characters in strings), {items + 1} of them " \
+           f"in '{field}'; a body holds at most 1048576" in error["message"]
+    assert cpu_seconds < 1.5  # decoding the prompts alone took over 3 s
+
+
+def test_a_chat_holds_at_most_2048_messages(client):
+    messages = [{"role": "user", "content": "hi"}] * 2048
+    for chat, refusal in [(messages, "shorten the prompt"),  # read: too long for the demo model
+                          ([*messages, messages[0]], "length <= 2048")]:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=DEMO_MODEL, messages=chat, max_tokens=1)
+        assert raised.value.body["param"] == "messages"
+        assert refusal in raised.value.body["message"]
+
+
 def test_prompts_refused_beside_others_leave_the_engine_serving(client):
     # The first prompt is refused while the second's request is still on its way to the engine:
     # that one is given up, which once killed the engine's thread after a few such calls.
