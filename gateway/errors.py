@@ -88,6 +88,12 @@ def from_validation_error(error: msgspec.ValidationError | msgspec.DecodeError) 
     return invalid_request(f"invalid value for '{param}': {text[:match.start()]}", param=param)
 
 
+def too_deep_message(what: str) -> str:
+    """Why a JSON document nested past the depth msgspec decodes (its RecursionError) is refused."""
+    return (f"{what} nests arrays and objects too deeply to be read; no field of this API nests "
+            "more than a few levels")
+
+
 async def handle_api_error(request: Request, error: ApiError) -> Response:
     return error.response()
 

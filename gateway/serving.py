@@ -26,7 +26,7 @@ from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
-                           model_not_found)
+                           model_not_found, too_deep_message)
 from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
@@ -63,6 +63,8 @@ async def decode_body(request: Request, body_type: type[T]) -> T:
     except UnicodeDecodeError as error:  # msgspec's own, for a string that is not UTF-8
         raise invalid_request(f"the request body is not valid UTF-8 ({error}); send JSON encoded "
                               "as UTF-8") from None
+    except RecursionError:  # msgspec's, for arrays and objects nested past Python's depth limit
+        raise invalid_request(too_deep_message("the request body")) from None
 
 
 async def _read_body(request: Request) -> bytes:

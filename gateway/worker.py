@@ -28,6 +28,7 @@ from starlette.routing import Route
 from engine.tokenizer import has_tokenizer
 from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
+from gateway.errors import too_deep_message
 from gateway.local_engine import LocalEngineClient
 from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
@@ -154,6 +155,8 @@ async def generate(request: Request) -> Response:
         body = msgspec.json.decode(await request.body(), type=GenerateBody)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as error:
         return _error(400, "rejected", f"malformed request: {error}")
+    except RecursionError:  # msgspec's, for arrays and objects nested past Python's depth limit
+        return _error(400, "rejected", f"malformed request: {too_deep_message('the body')}")
     if body.model != worker.model:
         return _error(404, "unknown_model", f"this worker serves {worker.model!r}, not {body.model!r}")
     adapter = None

@@ -547,6 +547,25 @@ def test_a_chat_holds_at_most_2048_messages(client):
         assert refusal in raised.value.body["message"]
 
 
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "%s", "prompt": "hi", "x": %s}'),  # a field it ignores
+    ("/v1/completions", b'{"model": "%s", "prompt": "hi", "user": %s}'),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user"}], "metadata": %s}')])
+def test_json_nested_past_the_depth_limit_is_a_400(server, key, path, body):
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    refused = httpx.post(server.url + path, headers=headers,
+                         content=body % (DEMO_MODEL.encode(), _nested(100_000)))
+    assert refused.status_code == 400, refused.text  # was a 500 (a RecursionError)
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == ("the request body nests arrays and objects too deeply to be read; "
+                                "no field of this API nests more than a few levels")
+
+
 def test_prompts_refused_beside_others_leave_the_engine_serving(client):
     # The first prompt is refused while the second's request is still on its way to the engine:
     # that one is given up, which once killed the engine's thread after a few such calls.

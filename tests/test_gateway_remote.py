@@ -335,6 +335,27 @@ def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own
     assert len(tokens) == 2 and up == ["solo"]
 
 
+def test_a_worker_refuses_json_nested_past_the_depth_limit_as_malformed(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    async def address_and_key() -> tuple[str, str]:
+        """Where the worker serves, and the internal key gateways send it, as Redis has them."""
+        registry = WorkerRegistry.open(redis_url)
+        try:
+            url = next(r.url for r in await registry.workers() if r.id == "nested")
+            return url, await registry.internal_key()
+        finally:
+            await registry.close()
+
+    nested = b'{"model": "%s", "x": %s}' % (DEMO_MODEL.encode(), b"[" * 100_000 + b"]" * 100_000)
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "nested") as worker:
+        url, key = asyncio.run(address_and_key())
+        refused = httpx.post(url + GENERATE_PATH, content=nested,
+                             headers={"Authorization": f"Bearer {key}"})
+    assert refused.status_code == 400, refused.text  # was a 500 (a RecursionError)
+    assert refused.json()["kind"] == "rejected" and "too deeply" in refused.json()["message"]
+    assert worker.seen == [("POST", GENERATE_PATH)]
+
+
 def test_a_burst_counts_each_call_against_its_worker_from_the_moment_it_is_placed(
         demo_engine, second_engine, redis_url, tmp_path):  # noqa: F811
     num_others, num_burst = 3, 8
