@@ -7,7 +7,7 @@ import re
 
 import msgspec
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.engine_client import EngineUnavailable, UpstreamFailure, UpstreamUnavailable
@@ -88,6 +88,12 @@ def from_validation_error(error: msgspec.ValidationError | msgspec.DecodeError) 
     return invalid_request(f"invalid value for '{param}': {text[:match.start()]}", param=param)
 
 
+def client_closed() -> ApiError:
+    """499 (nginx's "client closed request") for a client that left before its answer: nobody
+    reads it, but the access log and the request metrics count the call as the client's doing."""
+    return ApiError(499, "the client closed the connection", code="client_closed_request")
+
+
 def too_deep_message(what: str) -> str:
     """Why a JSON document nested past the depth msgspec decodes (its RecursionError) is refused."""
     return (f"{what} nests arrays and objects too deeply to be read; no field of this API nests "
@@ -103,6 +109,12 @@ async def handle_http_exception(request: Request, error: HTTPException) -> Respo
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
     return ApiError(error.status_code, str(error.detail), type=kind,
                     headers=error.headers).response()
+
+
+async def handle_client_disconnect(request: Request, error: ClientDisconnect) -> Response:
+    """A client that left while sending its body: a 499 as for one that leaves while its call runs,
+    where it would be a 500 with a traceback, as if the gateway had failed."""
+    return client_closed().response()
 
 
 async def handle_store_unavailable(request: Request, error: Exception) -> Response:
@@ -122,6 +134,7 @@ async def handle_unexpected(request: Request, error: Exception) -> Response:
 EXCEPTION_HANDLERS = {
     ApiError: handle_api_error,
     HTTPException: handle_http_exception,
+    ClientDisconnect: handle_client_disconnect,
     **dict.fromkeys(UNAVAILABLE_ERRORS, handle_store_unavailable),
     Exception: handle_unexpected,
 }

@@ -25,8 +25,8 @@ from gateway.admission import Admission, admit
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
-from gateway.errors import (ApiError, engine_failed, from_validation_error, invalid_request,
-                           model_not_found, too_deep_message)
+from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
+                           invalid_request, model_not_found, too_deep_message)
 from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import EventStreamResponse
@@ -563,7 +563,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """`work`, or 499 if the client leaves first (a cascade judging a tier must not outlive it)."""
     result = await until_disconnected(request, _wrapped(work))
     if result is None:
-        raise ApiError(499, "the client closed the connection", code="client_closed_request")
+        raise client_closed()
     return result[0]
 
 

@@ -81,6 +81,29 @@ class GatewayServer:
     def engine_metrics(self):
         return self.app.state.gateway.engines[DEMO_MODEL].stats()
 
+    def leave_while_sending(self, path: str, headers: dict[str, str], sent: bytes,
+                            length: int) -> None:
+        """POST to `path` a body said to be `length` bytes long, send only `sent` of it, and
+        close the connection: a client that leaves halfway through its body."""
+        host, port = self.url.removeprefix("http://").split(":")
+        lines = "".join(f"{name}: {value}\r\n" for name, value in
+                        {**headers, "Host": host, "Content-Length": str(length)}.items())
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + sent)
+
+
+def logged_status(caplog: pytest.LogCaptureFixture, method: str, path: str) -> int:
+    """The status of the access log's first line for `method` `path` (it is written once the call
+    ends, on the server's thread: waited for); needs INFO of `gateway.access` captured."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for record in caplog.records:
+            words = record.getMessage().split()
+            if record.name == "gateway.access" and words[:2] == [method, path]:
+                return int(words[2])
+        time.sleep(0.01)
+    raise AssertionError(f"the access log has no line for {method} {path}")
+
 
 @contextmanager
 def run_server(app) -> Iterator[str]:

@@ -9,6 +9,7 @@ import concurrent.futures
 import io
 import itertools
 import json
+import logging
 import sqlite3
 import tarfile
 import threading
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from store.sqlite import SqliteStore
-from tests.conftest import DEMO_MAX_LORA_RANK, DEMO_MODEL, gateway_server
+from tests.conftest import DEMO_MAX_LORA_RANK, DEMO_MODEL, gateway_server, logged_status
 from tests.helpers import hf_greedy, make_peft_model
 from tests.redis_server import redis_server  # noqa: F401
 
@@ -508,6 +509,20 @@ def test_a_chunked_body_past_the_limit_is_cut_off(server, tenant, adapters):
     refused = httpx.post(server.url + "/v1/adapters", content=body(), timeout=60,
                          headers={**auth(key), "Content-Type": "multipart/form-data; boundary=b"})
     assert refused.status_code == 413, refused.text
+    assert _snapshot(server, name) == before
+
+
+def test_an_upload_whose_client_leaves_midway_is_a_499_and_keeps_nothing(server, tenant, caplog):
+    name, key = tenant
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    before = _snapshot(server, name)
+    server.leave_while_sending(
+        "/v1/adapters", {**auth(key), "Content-Type": "multipart/form-data; boundary=b"},
+        b"--b\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nhalf\r\n--b\r\n"
+        b"Content-Disposition: form-data; name=\"adapter_model.safetensors\"; filename=\"w\"\r\n"
+        b"\r\n" + b"\0" * 1000, 100_000)
+    assert logged_status(caplog, "POST", "/v1/adapters") == 499  # was a 500
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []  # and its traceback
     assert _snapshot(server, name) == before
 
 

@@ -1,5 +1,6 @@
 """The OpenAI API through the official `openai` client against a real server and engine."""
 
+import logging
 import re
 import time
 
@@ -10,7 +11,7 @@ import pytest
 from engine.demo import demo_config
 from engine.llm import LLM
 from engine.request import SamplingParams
-from tests.conftest import ADMIN_KEY, DEMO_MODEL
+from tests.conftest import ADMIN_KEY, DEMO_MODEL, logged_status
 
 PROMPT = "The quick brown fox"
 CHAT_PROMPT = "<|system|>\nBe brief.\n<|user|>\nhello\n<|assistant|>\n"  # the demo's template
@@ -564,6 +565,15 @@ def test_json_nested_past_the_depth_limit_is_a_400(server, key, path, body):
     assert error["type"] == "invalid_request_error"
     assert error["message"] == ("the request body nests arrays and objects too deeply to be read; "
                                 "no field of this API nests more than a few levels")
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_failure(server, key, caplog):
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    server.leave_while_sending("/v1/completions", {"Authorization": f"Bearer {key}",
+                                                   "Content-Type": "application/json"},
+                               b'{"model": "%s", "prompt": "' % DEMO_MODEL.encode(), 1000)
+    assert logged_status(caplog, "POST", "/v1/completions") == 499  # was a 500
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []  # and its traceback
 
 
 def test_prompts_refused_beside_others_leave_the_engine_serving(client):
