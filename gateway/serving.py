@@ -87,7 +87,7 @@ async def _read_body(request: Request) -> bytes:
 def _refuse_too_many_containers(body: bytes) -> None:
     """400 for a body with more than MAX_BODY_CONTAINERS arrays and objects, before it is decoded,
     naming the top-level field that holds the most of them."""
-    if len(body) <= MAX_BODY_CONTAINERS or _num_containers(body) <= MAX_BODY_CONTAINERS:
+    if len(body) <= MAX_BODY_CONTAINERS or (num := _num_containers(body)) <= MAX_BODY_CONTAINERS:
         return
     # NOTE: cheap: msgspec skips a Raw value without building it. A body of more '[' and '{' than
     # the object's own is not empty.
@@ -95,7 +95,7 @@ def _refuse_too_many_containers(body: bytes) -> None:
     counts = {name: _num_containers(value) for name, value in fields.items()}
     param = max(counts, key=counts.__getitem__)
     raise invalid_request(
-        f"the request body holds {_num_containers(body)} '[' and '{{' characters (arrays, objects, "
+        f"the request body holds {num} '[' and '{{' characters (arrays, objects, "
         f"and those characters in strings), {counts[param]} of them in '{param}'; a body holds at "
         f"most {MAX_BODY_CONTAINERS}: send fewer prompts or messages per call", param=param)
 

@@ -138,7 +138,7 @@ def sgmv_shrink_triton(
     if num_segs == 0 or max_seg_len == 0:
         return
     block_m = _block_m(max_seg_len)
-    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_r = _block_r(max_rank)
     num_m_tiles = triton.cdiv(max_seg_len, block_m)
     block_k, split_k = _shrink_config(num_segs * num_m_tiles * num_slices, d_in, block_m, block_r)
     _shrink_kernel[(num_segs, num_m_tiles, split_k * num_slices)](
@@ -172,7 +172,7 @@ def sgmv_expand_triton(
         return
     block_m = _block_m(max_seg_len)
     num_m_tiles = triton.cdiv(max_seg_len, block_m)
-    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_r = _block_r(max_rank)
     block_n = _expand_block_n(num_segs * num_m_tiles, d_out, block_m, block_r)
     _expand_kernel[(num_segs, num_m_tiles, triton.cdiv(d_out, block_n))](
         buf, lora_b, out, seg_starts, seg_slots, slot_ranks, slot_scalings,
@@ -189,6 +189,11 @@ def sgmv_expand_triton(
 def _block_m(max_seg_len: int) -> int:
     # tl.dot needs >= 16 rows; decode segments are 1 token, so anything wider only wastes MMA.
     return min(64, max(16, triton.next_power_of_2(max_seg_len)))
+
+
+def _block_r(max_rank: int) -> int:
+    # The slots' rank rows in one tile (masked to each adapter's own rank); tl.dot needs >= 16.
+    return max(16, triton.next_power_of_2(max_rank))
 
 
 def _shrink_config(num_tiles: int, d_in: int, block_m: int, block_r: int) -> tuple[int, int]:

@@ -212,6 +212,14 @@ def assert_expand_matches(out: torch.Tensor, expected: torch.Tensor, b: Batch) -
     torch.testing.assert_close(out.double(), expected.double(), rtol=tol, atol=tol)
 
 
+def assert_triton_matches_twins(b: Batch, max_seg_len: int | None = None) -> None:
+    """Shrink, then expand, by the Triton kernels as by the torch twins."""
+    assert_shrink_matches(run_shrink(sgmv_shrink_triton, b, max_seg_len), run_shrink(sgmv_shrink_torch, b), b)
+    buf = expand_input(b)
+    assert_expand_matches(run_expand(sgmv_expand_triton, b, buf, max_seg_len),
+                          run_expand(sgmv_expand_torch, b, buf), b)
+
+
 @pytest.mark.parametrize("slice_widths", SLICE_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_twins_match_per_token_reference(dtype, slice_widths):
@@ -225,10 +233,8 @@ def test_twins_match_per_token_reference(dtype, slice_widths):
 @pytest.mark.parametrize("slice_widths", SLICE_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_matches_twins(dtype, slice_widths, max_seg_len):
-    b = make_batch(**EDGE, slice_widths=slice_widths, dtype=dtype, seed=1).to(DEVICE)
-    assert_shrink_matches(run_shrink(sgmv_shrink_triton, b, max_seg_len), run_shrink(sgmv_shrink_torch, b), b)
-    buf = expand_input(b)
-    assert_expand_matches(run_expand(sgmv_expand_triton, b, buf, max_seg_len), run_expand(sgmv_expand_torch, b, buf), b)
+    assert_triton_matches_twins(make_batch(**EDGE, slice_widths=slice_widths, dtype=dtype, seed=1).to(DEVICE),
+                                max_seg_len)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -238,9 +244,7 @@ def test_triton_matches_twins_in_slots_wider_than_128_ranks(dtype, max_rank):
     be ones NVIDIA's tl.dot takes, whatever rank the adapters have."""
     b = make_batch(seg_lens=[1, 3, 0, 2], seg_slots=[1, 0, 2, -1], slot_ranks=[8, max_rank, 3],
                    max_rank=max_rank, d_in=64, slice_widths=(24, 40), dtype=dtype).to(DEVICE)
-    assert_shrink_matches(run_shrink(sgmv_shrink_triton, b), run_shrink(sgmv_shrink_torch, b), b)
-    buf = expand_input(b)
-    assert_expand_matches(run_expand(sgmv_expand_triton, b, buf), run_expand(sgmv_expand_torch, b, buf), b)
+    assert_triton_matches_twins(b)
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])
@@ -319,9 +323,7 @@ def test_twins_match_reference_property(b):
 @given(b=batches())
 def test_triton_matches_twins_property(b):
     b = b.to(DEVICE)
-    assert_shrink_matches(run_shrink(sgmv_shrink_triton, b), run_shrink(sgmv_shrink_torch, b), b)
-    buf = expand_input(b)
-    assert_expand_matches(run_expand(sgmv_expand_triton, b, buf), run_expand(sgmv_expand_torch, b, buf), b)
+    assert_triton_matches_twins(b)
 
 
 # LONG_SEGMENT 1 sends every float32 segment down the addmm_ path, 1000 every one down _foreach_mm;
