@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -133,6 +133,15 @@ def _worker(request: Request) -> Worker:
 def _error(status: int, kind: str, message: str, param: str | None = None) -> Response:
     return Response(msgspec.json.encode(WorkerError(kind, message, param)), status,
                     media_type="application/json")
+
+
+async def _gateway_left(request: Request, error: ClientDisconnect) -> Response:
+    """A gateway that hung up partway through a body (its client left, or it stopped): nobody
+    reads the answer, and the call kept nothing (a PUT's files are in a temporary folder), so
+    this is one line of log where it would be a 500 with a traceback, as if the worker failed."""
+    logger.info("%s %s: the gateway closed the connection before sending its whole body",
+                request.method, request.url.path)
+    return _error(499, "client_closed", "the gateway closed the connection")
 
 
 def _unauthorized(request: Request) -> Response | None:
@@ -304,6 +313,7 @@ def create_worker_app(worker: Worker) -> Starlette:
               Route(ADAPTERS_PATH + "/{digest}", put_adapter, methods=["PUT"]),
               Route(CHECK_ADAPTER_PATH, check_adapter, methods=["POST"]),
               Route("/health", health, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={ClientDisconnect: _gateway_left})
     app.state.worker = worker
     return app

@@ -83,13 +83,18 @@ class GatewayServer:
 
     def leave_while_sending(self, path: str, headers: dict[str, str], sent: bytes,
                             length: int) -> None:
-        """POST to `path` a body said to be `length` bytes long, send only `sent` of it, and
-        close the connection: a client that leaves halfway through its body."""
-        host, port = self.url.removeprefix("http://").split(":")
-        lines = "".join(f"{name}: {value}\r\n" for name, value in
-                        {**headers, "Host": host, "Content-Length": str(length)}.items())
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + sent)
+        leave_while_sending(self.url, path, headers, sent, length)
+
+
+def leave_while_sending(url: str, path: str, headers: dict[str, str], sent: bytes,
+                        length: int, method: str = "POST") -> None:
+    """Send `method` `path` to the server at `url` with a body said to be `length` bytes long, send only
+    `sent` of it, and close the connection: a client that leaves halfway through its body."""
+    host, port = url.removeprefix("http://").split(":")
+    lines = "".join(f"{name}: {value}\r\n" for name, value in
+                    {**headers, "Host": host, "Content-Length": str(length)}.items())
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode() + sent)
 
 
 def logged_status(caplog: pytest.LogCaptureFixture, method: str, path: str) -> int:

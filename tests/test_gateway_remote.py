@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -19,10 +21,10 @@ from gateway.engine_client import (AdapterRef, EngineStats, EngineUnavailable, R
                                    SamplingOptions)
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
-from gateway.worker_api import ADAPTERS_PATH, GENERATE_PATH, GenerateBody
+from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
 from store.blobs import BlobStore, digest_files
 from store.workers import WorkerRecord, WorkerRegistry
-from tests.conftest import DEMO_MODEL, run_server, serve_gateway
+from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, serve_gateway
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 from tests.test_scaleout_adapters import demo_adapter
 
@@ -100,6 +102,16 @@ def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str) -> 
 
         asyncio.run(asyncio.wait_for(published(), 10))
         yield requests
+
+
+async def _address_and_key(registry_url: str, worker_id: str) -> tuple[str, str]:
+    """Where worker `worker_id` serves, and the internal key gateways send it, as Redis has them."""
+    registry = WorkerRegistry.open(registry_url)
+    try:
+        url = next(r.url for r in await registry.workers() if r.id == worker_id)
+        return url, await registry.internal_key()
+    finally:
+        await registry.close()
 
 
 @contextlib.asynccontextmanager
@@ -337,23 +349,38 @@ def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own
 
 def test_a_worker_refuses_json_nested_past_the_depth_limit_as_malformed(
         demo_engine, redis_url, tmp_path):  # noqa: F811
-    async def address_and_key() -> tuple[str, str]:
-        """Where the worker serves, and the internal key gateways send it, as Redis has them."""
-        registry = WorkerRegistry.open(redis_url)
-        try:
-            url = next(r.url for r in await registry.workers() if r.id == "nested")
-            return url, await registry.internal_key()
-        finally:
-            await registry.close()
-
     nested = b'{"model": "%s", "x": %s}' % (DEMO_MODEL.encode(), b"[" * 100_000 + b"]" * 100_000)
     with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "nested") as worker:
-        url, key = asyncio.run(address_and_key())
+        url, key = asyncio.run(_address_and_key(redis_url, "nested"))
         refused = httpx.post(url + GENERATE_PATH, content=nested,
                              headers={"Authorization": f"Bearer {key}"})
     assert refused.status_code == 400, refused.text  # was a 500 (a RecursionError)
     assert refused.json()["kind"] == "rejected" and "too deeply" in refused.json()["message"]
     assert worker.seen == [("POST", GENERATE_PATH)]
+
+
+@pytest.mark.parametrize("method, path, content_type", [
+    ("POST", GENERATE_PATH, "application/json"),
+    ("PUT", ADAPTERS_PATH + "/" + "ab" * 32, "multipart/form-data; boundary=b"),
+    ("POST", CHECK_ADAPTER_PATH, "multipart/form-data; boundary=b")])
+def test_a_gateway_that_hangs_up_midway_through_a_body_costs_the_worker_one_line_of_log(
+        demo_engine, redis_url, tmp_path, caplog, method, path, content_type):  # noqa: F811
+    caplog.set_level(logging.INFO, logger="gateway.worker")
+    started = (b'--b\r\nContent-Disposition: form-data; name="adapter_config.json"; '
+               b'filename="c"\r\n\r\n{')
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "left") as worker:
+        url, key = asyncio.run(_address_and_key(redis_url, "left"))
+        leave_while_sending(url, path, {"Authorization": f"Bearer {key}",
+                                        "Content-Type": content_type}, started, 10_000, method)
+        deadline = time.monotonic() + 10
+        while not any("closed the connection" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the worker never saw the gateway leave"
+            time.sleep(0.01)
+        # Was a 500 and a traceback, as if the worker had failed; and it keeps serving.
+        assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    assert worker.seen[0] == (method, path)
+    assert not list((tmp_path / "worker").glob("*/*")), "no file of the cut upload is kept"
 
 
 def test_a_burst_counts_each_call_against_its_worker_from_the_moment_it_is_placed(
