@@ -6,7 +6,6 @@ Key plaintexts appear exactly once, in the reply that creates them; listings sho
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
 from typing import Annotated
 
 import msgspec
@@ -18,10 +17,10 @@ from gateway.auth import require_admin
 from gateway.errors import ApiError, invalid_request, not_found
 from gateway.serving import decode_body
 from gateway.state import gateway_state
-from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
-                   Usage)
+from store import (AlreadyExists, ApiKeyRecord, InvalidName, InvalidSetting, NotFound, Store,
+                   StoreError, Tenant, Usage)
 from store.blobs import collect_garbage
-from store.models import TENANT_SETTINGS
+from store.models import TENANT_SETTINGS, check_default_route_allowed
 
 
 # The bounds of a tenant's settings, for creating and updating one alike.
@@ -104,9 +103,9 @@ async def create_tenant(request: Request) -> Response:
     store = await _admin_store(request)
     body = await decode_body(request, TenantCreate)
     _check_policy(request, body.allowed_models, body.default_route)
-    _check_default_route_allowed(body.allowed_models, body.default_route)
     allowed = None if body.allowed_models is None else tuple(body.allowed_models)
     try:
+        check_default_route_allowed(body.allowed_models, body.default_route)
         tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
                         monthly_token_budget=body.monthly_token_budget,
                         monthly_spend_budget_usd=body.monthly_spend_budget_usd,
@@ -117,6 +116,8 @@ async def create_tenant(request: Request) -> Response:
         raise ApiError(409, str(error), code="tenant_exists") from None
     except InvalidName as error:
         raise invalid_request(str(error), param="name") from None
+    except InvalidSetting as error:
+        raise invalid_request(str(error), param=error.field) from None
     except StoreError as error:
         raise invalid_request(str(error)) from None
     return _json(created, 201)
@@ -133,18 +134,14 @@ async def update_tenant(request: Request) -> Response:
         raise invalid_request(f"send at least one of {', '.join(TENANT_SETTINGS)} to change")
     _check_policy(request, changes.get("allowed_models"), changes.get("default_route"))
     name = request.path_params["tenant"]
-    tenant = await store.get_tenant(name)  # None: the update says it does not exist
-    if tenant is not None and ("allowed_models" in changes or "default_route" in changes):
-        # When only one changes, against the other as the tenant has it. NOTE: read before the
-        # update, so a concurrent PATCH of the other one is not seen.
-        _check_default_route_allowed(changes.get("allowed_models", tenant.allowed_models),
-                                     changes.get("default_route", tenant.default_route))
     if changes.get("allowed_models") is not None:
         changes["allowed_models"] = tuple(changes["allowed_models"])
     try:
         return _json(await store.update_tenant(name, changes))
     except NotFound as error:
         raise not_found(str(error), code="tenant_not_found") from None
+    except InvalidSetting as error:
+        raise invalid_request(str(error), param=error.field) from None
     except StoreError as error:
         raise invalid_request(str(error)) from None
 
@@ -164,17 +161,6 @@ def _check_policy(request: Request, allowed_models: list[str] | None,
         raise invalid_request(f"allowed_models names {', '.join(map(repr, unknown))}, which this "
                               f"server does not serve; it serves the base models and routes "
                               f"{', '.join(known)}", param="allowed_models")
-
-
-def _check_default_route_allowed(allowed_models: Collection[str] | None,
-                                 default_route: str | None) -> None:
-    """Refuse a default route the tenant's own allowed_models excludes: `auto` would then be a
-    403 for it, and listed nowhere."""
-    if allowed_models is not None and default_route is not None and \
-            default_route not in allowed_models:
-        raise invalid_request(f"default_route {default_route!r} is not among the tenant's "
-                              f"allowed_models ({', '.join(allowed_models) or 'none'}); add it to "
-                              "them, or name a route they hold", param="default_route")
 
 
 async def list_tenants(request: Request) -> Response:

@@ -8,7 +8,8 @@ shortly"; the store needs no reopening once Redis is back or the lock is let go.
 from pathlib import Path
 
 from store.base import Store, refund_rate
-from store.errors import AlreadyExists, InvalidName, NotFound, StoreError, StoreUnavailable
+from store.errors import (AlreadyExists, InvalidName, InvalidSetting, NotFound, StoreError,
+                          StoreUnavailable)
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 from store.redis import REDIS_UNAVAILABLE_ERRORS, RedisStore
 from store.sqlite import SqliteStore
@@ -22,6 +23,7 @@ __all__ = [
     "AlreadyExists",
     "ApiKeyRecord",
     "InvalidName",
+    "InvalidSetting",
     "NotFound",
     "RateDecision",
     "RedisStore",

@@ -9,6 +9,14 @@ class InvalidName(StoreError):
     """A tenant or adapter name (or a digest) does not follow the naming rule."""
 
 
+class InvalidSetting(StoreError):
+    """A field of a record has a value the store refuses; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class NotFound(StoreError):
     """The tenant, key or adapter named in the call does not exist."""
 

@@ -2,10 +2,11 @@
 
 import re
 import time
+from collections.abc import Collection
 
 import msgspec
 
-from store.errors import InvalidName, StoreError
+from store.errors import InvalidName, InvalidSetting, StoreError
 
 # NOTE: one rule for every name that becomes part of a Redis key or a path: it starts with a letter
 # or digit, so "." and ".." are impossible, and has no "/" or ":".
@@ -37,7 +38,7 @@ def validate_digest(digest: str) -> str:
 
 def _check_positive(field: str, value: int | float | None) -> None:
     if value is not None and not value > 0:
-        raise StoreError(f"{field} must be positive or unset (unlimited), got {value!r}")
+        raise InvalidSetting(field, f"{field} must be positive or unset (unlimited), got {value!r}")
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,7 +67,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
         _check_positive("monthly_token_budget", self.monthly_token_budget)
         _check_positive("monthly_spend_budget_usd", self.monthly_spend_budget_usd)
         if self.strong_share is not None and not 0.0 <= self.strong_share <= 1.0:
-            raise StoreError(f"strong_share must be in [0, 1], got {self.strong_share!r}")
+            raise InvalidSetting("strong_share",
+                                 f"strong_share must be in [0, 1], got {self.strong_share!r}")
 
 
 # The tenant fields an update may change (store.Store.update_tenant): its limits and policy.
@@ -74,13 +76,31 @@ TENANT_SETTINGS = ("rpm", "tpm", "monthly_token_budget", "monthly_spend_budget_u
                    "allowed_models", "default_route", "strong_share")
 
 
+def check_default_route_allowed(allowed_models: Collection[str] | None,
+                                default_route: str | None) -> None:
+    """Refuse (InvalidSetting) a default route the tenant's own allowed_models excludes: `auto`
+    would then be a 403 for it, and listed nowhere."""
+    if allowed_models is not None and default_route is not None and \
+            default_route not in allowed_models:
+        raise InvalidSetting("default_route", f"default_route {default_route!r} is not among the "
+                             f"tenant's allowed_models ({', '.join(allowed_models) or 'none'}); add "
+                             "it to them, or name a route they hold")
+
+
 def with_settings(tenant: Tenant, changes: dict[str, object]) -> Tenant:
     """`tenant` with `changes` (field -> new value; None clears a limit) applied and validated;
-    StoreError for a field that is not one of TENANT_SETTINGS or a value Tenant refuses."""
+    StoreError for a field that is not one of TENANT_SETTINGS or a value Tenant refuses.
+
+    Stores call it inside the update's transaction, so the default route is checked against the
+    allowed models as they are then, not as a concurrent update of the other found them."""
     unknown = sorted(set(changes) - set(TENANT_SETTINGS))
     if unknown:
         raise StoreError(f"tenant fields {unknown} cannot be changed; settings: {TENANT_SETTINGS}")
-    return msgspec.structs.replace(tenant, **changes)
+    updated = msgspec.structs.replace(tenant, **changes)
+    # NOTE: only when one of the two changes: a tenant stored before the rule can still be updated.
+    if "allowed_models" in changes or "default_route" in changes:
+        check_default_route_allowed(updated.allowed_models, updated.default_route)
+    return updated
 
 
 class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,6 +21,7 @@ from store import (
     AdapterRecord,
     AlreadyExists,
     InvalidName,
+    InvalidSetting,
     NotFound,
     RateDecision,
     RedisStore,
@@ -135,6 +136,28 @@ async def test_tenant_updates_change_only_the_fields_named(store: Store) -> None
     assert await store.get_tenant("acme") == updated  # a refused update changes nothing
     with pytest.raises(NotFound, match="'nobody' does not exist"):
         await store.update_tenant("nobody", {"rpm": 1})
+
+
+async def test_concurrent_updates_never_leave_a_default_route_the_allowed_models_exclude(
+        store_url: str, tmp_path: Path) -> None:
+    # Two gateways change the two fields at once; each update alone is fine against what the
+    # tenant had. The store checks the pair in its transaction, so one of them is refused.
+    clients = [await open_store(store_url, tmp_path) for _ in range(2)]
+    await make_tenant(clients[0], allowed_models=("auto", "small"), default_route="auto")
+    outcomes = await asyncio.gather(
+        clients[0].update_tenant("acme", {"allowed_models": ("small",)}),
+        clients[1].update_tenant("acme", {"default_route": "auto"}),
+        clients[1].update_tenant("acme", {"allowed_models": ("small", "large")}),
+        return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, Exception)]
+    assert refused and all(isinstance(o, InvalidSetting) and o.field == "default_route"
+                           for o in refused), outcomes  # the store alone once allowed both
+    tenant = await clients[1].get_tenant("acme")
+    assert tenant.default_route is None or tenant.default_route in tenant.allowed_models
+    with pytest.raises(InvalidSetting, match="default_route 'auto' is not among the tenant's"):
+        await clients[0].update_tenant("acme", {"allowed_models": ("large",), "default_route": "auto"})
+    for client in clients:
+        await client.close()
 
 
 async def test_concurrent_updates_of_different_fields_all_land(store_url: str, tmp_path: Path) -> None:
