@@ -9,8 +9,9 @@ refuses the request, or answers without logprobs, which cannot be judged), so th
 fallback; only the last tier's failure reaches the client. Tiers that cannot serve the call are
 left out (their context cannot hold the prompt and its answer, or they do not serve its options,
 as an upstream asked for the prompt's logprobs): the last tier that can is the one that answers
-whatever its score. Each tier reads the prompt with its own tokenizer (gateway/generation.py
-Ask), so a route may mix local models and upstreams.
+whatever its score; so does the first that can when the call only scores its prompt (echo with
+max_tokens 0), as there is no answer to judge. Each tier reads the prompt with its own tokenizer
+(gateway/generation.py Ask), so a route may mix local models and upstreams.
 
 Every token a tier generated is billed, however the call ends: each tier goes into the caller's
 list of attempts as soon as it is done with (kept, escalated, failed, or cut short because the
@@ -64,7 +65,9 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
     for step, tier in steps:
         # The last tier that can serve the call answers: escalating into one that cannot would
         # end a call that an earlier tier could answer with a 400, after billing that tier.
-        threshold = route.threshold(step) if step != steps[-1][0] else None
+        # A call that only scores its prompt has no answer to judge: the first tier gives it.
+        answers_whatever = step == steps[-1][0] or ask.scores_prompt_only
+        threshold = None if answers_whatever else route.threshold(step)
         [(prompt, options)] = ask.read(tier)
         if threshold is not None:  # judged on its logprobs
             options = msgspec.structs.replace(options, logprobs=options.logprobs or 0)

@@ -42,7 +42,7 @@ async def create_completion(request: Request) -> Response:
     prompts = _prompts(target, body.prompt)
     _refuse_too_many_choices(len(prompts), body.n or 1)
     # NOTE: max_tokens 0 runs one token, as the engine always samples one; echo leaves it out.
-    ask = Ask(prompts, options, max(max_tokens, 1))
+    ask = Ask(prompts, options, max(max_tokens, 1), scores_prompt_only=max_tokens == 0)
     call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,
                             streamed=bool(body.stream))
     name = token_namer(call.engine, body.return_tokens_as_token_ids) \
@@ -52,7 +52,7 @@ async def create_completion(request: Request) -> Response:
         try:
             # NOTE: in a thread: the text offsets of a call's echoed prompts, thousands of tokens
             # each, take seconds to read, which every other tenant's request would wait out.
-            echo = await asyncio.to_thread(Echo.of, call, ask, max_tokens == 0)
+            echo = await asyncio.to_thread(Echo.of, call, ask, ask.scores_prompt_only)
         except BaseException:  # the client left meanwhile: its engine requests end here
             await call.finish()
             raise

@@ -100,6 +100,9 @@ class Ask:
     options: SamplingOptions  # each tier sets max_tokens from `max_tokens`
     max_tokens: int | None  # None: each answer may fill the rest of its tier's context...
     implicit_max_tokens: int | None = None  # ...up to this many tokens, when set
+    # Echo with max_tokens 0: the prompt back, scored. The engine still samples one token, which
+    # the client never sees, so the answer is not worth judging or running twice.
+    scores_prompt_only: bool = False
     prompt_param: str = "prompt"  # the request's fields, for the errors that concern them
     max_tokens_param: str = "max_tokens"
     logprobs_param: str = "logprobs"

@@ -219,6 +219,20 @@ def test_an_unsure_small_model_escalates_and_both_calls_are_billed(routed, engin
     assert usage["spend_usd"] == pytest.approx(expected)
 
 
+def test_a_call_that_only_scores_its_prompt_is_answered_by_the_first_tier(routed, engines):
+    # Echo with max_tokens 0 returns the prompt scored: the one token the engine samples is never
+    # seen, so it is not judged (it once escalated "hard one" and billed both tiers for it).
+    name, key = new_tenant(routed)
+    response = complete(routed, key, "hard one", echo=True, max_tokens=0)
+    assert response.status_code == 200, response.text
+    body, headers = response.json(), response.headers
+    assert body["choices"][0]["text"] == "hard one" and body["model"] == "small"
+    assert headers["x-switchboard-escalated"] == "false"
+    usage = spend(routed, name)
+    assert usage["tokens_in"] == 8 and usage["spend_usd"] == pytest.approx(
+        cost("small", 8, usage["tokens_out"]))
+
+
 def test_a_stream_is_judged_on_its_prefix_before_any_byte_is_sent(routed, engines):
     name, key = new_tenant(routed)
     with httpx.stream("POST", routed.url + "/v1/completions", timeout=30,
