@@ -84,8 +84,8 @@ class GatewayMetrics:
                               "Requests sent through a route, by route, the model that answered "
                               "and whether it escalated.", ("route", "model", "escalated"))
         self.route_attempts = Counter("switchboard_route_tier_calls_total",
-                                      "Tier calls made by routes (kept or escalated past), by "
-                                      "route and model.", ("route", "model"))
+                                      "Tier calls made by routes (kept, escalated past, or cut "
+                                      "short by the client), by route and model.", ("route", "model"))
         self.spend = Counter("switchboard_spend_usd_total",
                              "Spend charged to tenants, by tenant and the model that ran (a "
                              "route's escalated tiers under their own).",
@@ -103,6 +103,11 @@ class GatewayMetrics:
     def count_route(self, route: str, answered_by: str, escalated: bool,
                     tiers_run: list[str]) -> None:
         self.routed.inc(1, route=route, model=answered_by, escalated=str(escalated).lower())
+        self.count_tier_calls(route, tiers_run)
+
+    def count_tier_calls(self, route: str, tiers_run: list[str]) -> None:
+        """Tier calls of a route, also those of a call no tier answered (the client left while a
+        tier was judged): they ran and were billed."""
         for model in tiers_run:
             self.route_attempts.inc(1, route=route, model=model)
 

@@ -261,6 +261,12 @@ def test_a_client_leaving_mid_cascade_is_billed_every_token_generated(routed, en
     name, key = new_tenant(routed)
     engines["medium"].stall_after = 2  # "harder": small escalates, then medium is judged
     large_before = len(engines["large"].started)
+    metrics = routed.app.state.gateway.metrics
+
+    def tier_calls() -> list[float]:
+        return [metrics.route_attempts.value(route="three", model=m) for m in ("small", "medium")]
+
+    tier_calls_before = tier_calls()
     url = urlsplit(routed.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     connection.request("POST", "/v1/completions", headers={
@@ -275,8 +281,9 @@ def test_a_client_leaving_mid_cascade_is_billed_every_token_generated(routed, en
     usage = spend(routed, name)
     assert (usage["tokens_in"], usage["tokens_out"]) == (16, 6)
     assert usage["spend_usd"] == pytest.approx(expected)
-    metrics = routed.app.state.gateway.metrics  # each tier's share under its own name
-    for model, tokens_in, tokens_out in [("small", 8, 4), ("medium", 8, 2)]:
+    # Both tiers ran: counted as the route's tier calls, though no tier answered.
+    assert tier_calls() == [n + 1 for n in tier_calls_before]
+    for model, tokens_in, tokens_out in [("small", 8, 4), ("medium", 8, 2)]:  # each under its name
         assert (metrics.prompt_tokens.value(tenant=name, model=model),
                 metrics.generation_tokens.value(tenant=name, model=model)) == (tokens_in, tokens_out)
         assert metrics.spend.value(tenant=name, model=model) == \
