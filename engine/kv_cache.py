@@ -115,8 +115,11 @@ class KVCacheManager:
                 self._touch(block_id)
             request.block_ids.extend(computed_blocks)
             request.num_computed_tokens = len(computed_blocks) * self.block_size
-            self.prefix_stats.num_queried_tokens += request.num_tokens
-            self.prefix_stats.num_hit_tokens += request.num_computed_tokens
+            # NOTE: a request back from a preemption finds its own blocks: counting it would raise
+            # the hit rate with what says nothing of how clients' prompts share prefixes.
+            if request.num_preemptions == 0:
+                self.prefix_stats.num_queried_tokens += request.num_tokens
+                self.prefix_stats.num_hit_tokens += request.num_computed_tokens
         for _ in range(self.num_blocks_to_allocate(request, num_new_tokens)):
             request.block_ids.append(self._pop_free_block())
 

@@ -1,5 +1,7 @@
 """Scheduler behaviour on CPU without a model: hand-built runner outputs drive it."""
 
+import pytest
+
 from engine.request import RequestStatus
 from tests.helpers import create_request, create_scheduler, run_step
 
@@ -60,10 +62,11 @@ def test_abort_frees_blocks_wherever_the_request_is():
     assert not scheduler.has_unfinished_requests()
 
 
-def test_preempted_request_comes_back_and_finishes():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preempted_request_comes_back_and_finishes(prefix_caching):
     # 6 blocks of 4 tokens; two requests that each grow to 12 tokens cannot both fit.
     scheduler = create_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64,
-                                 enable_prefix_caching=False)
+                                 enable_prefix_caching=prefix_caching)
     first = create_request(num_prompt_tokens=8, max_tokens=6)
     second = create_request(num_prompt_tokens=8, max_tokens=6)
     scheduler.add_request(first)
@@ -78,6 +81,9 @@ def test_preempted_request_comes_back_and_finishes():
         assert request.status == RequestStatus.FINISHED_LENGTH
         assert request.num_output_tokens == 6
     assert scheduler.kv.num_free_blocks == 6
+    # Each prompt is queried once: coming back after a preemption finds the request's own blocks,
+    # which says nothing of how often clients' prompts share a prefix.
+    assert scheduler.kv.prefix_stats.num_queried_tokens == 16
 
 
 def test_priority_runs_first_and_fcfs_within_priority():
