@@ -181,6 +181,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.store is None and self.redis is not None:
             self.store = self.redis
+        if self.advertise_url is not None:
+            self.advertise_url = _worker_url(self.advertise_url)
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if not self.shutdown_timeout_s >= 0:
@@ -279,6 +281,18 @@ def _model_table(name: str, table: Any) -> ModelEntry:
         if memory < 1:
             raise ValueError(f"{where} kv_cache_memory must be positive, like \"2GiB\"")
     return ModelEntry(name, path, *prices, tier, upstream, memory)
+
+
+def _worker_url(url: str) -> str:
+    """`url` as gateways reach a worker at it: an http(s) URL with a host and maybe a path (a
+    proxy's prefix), without a trailing "/" (gateways append their paths to it); ValueError for
+    anything else, which would register a worker no call can reach."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
+            parts.fragment or "@" in parts.netloc:
+        raise ValueError(f"advertise_url must be an http(s) URL like \"http://10.0.0.7:9000\", "
+                         f"got {url!r}")
+    return url.rstrip("/")
 
 
 def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:

@@ -146,8 +146,10 @@ async def _gateway_left(request: Request, error: ClientDisconnect) -> Response:
 
 def _unauthorized(request: Request) -> Response | None:
     worker = _worker(request)
-    expected = f"Bearer {worker.internal_key}"
-    given = request.headers.get("authorization", "")
+    expected = f"Bearer {worker.internal_key}".encode()
+    # NOTE: as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500),
+    # and a header is read as latin-1, so any caller can send them.
+    given = request.headers.get("authorization", "").encode("latin-1")
     if worker.internal_key is None or not secrets.compare_digest(given, expected):
         return _error(401, "unauthorized", "this is a Switchboard worker's internal API: send "
                       "the internal key from Redis")

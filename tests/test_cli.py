@@ -105,10 +105,20 @@ def test_a_size_that_cannot_be_read_says_how_to_write_one(capsys):
     (dict(model=["=/x"]), "NAME=PATH"),
     (dict(port=70000), "port"),
     (dict(max_num_seqs=0), "max_num_seqs"),
+    # Each once registered a worker every call to which failed (503), with no error at startup.
+    (dict(advertise_url="10.0.0.7:9000"), "advertise_url must be an http"),
+    (dict(advertise_url="http://:9000"), "advertise_url must be an http"),
+    (dict(advertise_url="http://10.0.0.7:9000/?x=1"), "advertise_url must be an http"),
 ])
 def test_invalid_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**kwargs)
+
+
+def test_a_worker_s_advertised_url_loses_its_trailing_slash():
+    # Gateways append their paths: "http://w:9000/" + "/internal/generate" reached nothing.
+    assert ServeConfig(advertise_url="http://w:9000/").advertise_url == "http://w:9000"
+    assert ServeConfig(advertise_url="https://lb/w1/").advertise_url == "https://lb/w1"
 
 
 @pytest.mark.parametrize("text, message", [

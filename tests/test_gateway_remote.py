@@ -359,6 +359,17 @@ def test_a_worker_refuses_json_nested_past_the_depth_limit_as_malformed(
     assert worker.seen == [("POST", GENERATE_PATH)]
 
 
+def test_a_worker_refuses_a_key_with_characters_outside_ascii_as_any_wrong_key(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "latin") as worker:
+        url, _ = asyncio.run(_address_and_key(redis_url, "latin"))
+        refused = [httpx.post(url + path, content=b"{}", headers={"Authorization": b"Bearer caf\xe9"})
+                   for path in (GENERATE_PATH, CHECK_ADAPTER_PATH)]
+    assert [r.status_code for r in refused] == [401, 401]  # were 500s (a TypeError)
+    assert {r.json()["kind"] for r in refused} == {"unauthorized"}
+    assert len(worker.seen) == 2
+
+
 @pytest.mark.parametrize("method, path, content_type", [
     ("POST", GENERATE_PATH, "application/json"),
     ("PUT", ADAPTERS_PATH + "/" + "ab" * 32, "multipart/form-data; boundary=b"),
