@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from routing.routes import AUTO
+
 DEFAULT_DATA_DIR = Path("data")
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(iB|B)?", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -220,6 +222,7 @@ class ServeConfig:
             entries.append(_model_table(name, table))
         names = [e.name for e in entries]
         for name in names:
+            _check_model_name(name)
             if names.count(name) > 1:
                 raise ValueError(f"the model name {name!r} is given twice")
         return entries
@@ -281,6 +284,16 @@ def _model_table(name: str, table: Any) -> ModelEntry:
         if memory < 1:
             raise ValueError(f"{where} kv_cache_memory must be positive, like \"2GiB\"")
     return ModelEntry(name, path, *prices, tier, upstream, memory)
+
+
+def _check_model_name(name: str) -> None:
+    """ValueError for a name clients could not call the model by: `model` names a model's adapter
+    as `base:adapter` and the default route as `auto`, and the name goes into response headers."""
+    if name == AUTO or ":" in name or len(name) > 128 or not name.isascii() or \
+            not name.isprintable() or any(ch.isspace() for ch in name):
+        raise ValueError(f"invalid model name {name!r}: use up to 128 printable ASCII characters "
+                         "without spaces or ':' (clients write a model's adapter as "
+                         "model:adapter), other than 'auto' (the tenant's default route)")
 
 
 def _worker_url(url: str) -> str:

@@ -4,8 +4,8 @@ A client writes `model` as a base model's served name, an adapter's name, `base:
 route's name, `auto` (the tenant's default route), or `route:adapter` (the route, whose tier on
 the adapter's base model runs with the adapter).
 Adapter names resolve in the caller's tenant only, so another tenant's adapter is as unknown as
-one that never existed. Adapter and route names cannot contain ":" (store.models.validate_name,
-routing.routes.parse_routes), so the split of `base:adapter` and `route:adapter` is unambiguous.
+one that never existed. Model, adapter and route names cannot contain ":" (gateway.config,
+store.models.validate_name, routing.routes.parse_routes), so the split of `base:adapter` and `route:adapter` is unambiguous.
 """
 
 from __future__ import annotations

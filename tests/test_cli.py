@@ -107,6 +107,10 @@ def test_a_size_that_cannot_be_read_says_how_to_write_one(capsys):
     (dict(max_num_seqs=0), "max_num_seqs"),
     # Each once registered a worker every call to which failed (503), with no error at startup.
     (dict(advertise_url="10.0.0.7:9000"), "advertise_url must be an http"),
+    # A name with ':' hid the tenant's adapter: "demo:x" ran the model so named, without x.
+    (dict(model=["demo:x=/m"]), "invalid model name 'demo:x'"),
+    (dict(models={"auto": {"upstream": "https://h/v1"}}), "invalid model name 'auto'"),
+    (dict(model=["my model=/m"]), "without spaces or ':'"),
     (dict(advertise_url="http://:9000"), "advertise_url must be an http"),
     (dict(advertise_url="http://10.0.0.7:9000/?x=1"), "advertise_url must be an http"),
 ])
