@@ -8,6 +8,7 @@ TOML keys are the long option names, with "_" or "-" (`max_num_seqs = 32`, `mode
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import tomllib
@@ -22,6 +23,7 @@ import msgspec
 from routing.routes import AUTO
 
 DEFAULT_DATA_DIR = Path("data")
+MAX_UPSTREAM_CONTEXT = 2**30  # tokens: far past any model's context
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(iB|B)?", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
@@ -289,7 +291,7 @@ def _model_table(name: str, table: Any) -> ModelEntry:
 def _check_model_name(name: str) -> None:
     """ValueError for a name clients could not call the model by: `model` names a model's adapter
     as `base:adapter` and the default route as `auto`, and the name goes into response headers."""
-    if name == AUTO or ":" in name or len(name) > 128 or not name.isascii() or \
+    if not name or name == AUTO or ":" in name or len(name) > 128 or not name.isascii() or \
             not name.isprintable() or any(ch.isspace() for ch in name):
         raise ValueError(f"invalid model name {name!r}: use up to 128 printable ASCII characters "
                          "without spaces or ':' (clients write a model's adapter as "
@@ -329,8 +331,11 @@ def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
         raise ValueError(f"{where} upstream_model must be the upstream's model name, got {model!r}")
     timeout_s = _number(where, "timeout_s", table.get("timeout_s", UpstreamSource.timeout_s),
                         "seconds", positive=True)
+    # NOTE: bounded: a call's token hold adds up its tiers' contexts, which the store keeps as
+    # 64-bit integers (a route over two contexts of 2^63 tokens answered every chat with a 500).
     max_model_len = _integer(where, "max_model_len",
-                             table.get("max_model_len", UpstreamSource.max_model_len), 1, "tokens")
+                             table.get("max_model_len", UpstreamSource.max_model_len), 1, "tokens",
+                             maximum=MAX_UPSTREAM_CONTEXT)
     api = table.get("upstream_api", UpstreamSource.api)
     if api not in _UPSTREAM_APIS:
         raise ValueError(f"{where} upstream_api must be \"completions\" (the legacy /completions "
@@ -339,18 +344,23 @@ def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
 
 
 def _number(where: str, key: str, value: Any, unit: str, *, positive: bool = False) -> float:
-    """`value` as a float; ValueError unless it is a number >= 0 (> 0 when `positive`)."""
+    """`value` as a float; ValueError unless it is a finite number >= 0 (> 0 when `positive`):
+    an infinite price would bill inf (stored as null) and refuse every call of a tenant with a
+    spend budget."""
     is_number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not is_number or not (value > 0 if positive else value >= 0):
-        raise ValueError(f"{where} {key} must be a number {'>' if positive else '>='} 0 ({unit}), "
-                         f"got {value!r}")
+    if not is_number or not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{where} {key} must be a finite number {'>' if positive else '>='} 0 "
+                         f"({unit}), got {value!r}")
     return float(value)
 
 
-def _integer(where: str, key: str, value: Any, minimum: int, unit: str) -> int:
-    """`value`; ValueError unless it is an integer >= `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} {key} must be an integer >= {minimum} ({unit}), got {value!r}")
+def _integer(where: str, key: str, value: Any, minimum: int, unit: str,
+             maximum: int | None = None) -> int:
+    """`value`; ValueError unless it is an integer >= `minimum` (and <= `maximum`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{where} {key} must be an integer {bounds} ({unit}), got {value!r}")
     return value
 
 
@@ -397,14 +407,15 @@ def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
 def _path(kind: type, value: Any) -> Any:
     if kind is Path and isinstance(value, (str, Path)):
         return Path(value)
-    raise NotImplementedError(f"{kind} is not read from settings")
+    # NOTE: a TypeError, which msgspec reports as a ValidationError naming the setting.
+    raise TypeError(f"Expected a folder path (a string), got {type(value).__name__}")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as error:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read the config file {path}: {error}") from None
     # A file's keys are the long options' names (as `--heartbeat` is `heartbeat`), or the fields'.
     known = {f.name for f in fields(ServeConfig)} | set(_FILE_KEYS)

@@ -132,6 +132,7 @@ def test_a_worker_s_advertised_url_loses_its_trailing_slash():
     ("model = 5", "Expected `array`, got `int` - at `model`"),
     ("models = [1]", "Expected `object`, got `array` - at `models`"),
     ("host = 5", "Expected `str`, got `int` - at `host`"),
+    ("adapter_dir = 5", "Expected a folder path (a string), got int - at `adapter_dir`"),
     ('max_num_seqs = "32"', "Expected `int | null`, got `str` - at `max_num_seqs`"),
     ("max_model_len = 100.7", "got `float` - at `max_model_len`"),
     ('log_level = "verbose"', "log_level must be one of debug, info"),
@@ -239,7 +240,7 @@ def test_model_tables_declare_paths_and_prices(tmp_path):
     assert (remote.name, remote.path, remote.upstream, remote.price_input) == ("remote", None, None, 2.0)
     for bad, words in (('[models.x]\nprice_input = 1\n', "only a gateway with engine workers"),
                        ('[models.x]\nkv_cache_memory = "1GiB"\n', "unknown keys"),
-                       ('[models.x]\npath = "/m"\nprice_output = -1\n', "must be a number >= 0"),
+                       ('[models.x]\npath = "/m"\nprice_output = -1\n', "must be a finite number >= 0"),
                        ('[models.x]\npath = "/m"\ncolour = "red"\n', "unknown keys"),
                        ('model = ["x=/m"]\n[models.x]\npath = "/n"\n', "given twice")):
         config.write_text(bad)
@@ -273,8 +274,12 @@ def test_model_tables_declare_upstreams_without_their_keys(tmp_path):
     ('upstream = "https://user:sk-secret@h/v1"\n', "must not hold credentials"),
     ('upstream = "https://h/v1"\napi_key = "sk-secret"\n', "must not hold the API key"),
     ('upstream = "https://h/v1"\napi_key_env = "sk-secret"\n', "must name an environment"),
-    ('upstream = "https://h/v1"\ntimeout_s = 0\n', "timeout_s must be a number > 0"),
-    ('upstream = "https://h/v1"\nmax_model_len = 0\n', "max_model_len must be an integer >= 1"),
+    ('upstream = "https://h/v1"\ntimeout_s = 0\n', "timeout_s must be a finite number > 0"),
+    ('upstream = "https://h/v1"\nmax_model_len = 0\n', "max_model_len must be an integer in \\[1, "),
+    # A route over two such contexts held more tokens than the store's integers: a 500 per chat.
+    ('upstream = "https://h/v1"\nmax_model_len = 9223372036854775807\n', "max_model_len must be"),
+    # A price of inf billed inf (stored as null) and refused every call of a spend-budgeted tenant.
+    ('upstream = "https://h/v1"\nprice_input = inf\n', "price_input must be a finite number"),
     ('upstream = "https://h/v1"\nupstream_model = ""\n', "upstream_model"),
     ('path = "/m"\ntier = -1\n', "tier must be an integer >= 0"),
     ('path = "/m"\ntier = 1.5\n', "tier must be an integer"),
