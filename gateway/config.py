@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from routing.routes import AUTO
+from store.redis import check_redis_url
 
 DEFAULT_DATA_DIR = Path("data")
 MAX_UPSTREAM_CONTEXT = 2**30  # tokens: far past any model's context
@@ -170,9 +171,15 @@ class ServeConfig:
                 setattr(self, name, key)
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        if self.redis is not None:
+            check_redis_url(self.redis)
+            if self.store is None:
+                self.store = self.redis
         if self.store is not None and not self.store.startswith(_STORE_SCHEMES):
             raise ValueError(f"unknown store URL {self.store!r}: use sqlite:///path/to/file.db or "
                              "redis://host:port/0")
+        if self.store is not None and not self.store.startswith("sqlite://"):
+            check_redis_url(self.store)
         self.data_dir = Path(self.data_dir)
         if self.adapter_dir is not None:
             self.adapter_dir = Path(self.adapter_dir)
@@ -183,8 +190,6 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.store is None and self.redis is not None:
-            self.store = self.redis
         if self.advertise_url is not None:
             self.advertise_url = _worker_url(self.advertise_url)
         if not self.heartbeat_s > 0:

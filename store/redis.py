@@ -12,6 +12,7 @@ reconnects, and redis-py re-sends a script that a restarted server no longer has
 """
 
 import re
+from urllib.parse import urlsplit
 
 import msgspec
 import redis.asyncio as aioredis
@@ -20,6 +21,7 @@ from redis._parsers import BaseParser
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 
 from store import redis_lua
 from store.errors import AlreadyExists, NotFound
@@ -53,6 +55,31 @@ REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutEr
                             PersistenceError)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
+
+
+def check_redis_url(url: str) -> str:
+    """`url` if redis-py can connect by it (redis://, rediss:// with an optional number db, or
+    unix:// with a socket path); ValueError saying what is wrong, never echoing a password."""
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # NOTE: its message does not hold the URL, nor its password
+        raise ValueError(f"cannot use the Redis URL: {error}") from None
+    shown = url if parts.password is None else url.replace(parts.password, "***", 1)
+    problem = None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        problem = "it is not a Redis URL (redis://host:port/0, rediss://..., unix:///path)"
+    elif parts.scheme == "unix" and not parts.path:
+        problem = "unix:// needs the socket's path, as unix:///run/redis.sock"
+    elif parts.scheme != "unix" and not re.fullmatch(r"/?\d*", parts.path):
+        problem = f"the database must be a number, as redis://host:6379/0, not {parts.path!r}"
+    else:
+        try:
+            parse_url(url)
+        except ValueError as error:
+            problem = str(error)
+    if problem is not None:
+        raise ValueError(f"cannot use the Redis URL {shown!r}: {problem}")
+    return url
 
 
 def connect(url: str, timeout_s: float, *, decode_responses: bool = False,

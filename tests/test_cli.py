@@ -111,6 +111,12 @@ def test_a_size_that_cannot_be_read_says_how_to_write_one(capsys):
     (dict(model=["demo:x=/m"]), "invalid model name 'demo:x'"),
     (dict(models={"auto": {"upstream": "https://h/v1"}}), "invalid model name 'auto'"),
     (dict(model=["my model=/m"]), "without spaces or ':'"),
+    # Each once a traceback at startup; the last one loaded every model before it failed.
+    (dict(store="redis://localhost:99999/0"), "Redis URL 'redis://localhost:99999/0': Port out"),
+    (dict(store="redis://:pw@h:6379/abc"), r"'redis://:\*\*\*@h:6379/abc': the database must be"),
+    (dict(store="redis://[::1/0"), "cannot use the Redis URL: Invalid IPv6 URL"),
+    (dict(redis="unix://"), "unix:// needs the socket's path"),
+    (dict(redis="http://localhost:6379/0"), "it is not a Redis URL"),
     (dict(advertise_url="http://:9000"), "advertise_url must be an http"),
     (dict(advertise_url="http://10.0.0.7:9000/?x=1"), "advertise_url must be an http"),
 ])
