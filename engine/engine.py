@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,10 +301,21 @@ class LLMEngine:
                 budget = int((free - weight_bytes) * _CUDA_FREE_MEMORY_FRACTION)
             else:
                 budget = _DEFAULT_CPU_KV_BYTES
+        elif budget > (memory := _device_memory_bytes(device)):
+            raise ValueError(f"a KV budget of {budget} bytes is more than the {device.type} memory "
+                             f"({memory} bytes{' free' if device.type == 'cuda' else ''}); lower "
+                             "kv_cache_memory")
         num_blocks = budget // kv_block_bytes(self.spec, config.block_size, dtype)
         if num_blocks < 2:
             raise ValueError(f"a KV budget of {budget} bytes holds fewer than 2 blocks; raise it")
         return num_blocks
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    """What a KV budget may at most take: the GPU's free memory, or the host's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _estimate_weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:

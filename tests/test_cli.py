@@ -334,6 +334,10 @@ def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_pa
                     "--kv-cache-memory", "4MiB", *data]
     assert main(kv_too_small) == 2
     assert "max_model_len 2048 is more than the 1024 tokens the KV cache holds" in capsys.readouterr().err
+    # Once a MemoryError traceback, from allocating the bookkeeping of 10^14 blocks.
+    kv_too_large = ["serve", "--model", f"demo={demo_model_dir}", "--kv-cache-memory", "1000T", *data]
+    assert main(kv_too_large) == 2
+    assert "a KV budget of 1099511627776000 bytes is more than the cpu memory" in capsys.readouterr().err
     if not torch.cuda.is_available():  # once an AssertionError from deep in torch
         assert main(["serve", "--model", f"demo={demo_model_dir}", "--device", "cuda", *data]) == 2
         assert "torch sees no CUDA device" in capsys.readouterr().err
