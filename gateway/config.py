@@ -283,6 +283,9 @@ def _model_table(name: str, table: Any) -> ModelEntry:
     prices = [_number(where, k, table.get(k, 0.0), "USD per million tokens")
               for k in ("price_input", "price_output")]
     tier = _integer(where, "tier", table.get("tier", 0), 0, "0 is the cheapest")
+    if "path" in table and not (isinstance(table["path"], str) and table["path"]):
+        raise ValueError(f"{where} path must be the model's folder, like \"/models/llama\", got "
+                         f"{table['path']!r}")
     path = Path(table["path"]).expanduser() if "path" in table else None
     upstream = _upstream_source(name, table) if "upstream" in table else None
     memory = table.get("kv_cache_memory")

@@ -248,6 +248,7 @@ def test_model_tables_declare_paths_and_prices(tmp_path):
                        ('[models.x]\nkv_cache_memory = "1GiB"\n', "unknown keys"),
                        ('[models.x]\npath = "/m"\nprice_output = -1\n', "must be a finite number >= 0"),
                        ('[models.x]\npath = "/m"\ncolour = "red"\n', "unknown keys"),
+                       ('[models.x]\npath = 5\n', r"\[models.x\] path must be the model's folder"),
                        ('model = ["x=/m"]\n[models.x]\npath = "/n"\n', "given twice")):
         config.write_text(bad)
         with pytest.raises(ValueError, match=words):
