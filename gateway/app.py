@@ -34,7 +34,7 @@ from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
 from routing.routes import Route as ModelRoute
 from store import open_store
-from store.blobs import SWEEP_PERIOD_S, BlobStore, drop_deleted_adapters
+from store.blobs import SWEEP_PERIOD_S, BlobStore, drop_deleted_adapters, ensure_intact_copy
 from store.keys import hash_key
 from store.workers import WorkerRegistry, keep_running
 
@@ -135,7 +135,9 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                     "dropping the files of deleted adapters"))
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
-                                  load_tokenizer, engines.setdefault)
+                                  load_tokenizer, engines.setdefault,
+                                  ensure_intact_copy=functools.partial(
+                                      ensure_intact_copy, blobs, gateway.store.shared_blobs))
                 await pool.start()
                 check_routes(engines, routes, default_route, workers=True)
             yield

@@ -23,7 +23,7 @@ import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +58,23 @@ class WorkerPool:
     """The live workers, refreshed from the registry; one RemoteEngineClient per model seen.
 
     `load_tokenizer` reads a folder of tokenizer files (it may import transformers, so the
-    caller passes it in); `on_model` is told of each new model's client.
+    caller passes it in); `on_model` is told of each new model's client. `ensure_intact_copy` is
+    called with an adapter's digest when a worker refuses this gateway's copy of its files, as
+    they do not hash to it: whether this gateway holds an intact copy now, a damaged one replaced
+    (None: it cannot replace its copies).
     """
 
     def __init__(self, registry: WorkerRegistry, tokenizer_dir: Path,
                  load_tokenizer: Callable[[Path], Any],
                  on_model: Callable[[str, "RemoteEngineClient"], None], *,
+                 ensure_intact_copy: Callable[[str], Awaitable[bool]] | None = None,
                  poll_s: float = DEFAULT_POLL_S, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                  slack: int = DEFAULT_SLACK):
         self.registry = registry
         self._tokenizer_dir = tokenizer_dir
         self._load_tokenizer = load_tokenizer
         self._on_model = on_model
+        self._ensure_intact_copy = ensure_intact_copy
         self._poll_s = poll_s
         self.slack = slack
         self.workers: dict[str, WorkerRecord] = {}
@@ -204,11 +209,24 @@ class WorkerPool:
             transfer.exception()  # NOTE: retrieved, so no warning when every waiter went away
 
     async def _put_adapter(self, worker: WorkerRecord, adapter: AdapterRef) -> None:
-        response = await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}",
-                                       files=await _adapter_parts(adapter.path),
-                                       headers=self.headers())
+        response = await self._put_files(worker, adapter)
+        # NOTE: a worker refuses (400) files that do not hash to their digest: this gateway's copy
+        # was damaged on its disk, so every worker would refuse it. Sent again once replaced (by
+        # this transfer, or by another worker's that found the same).
+        if response.status_code == 400 and self._ensure_intact_copy is not None \
+                and await self._ensure_intact_copy(adapter.digest):
+            response = await self._put_files(worker, adapter)
+        if response.status_code == 400:
+            raise EngineFailure(f"this gateway's copy of the files of adapter {adapter.digest} is "
+                                f"damaged (worker {worker.id} found they do not hash to it), and "
+                                "the store holds no good copy to replace it; upload the adapter "
+                                "again")
         if response.status_code != 204:
             raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
+
+    async def _put_files(self, worker: WorkerRecord, adapter: AdapterRef) -> httpx.Response:
+        return await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}",
+                                   files=await _adapter_parts(adapter.path), headers=self.headers())
 
 
 class RemoteEngineClient(TextCodec):

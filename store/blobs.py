@@ -7,7 +7,8 @@ The size makes the boundaries unambiguous. The same files give the same digest a
 folder, whoever uploads them; changed files give a new digest, so caches never serve old weights.
 
 Where the store keeps adapter files too (Store.shared_blobs: Redis), the folder is a cache in
-front of them: fetch_blob copies a blob the folder lacks from the store, checking its digest.
+front of them: fetch_blob copies a blob the folder lacks from the store, checking its digest, and
+ensure_intact_copy fetches again one whose files were damaged on disk since.
 """
 
 import asyncio
@@ -60,7 +61,8 @@ class DigestLocks:
     """One asyncio lock per blob digest, made on first use and dropped once no one holds or
     awaits it. A blob's presence is decided in steps that must not interleave with another
     task's: a delete's "unreferenced?" and its delete; an upload's "stored?" and its record; a
-    fetch's "missing?" and its fetch. Each holds the digest's lock across its steps."""
+    fetch's "missing?" (or "damaged?") and its fetch. Each holds the digest's lock across its
+    steps."""
 
     def __init__(self) -> None:
         self._locks: dict[str, _DigestLock] = {}
@@ -196,6 +198,32 @@ async def fetch_blob(blobs: BlobStore, shared: SharedBlobs, digest: str) -> Path
         raise
     finally:
         await asyncio.to_thread(shutil.rmtree, staging, True)
+
+
+async def ensure_intact_copy(blobs: BlobStore, shared: SharedBlobs | None, digest: str) -> bool:
+    """Whether `blobs` holds an intact copy of blob `digest` now, once a copy damaged on disk
+    since it was put is replaced by the store's shared copy, fetched again (see fetch_blob).
+    Hashes the files: for after a reader found fault with them, not for every read. Without a
+    good shared copy (none, or a damaged one, which fetch_blob drops from the store) a damaged
+    copy stays, for an upload of the same files to replace."""
+    # NOTE: held from the hash to the fetch, so that of the requests that found the files wrong at
+    # once, one fetches them and the others find them intact.
+    async with blobs.locks.hold(digest):
+        folder = blobs.path(digest)
+        if folder is None:
+            return False
+        if await asyncio.to_thread(_holds, folder, digest, ADAPTER_FILES):
+            return True
+        reason = "the store keeps no copy of adapter files"
+        if shared is not None:
+            try:
+                if await fetch_blob(blobs, shared, digest) is not None:
+                    return True
+                reason = "the store holds none"
+            except StoreError as error:
+                reason = f"the store's is damaged too ({error})"
+        logger.warning("kept the damaged copy of adapter %s in %s: %s", digest, blobs.root, reason)
+        return False
 
 
 async def collect_garbage(

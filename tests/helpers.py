@@ -157,6 +157,16 @@ def save_peft_adapter(folder: Path, arch: str = "llama", seed: int = 0, **kwargs
     return model
 
 
+def damage_adapter_files(folder: Path) -> None:
+    """Flip a byte of the weights in an adapter folder, as bit rot on a disk would: same size,
+    same format, files that no longer hash to their digest."""
+    path = folder / "adapter_model.safetensors"
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def peft_module(model, layer: int, proj: str) -> torch.nn.Module:
     """A projection of a PEFT model: LoRA-wrapped if the adapter targets it, else the plain Linear."""
     decoder = model.base_model.model.model.layers[layer]

@@ -11,7 +11,6 @@ import json
 import random
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -28,6 +27,7 @@ from gateway.local_engine import LocalEngineClient
 from gateway.text_codec import TextCodec, name_bytes, token_name
 from store.workers import WorkerRegistry
 from tests.conftest import DEMO_MODEL, run_server, serve_gateway
+from tests.helpers import damage_adapter_files
 from tests.redis_server import start_redis_server, stop_redis_server
 
 # Greedy, and steered into "éé...": the bytes C3 A9 over and over, one token each (the penalty
@@ -383,14 +383,6 @@ def _upload(url: str, key: str, name: str, files: dict) -> str:
     return response.json()["digest"]
 
 
-def _damage(folder: Path) -> None:
-    path = folder / "adapter_model.safetensors"
-    path.chmod(0o644)
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def assert_engine_failure(url: str, key: str, model: str, reason: str, hidden: str,
                           streams: tuple[bool, ...] = (False, True)) -> None:
     """A request the engine fails is a 500 engine_failure saying why, whole or streamed, and
@@ -408,7 +400,7 @@ def assert_engine_failure(url: str, key: str, model: str, reason: str, hidden: s
 def test_an_adapter_that_cannot_load_is_a_500_engine_failure(server, key, adapter_files):
     digest = _upload(server.url, key, "damaged", adapter_files)
     folder = server.app.state.gateway.blobs.path(digest)
-    _damage(folder)
+    damage_adapter_files(folder)
     assert_engine_failure(server.url, key, "damaged", f"adapter {digest} could not be loaded",
                           hidden=str(folder))
 
@@ -446,7 +438,7 @@ def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
             folder.mkdir()
             for name, (_, data) in adapter_files.items():
                 (folder / name).write_bytes(data)
-            _damage(folder)
+            damage_adapter_files(folder)
             assert_engine_failure(gateway.url, key, "damaged",
                                   f"adapter {digest} could not be loaded", hidden=str(folder),
                                   streams=(False,))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,16 +18,18 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.engine_client import (AdapterRef, EngineStats, EngineUnavailable, RequestRejected,
+from gateway.engine_client import (AdapterRef, EngineFailure, EngineStats, RequestRejected,
                                    SamplingOptions)
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
-from store.blobs import BlobStore, digest_files
+from store import RedisStore
+from store.blobs import BlobStore, digest_files, ensure_intact_copy
 from store.workers import WorkerRecord, WorkerRegistry
 from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, serve_gateway
+from tests.helpers import damage_adapter_files
 from tests.redis_server import redis_server, redis_url  # noqa: F401
-from tests.test_scaleout_adapters import demo_adapter
+from tests.test_scaleout_adapters import demo_adapter, upload
 
 GHOST = "ghost"
 _HEARTBEAT_S = 0.1
@@ -115,11 +118,13 @@ async def _address_and_key(registry_url: str, worker_id: str) -> tuple[str, str]
 
 
 @contextlib.asynccontextmanager
-async def _gateway_pool(registry_url: str, folder: Path) -> AsyncIterator[WorkerPool]:
+async def _gateway_pool(registry_url: str, folder: Path,
+                        **options) -> AsyncIterator[WorkerPool]:
     """A gateway's pool over the workers registered in the Redis at `registry_url`, read once (it
-    does not poll, so that each test decides when the gateway sees their heartbeats)."""
+    does not poll, so that each test decides when the gateway sees their heartbeats); `options`
+    go to WorkerPool."""
     pool = WorkerPool(WorkerRegistry.open(registry_url), folder, lambda tokenizer_dir: None,
-                      lambda name, client: None)
+                      lambda name, client: None, **options)
     await pool.refresh()
     try:
         yield pool
@@ -506,7 +511,8 @@ def test_concurrent_calls_for_an_adapter_a_worker_lacks_send_its_files_once(
 def test_calls_waiting_for_an_adapter_transfer_the_worker_refuses_fail_as_one_call_alone(
         demo_engine, redis_url, tmp_path):  # noqa: F811
     folder, other = demo_adapter(tmp_path / "adapter"), demo_adapter(tmp_path / "other")
-    mislabelled = AdapterRef(digest_files(other), str(folder))  # the worker refuses these files
+    # The worker refuses these files (as a damaged copy), and this pool has no other copy.
+    mislabelled = AdapterRef(digest_files(other), str(folder))
 
     async def scenario() -> list[BaseException | list[int]]:
         async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
@@ -521,8 +527,62 @@ def test_calls_waiting_for_an_adapter_transfer_the_worker_refuses_fail_as_one_ca
 
     with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo") as worker:
         outcomes = asyncio.run(scenario())
-    assert [type(o) for o in outcomes] == [EngineUnavailable] * 5, outcomes
+    assert [type(o) for o in outcomes] == [EngineFailure] * 5, outcomes
+    assert str(outcomes[0]).startswith(f"this gateway's copy of the files of adapter "
+                                       f"{mislabelled.digest} is damaged")
     # Sent for the burst (again for a call that found the worker without the files only once
     # that transfer had failed), then for the later call.
     puts = [path for method, path in worker.seen if method == "PUT"]
     assert set(puts) == {f"{ADAPTERS_PATH}/{mislabelled.digest}"} and 2 <= len(puts) <= 5
+
+
+def test_a_gateway_whose_copy_of_an_adapter_is_damaged_sends_the_stores_copy_instead(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """Its adapter folder is a cache of Redis's copies: files that the worker refuses, as they
+    do not hash to their digest, are fetched again from Redis for the call that found them
+    damaged (it once got 503 engine_unavailable, on every call, and after restarts too)."""
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo") as worker, \
+            serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                          load_tokenizer=lambda folder: None) as gateway:
+        key = gateway.new_tenant("acme")
+        digest = upload(gateway, key, "tuned", demo_adapter(tmp_path / "adapter"))
+        cached = gateway.app.state.gateway.blobs.path(digest)
+        damage_adapter_files(cached)
+        reply = httpx.post(gateway.url + "/v1/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "tuned", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    assert digest_files(cached) == digest
+    # The damaged files, refused; then Redis's.
+    assert [path for method, path in worker.seen if method == "PUT"] == [
+        f"{ADAPTERS_PATH}/{digest}"] * 2
+
+
+def test_workers_that_refuse_a_damaged_copy_at_once_each_get_the_stores(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    folder = demo_adapter(tmp_path / "adapter")
+    blobs = BlobStore(tmp_path / "gateway-adapters")
+    digest, _ = blobs.put(folder)
+    damage_adapter_files(blobs.path(digest))
+    adapter = AdapterRef(digest, str(blobs.path(digest)))
+
+    async def scenario() -> None:
+        store = await RedisStore.open(redis_url)
+        try:
+            await store.shared_blobs.put_files(digest, folder)
+            async with _gateway_pool(redis_url, tmp_path / "tokenizers", ensure_intact_copy=(
+                    functools.partial(ensure_intact_copy, blobs, store.shared_blobs))) as pool:
+                await asyncio.gather(*(pool.send_adapter(worker, adapter)
+                                       for worker in pool.workers.values()))
+        finally:
+            await store.close()
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "one", "one") as one, \
+            _serving_worker(demo_engine, redis_url, tmp_path / "two", "two") as two:
+        asyncio.run(scenario())
+    assert digest_files(blobs.path(digest)) == digest
+    # Both sent the damaged files, and then the store's (fetched once, by either transfer: the
+    # other found them intact then).
+    for worker in (one, two):
+        assert [path for method, path in worker.seen if method == "PUT"] == [
+            f"{ADAPTERS_PATH}/{digest}"] * 2

@@ -13,7 +13,8 @@ import redis
 import redis.asyncio as aioredis
 
 from store import UNAVAILABLE_ERRORS, AdapterRecord, RedisStore, StoreError, Tenant
-from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files, fetch_blob
+from store.blobs import (ADAPTER_FILES, BlobStore, collect_garbage, digest_files,
+                         ensure_intact_copy, fetch_blob)
 from store.redis import RedisKeys
 from store.redis_blobs import RedisBlobs
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
@@ -160,6 +161,27 @@ async def test_fetch_blob_stores_a_verified_copy(shared, tmp_path):
     folder = await fetch_blob(local, shared, digest)
     assert folder == local.path(digest) and read_files(folder) == read_files(src)
     assert local.digests() == [digest]  # and no staging folder left
+
+
+async def test_a_damaged_local_copy_is_replaced_by_the_stores_and_kept_without_a_good_one(
+        shared, client, tmp_path):
+    src = adapter_folder(tmp_path / "src")
+    digest = digest_files(src)
+    await shared.put_files(digest, src)
+    local = BlobStore(tmp_path / "blobs")
+    assert not await ensure_intact_copy(local, shared, digest)  # none here: nothing fetched
+    local.put(src)
+    weights = local.path(digest) / "adapter_model.safetensors"
+    assert await ensure_intact_copy(local, shared, digest)
+    weights.write_bytes(WEIGHTS[::-1])  # changed on disk since: same size, another digest
+    assert await ensure_intact_copy(local, shared, digest)
+    assert read_files(local.path(digest)) == read_files(src) and local.digests() == [digest]
+
+    weights.write_bytes(WEIGHTS[::-1])
+    assert not await ensure_intact_copy(local, None, digest)  # the folder's is the only copy
+    client.delete(f"sb:blob:{digest}")  # the store's copy is gone too
+    assert not await ensure_intact_copy(local, shared, digest)
+    assert weights.read_bytes() == WEIGHTS[::-1]  # kept, for an upload of the files to replace
 
 
 async def test_deletes_keep_what_a_record_references(store, shared, client, tmp_path):
