@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -82,6 +82,9 @@ class Tier:
     model: str
     engine: EngineClient
     adapter: AdapterRef | None = None
+    # Checks this gateway's copy of the adapter's files, replacing a damaged one (see
+    # store.blobs.ensure_intact_copy); whether it is intact now.
+    ensure_intact_adapter: Callable[[], Awaitable[bool]] | None = None
 
 
 Reading = tuple[list[int], SamplingOptions]  # a prompt as one tier reads it, and its answer's options
@@ -196,8 +199,17 @@ class Ask:
         async with contextlib.aclosing(tier.engine.generate(
                 prompt, options, request_id=request_id, tenant=tenant,
                 adapter=tier.adapter)) as stream:  # closing it aborts the engine request
-            async for chunk in stream:
-                yield chunk
+            is_started = False
+            try:
+                async for chunk in stream:
+                    is_started = True
+                    yield chunk
+            except EngineFailure:
+                # An engine reads the adapter's files before a request's first token: it may
+                # have failed on a damaged copy, which the next request must not find.
+                if not is_started and tier.ensure_intact_adapter is not None:
+                    await tier.ensure_intact_adapter()
+                raise
 
 
 @dataclass

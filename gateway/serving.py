@@ -34,7 +34,7 @@ from gateway.state import GatewayState, gateway_state
 from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
 from routing.routes import CascadeRoute, LearnedRoute, Route
 from store import AdapterRecord, StoreError, Tenant
-from store.blobs import fetch_blob
+from store.blobs import ensure_intact_copy, fetch_blob
 from store.limits import budget_left
 
 T = TypeVar("T")
@@ -162,13 +162,19 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
                            f"{', '.join(state.engines)}", param="model", code="model_not_found")
         # A route or an adapter over workers not up yet.
         raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(missing)} yet"))
-    adapter = None
-    if target.adapter is not None:
-        folder = await adapter_folder(state, target.adapter)
-        adapter = (target.adapter.base_model, AdapterRef(target.adapter.digest, str(folder)))
-    tiers = tuple(Tier(m, state.engines[m], adapter[1] if adapter and adapter[0] == m else None)
+    adapter = None if target.adapter is None else await _adapter_tier(state, target.adapter)
+    tiers = tuple(adapter if adapter is not None and adapter.model == m else Tier(m, state.engines[m])
                   for m in models)
     return Target(tiers, target.route)
+
+
+async def _adapter_tier(state: GatewayState, adapter: AdapterRecord) -> Tier:
+    """The adapter's base model, run with this gateway's copy of its files."""
+    folder = await adapter_folder(state, adapter)
+    return Tier(adapter.base_model, state.engines[adapter.base_model],
+                AdapterRef(adapter.digest, str(folder)), functools.partial(
+                    ensure_intact_copy, state.blobs, state.require_store().shared_blobs,
+                    adapter.digest))
 
 
 async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:

@@ -23,10 +23,10 @@ import pytest
 import redis
 
 from gateway.worker import Worker, create_worker_app
-from store.blobs import ADAPTER_FILES, BlobStore
+from store.blobs import ADAPTER_FILES, BlobStore, digest_files
 from store.workers import WorkerRegistry
 from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server, run_server
-from tests.helpers import TINY_DIMS, save_peft_adapter
+from tests.helpers import TINY_DIMS, damage_adapter_files, save_peft_adapter
 from tests.processes import free_port
 from tests.redis_server import redis_server  # noqa: F401
 from tests.test_gateway_routing import eventually
@@ -286,6 +286,25 @@ def test_deleting_a_tenant_removes_its_adapters_redis_copies(gateways, adapter, 
     assert b.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
     assert blob_keys(client, digest) == []
     assert local_blobs(b).path(digest) is None
+
+
+def test_a_gateway_whose_engine_fails_on_its_damaged_copy_fetches_the_stores_again(
+        gateways, tenant_key, adapter):
+    """Its adapter folder is a cache of Redis's copies: the call whose engine found the files
+    damaged fails, and has the copy fetched again, so the next one answers (each call once
+    failed the same way until the adapter was uploaded again)."""
+    a, b = gateways
+    digest = upload(b, tenant_key, "tuned", adapter)
+    cached = local_blobs(b).path(digest)
+    damage_adapter_files(cached)
+
+    reply = completion(b, tenant_key, "tuned")
+    assert reply.status_code == 500, reply.text
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == ("engine_failure", "server_error")
+    assert f"adapter {digest} could not be loaded" in error["message"]
+    assert digest_files(cached) == digest
+    assert greedy_ids(b, tenant_key, "tuned") == greedy_ids(a, tenant_key, "tuned")
 
 
 @pytest.mark.parametrize("damage", ["changed chunk", "missing chunk"])
