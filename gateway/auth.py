@@ -80,8 +80,9 @@ async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:
     if await store.get_admin_key_hash() is not None:
         return None
     created = _ADMIN_PREFIX + secrets.token_urlsafe(32)
-    await store.set_admin_key_hash(hash_key(created))
-    return created
+    # NOTE: only if still unset: a second server starting on the same fresh store at the same
+    # moment must not print a key that the other's then replaces.
+    return created if await store.set_admin_key_hash(hash_key(created), only_if_unset=True) else None
 
 
 async def _is_admin_key(store: Store, key: str) -> bool:

@@ -85,8 +85,9 @@ class Store(Protocol):
     async def get_admin_key_hash(self) -> str | None:
         """The sha256 (store.keys.hash_key) of the admin key, or None if none is set."""
 
-    async def set_admin_key_hash(self, key_hash: str) -> None:
-        """Replace the admin key's hash."""
+    async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
+        """Replace the admin key's hash (`only_if_unset`: store it only if none is set, in one
+        atomic step, so that of two servers starting at once one key wins); whether it was."""
 
     # Adapter records.
 

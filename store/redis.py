@@ -324,8 +324,8 @@ class RedisStore:
     async def get_admin_key_hash(self) -> str | None:
         return await self._redis.get(self._keys.admin_key_hash)
 
-    async def set_admin_key_hash(self, key_hash: str) -> None:
-        await self._redis.set(self._keys.admin_key_hash, key_hash)
+    async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
+        return bool(await self._redis.set(self._keys.admin_key_hash, key_hash, nx=only_if_unset))
 
     # Adapter records.
 

@@ -357,11 +357,12 @@ class SqliteStore:
 
         return await self._read(select)
 
-    async def set_admin_key_hash(self, key_hash: str) -> None:
-        await self._write(
+    async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
+        verb = "INSERT OR IGNORE" if only_if_unset else "INSERT OR REPLACE"
+        return await self._write(
             lambda conn: conn.execute(
-                "INSERT OR REPLACE INTO settings VALUES ('admin_key_hash', ?)", (key_hash,)
-            )
+                f"{verb} INTO settings VALUES ('admin_key_hash', ?)", (key_hash,)
+            ).rowcount == 1
         )
 
     # Adapter records.

@@ -33,6 +33,7 @@ from store import (
     refund_rate,
 )
 from gateway.admission import admit
+from gateway.auth import ensure_admin_key
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from store.redis import MAX_CONNECTIONS
@@ -229,6 +230,18 @@ async def test_admin_key_hash(store: Store) -> None:
     await store.set_admin_key_hash(hash_key("sb-admin-1"))
     await store.set_admin_key_hash(hash_key("sb-admin-2"))
     assert await store.get_admin_key_hash() == hash_key("sb-admin-2")
+
+
+async def test_servers_starting_at_once_on_a_fresh_store_agree_on_one_admin_key(
+        store_url: str, tmp_path: Path) -> None:
+    # Each made and printed a key; the one written last replaced the other, which never worked.
+    servers = [await open_store(store_url, tmp_path) for _ in range(8)]
+    printed = await asyncio.gather(*(ensure_admin_key(s, None) for s in servers))
+    made = [key for key in printed if key is not None]
+    assert len(made) == 1 and await servers[0].get_admin_key_hash() == hash_key(made[0])
+    assert await servers[0].set_admin_key_hash(hash_key("x"), only_if_unset=True) is False
+    for server in servers:
+        await server.close()
 
 
 # Adapter records.
