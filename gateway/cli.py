@@ -434,6 +434,8 @@ def _redis_problem(url: str | None) -> str | None:
     """Why the Redis at `url` cannot be used now (None: it answers, or `url` is not Redis)."""
     import asyncio
 
+    from redis.exceptions import ResponseError
+
     from store import UNAVAILABLE_ERRORS, RedisStore
 
     if url is None or not url.startswith(("redis://", "rediss://", "unix://")):
@@ -446,6 +448,8 @@ def _redis_problem(url: str | None) -> str | None:
         asyncio.run(ping())
     except UNAVAILABLE_ERRORS as error:
         return str(error)
+    except ResponseError as error:  # e.g. "DB index is out of range": Redis refuses the URL's db
+        return f"the Redis at {url.rpartition('@')[2]} refuses the connection: {error}"
     return None
 
 

@@ -25,6 +25,7 @@ from store.redis import check_redis_url
 
 DEFAULT_DATA_DIR = Path("data")
 MAX_UPSTREAM_CONTEXT = 2**30  # tokens: far past any model's context
+MAX_HEARTBEAT_S = 3600.0
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(iB|B)?", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
@@ -192,8 +193,10 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.advertise_url is not None:
             self.advertise_url = _worker_url(self.advertise_url)
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
+        # NOTE: bounded, as Redis keeps a worker's record for three beats, in milliseconds.
+        if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
+            raise ValueError(f"heartbeat_s must be in (0, {MAX_HEARTBEAT_S}] seconds, got "
+                             f"{self.heartbeat_s}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.default_route is not None and self.default_route not in self.routes:

@@ -117,6 +117,7 @@ def test_a_size_that_cannot_be_read_says_how_to_write_one(capsys):
     (dict(store="redis://[::1/0"), "cannot use the Redis URL: Invalid IPv6 URL"),
     (dict(redis="unix://"), "unix:// needs the socket's path"),
     (dict(redis="http://localhost:6379/0"), "it is not a Redis URL"),
+    (dict(heartbeat_s=float("inf")), r"heartbeat_s must be in \(0, 3600.0\] seconds, got inf"),
     (dict(advertise_url="http://:9000"), "advertise_url must be an http"),
     (dict(advertise_url="http://10.0.0.7:9000/?x=1"), "advertise_url must be an http"),
 ])
@@ -349,6 +350,17 @@ def test_an_unreachable_redis_is_refused_before_any_model_loads(command, tmp_pat
     assert main([command, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2
     assert "cannot reach the Redis store at 127.0.0.1:1/0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing loaded or written
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_a_redis_database_the_server_refuses_exits_2_before_any_model_loads(command, tmp_path, capsys):
+    redis, url = start_redis_server()
+    try:  # once a ResponseError traceback
+        assert main([command, "--redis", url.rpartition("/")[0] + "/99", "--data-dir", str(tmp_path)]) == 2
+    finally:
+        stop_redis_server(redis)
+    assert "refuses the connection: DB index is out of range" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 @contextlib.contextmanager
