@@ -122,6 +122,13 @@ class TargetSlots:
         self.slot_scalings[:, slot].copy_(packed.scalings, non_blocking=True)
 
 
+def slot_buffer_bytes(spec: ModelSpec, num_slots: int, max_rank: int, dtype: torch.dtype) -> int:
+    """The device memory SlotBuffers of these sizes take (its A and B weights), before any is
+    allocated: so that a setting past the device's memory is refused with a message."""
+    per_rank = sum(t.num_slices * t.in_features + t.slice_offsets[-1] for t in lora_targets(spec))
+    return spec.num_layers * num_slots * max_rank * per_rank * torch.empty((), dtype=dtype).element_size()
+
+
 class SlotBuffers:
     """Device slots of every target: `max_gpu_adapters` adapters resident at once."""
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from adapters.cache import AdapterCache
+from adapters.config import AdapterConfig
+from adapters.slots import slot_buffer_bytes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager
@@ -93,6 +95,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids + generation_eos_ids(config.model))
         num_blocks = self._num_kv_blocks(dtype, device)
         self.max_model_len = max_len = self._max_model_len(num_blocks)
+        if config.lora is not None:
+            self._check_lora_slots_fit(config.lora, dtype, device)
         self.model = load_model(config.model, dtype, device, max_positions=max_len,
                                 show_progress=show_progress)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -288,6 +292,15 @@ class LLMEngine:
                              f"the KV cache holds ({num_blocks} blocks of {self.config.block_size}); "
                              "give the KV cache more memory or lower max_model_len")
         return max_model_len
+
+    def _check_lora_slots_fit(self, lora: AdapterConfig, dtype: torch.dtype,
+                              device: torch.device) -> None:
+        """ValueError, before the weights load, if the device slots cannot fit its memory."""
+        need = slot_buffer_bytes(self.spec, lora.max_gpu_adapters, lora.max_lora_rank, dtype)
+        if need > (memory := _device_memory_bytes(device)):
+            raise ValueError(f"device slots for {lora.max_gpu_adapters} adapters of rank up to "
+                             f"{lora.max_lora_rank} take {need} bytes, more than the {device.type} "
+                             f"memory ({memory} bytes); lower max_loras or max_lora_rank")
 
     def _num_kv_blocks(self, dtype: torch.dtype, device: torch.device) -> int:
         config = self.config

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adapters.peft_format import load_adapter
-from adapters.slots import SlotBuffers, pack_adapter
+from adapters.slots import SlotBuffers, pack_adapter, slot_buffer_bytes
 from adapters.targets import lora_targets
 from kernels import sgmv_expand, sgmv_shrink
 from tests.helpers import peft_module, save_peft_adapter, tiny_spec
@@ -52,6 +52,8 @@ def adapters(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_slot_holds_exact_weights(adapters, dtype):
     slots = SlotBuffers(SPEC, num_slots=3, max_rank=MAX_RANK, dtype=dtype, device=torch.device("cpu"))
+    # What a server checks against the device's memory before it allocates any slot.
+    assert slot_buffer_bytes(SPEC, 3, MAX_RANK, dtype) == slots.nbytes
     (_, dense), (_, sparse) = adapters
     slots.write(2, pack_adapter(dense, SPEC, dtype, pin_memory=False))
     slots.write(0, pack_adapter(sparse, SPEC, dtype, pin_memory=False))

@@ -340,6 +340,10 @@ def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_pa
     kv_too_large = ["serve", "--model", f"demo={demo_model_dir}", "--kv-cache-memory", "1000T", *data]
     assert main(kv_too_large) == 2
     assert "a KV budget of 1099511627776000 bytes is more than the cpu memory" in capsys.readouterr().err
+    # Once a RuntimeError traceback from torch's allocator, after the model had loaded.
+    slots_too_large = ["serve", "--model", f"demo={demo_model_dir}", "--max-loras", "1000000", *data]
+    assert main(slots_too_large) == 2
+    assert "device slots for 1000000 adapters of rank up to 64 take" in capsys.readouterr().err
     if not torch.cuda.is_available():  # once an AssertionError from deep in torch
         assert main(["serve", "--model", f"demo={demo_model_dir}", "--device", "cuda", *data]) == 2
         assert "torch sees no CUDA device" in capsys.readouterr().err
