@@ -6,10 +6,12 @@ exists so the whole stack, from HTTP to the paged KV cache, can run anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +23,8 @@ logger = logging.getLogger(__name__)
 DEMO_NAME = "switchboard-demo"
 DEFAULT_DEMO_DIR = Path(os.environ.get("SWITCHBOARD_HOME", Path.home() / ".cache" / "switchboard")) / DEMO_NAME
 _SEED = 1234
+_STAGING_PREFIX = ".demo-"
+_STALE_STAGING_S = 600.0  # writing the demo model takes seconds
 _SPECIAL_TOKENS = ("<s>", "</s>")
 _CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
@@ -61,18 +65,23 @@ def demo_config():
 def ensure_demo_model(folder: Path = DEFAULT_DEMO_DIR) -> Path:
     """Write the demo model to `folder` unless it is already there; returns the folder."""
     folder = Path(folder)
+    _remove_stale_staging(folder.parent)
     if (folder / "config.json").is_file():
         return folder
     from transformers import LlamaForCausalLM
 
     logger.info("writing the demo model to %s (first use)", folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
-    with torch.random.fork_rng():
-        torch.manual_seed(_SEED)
-        model = LlamaForCausalLM(demo_config())
-    model.save_pretrained(staging, safe_serialization=True)
-    build_byte_tokenizer().save_pretrained(staging)
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=folder.parent))
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(_SEED)
+            model = LlamaForCausalLM(demo_config())
+        model.save_pretrained(staging, safe_serialization=True)
+        build_byte_tokenizer().save_pretrained(staging)
+    except BaseException:  # Ctrl-C too
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         staging.rename(folder)  # NOTE: atomic, so a concurrent first start never sees half a model
     except OSError:
@@ -80,3 +89,14 @@ def ensure_demo_model(folder: Path = DEFAULT_DEMO_DIR) -> Path:
         if not (folder / "config.json").is_file():
             raise
     return folder
+
+
+def _remove_stale_staging(parent: Path) -> None:
+    """Remove half-written demo models left by a start that was killed while writing one (a
+    SIGTERM then ends the process at once); only old ones, as another start may be writing."""
+    if not parent.is_dir():
+        return
+    for staging in parent.glob(_STAGING_PREFIX + "*"):
+        with contextlib.suppress(OSError):  # another start removed it meanwhile
+            if time.time() - staging.stat().st_mtime > _STALE_STAGING_S:
+                shutil.rmtree(staging, ignore_errors=True)

@@ -1,6 +1,8 @@
 """Model folders: what loads, and the errors for what does not."""
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -160,8 +162,16 @@ def test_half_precision_runs_close_to_float32(tmp_path, dtype):
 
 def test_demo_model_generates_text_with_stop_strings(tmp_path):
     from engine.demo import ensure_demo_model
+    # What a start killed while writing the demo model leaves (SIGTERM ends it at once): swept
+    # once old, as a younger one may be another start's, still writing.
+    old, young = tmp_path / ".demo-killed", tmp_path / ".demo-writing"
+    for staging in (old, young):
+        staging.mkdir()
+        (staging / "config.json").write_text("{}")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
     folder = ensure_demo_model(tmp_path / "demo")
     assert ensure_demo_model(folder) == folder  # written once, then reused
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo-writing", "demo"]
     llm = LLM(str(folder), show_progress=False)
     free = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0]
