@@ -234,7 +234,8 @@ def _run(command: str, args: dict) -> int:
         # NOTE: a default below every source: a config file's port counts for workers too.
         defaults = {"port": WORKER_PORT} if command == "worker" else {}
         try:
-            config = load_serve_config(args, args.pop("config", None), defaults=defaults)
+            config = load_serve_config(args, args.pop("config", None), defaults=defaults,
+                                       command=command)
         except (ValueError, TypeError) as error:
             print(f"switchboard {command}: {error}", file=sys.stderr)
             return 2
@@ -320,7 +321,7 @@ def run_worker(config: ServeConfig) -> int:
     interrupted; the exit status."""
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if len(config.model_paths()) > 1 or config.upstreams():
+    if len(config.model_paths()) > 1:  # NOTE: a worker's config has no [models.NAME] tables
         print("switchboard worker: a worker serves exactly one local model (--model NAME=PATH); "
               "run one worker per model and GPU", file=sys.stderr)
         return 2

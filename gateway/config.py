@@ -1,8 +1,9 @@
 """ServeConfig: everything `switchboard serve` needs, merged from its three sources.
 
 Precedence: command-line options, then environment variables (SWITCHBOARD_HOME for the data
-folder, SWITCHBOARD_ADMIN_KEY), then the TOML file of `--config`, then the defaults below. The
-TOML keys are the long option names, with "_" or "-" (`max_num_seqs = 32`, `model = ["a=/m"]`).
+folder, SWITCHBOARD_ADMIN_KEY, SWITCHBOARD_METRICS_KEY), then the TOML file of `--config`, then
+the defaults below. The TOML keys are the long option names, with "_" or "-" (`max_num_seqs = 32`,
+`model = ["a=/m"]`). `switchboard worker` reads the same config, less the gateway's own settings.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
         "metrics_key": "SWITCHBOARD_METRICS_KEY"}
 # Config-file keys named after a long option whose value lands in a field of another name.
 _FILE_KEYS = {"heartbeat": "heartbeat_s", "shutdown_timeout": "shutdown_timeout_s"}
+Command = Literal["serve", "worker"]
+# The settings (fields) only one command uses; the others apply to both. Each command refuses the
+# other's, which it would silently ignore.
+_OWN_SETTINGS: dict[Command, frozenset[str]] = {
+    "serve": frozenset({"models", "routes", "default_route", "store", "admin_key", "metrics_key",
+                        "adapter_dir", "max_upload_size"}),
+    "worker": frozenset({"advertise_url", "heartbeat_s"}),
+}
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
 _UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "timeout_s",
                   "max_model_len"}
@@ -395,14 +404,19 @@ def parse_size(text: str | int) -> int:
 
 def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
                       environ: dict[str, str] | None = None,
-                      defaults: dict[str, Any] | None = None) -> ServeConfig:
-    """Merge the sources; `cli` holds only the options given on the command line, `defaults` the
-    command's own defaults (below every source). ValueError naming the setting for any value of
-    the wrong type or range."""
+                      defaults: dict[str, Any] | None = None,
+                      command: Command = "serve") -> ServeConfig:
+    """Merge the sources of `command`'s settings; `cli` holds only the options given on the command
+    line, `defaults` the command's own defaults (below every source). ValueError naming the setting
+    for any value of the wrong type or range, and for a config-file key `command` does not take."""
     environ = os.environ if environ is None else environ
+    others = _OWN_SETTINGS[_other(command)]
     merged = dict(defaults or {})
-    merged.update(_read_toml(config_file) if config_file is not None else {})
-    merged.update({key: environ[var] for key, var in _ENV.items() if environ.get(var)})
+    merged.update(_read_toml(config_file, command) if config_file is not None else {})
+    # NOTE: one environment often starts gateways and workers alike, so a variable of the other
+    # command is left unread (not refused, as a config file's key is).
+    merged.update({key: environ[var] for key, var in _ENV.items()
+                   if key not in others and environ.get(var)})
     merged.update(cli)
     for size in ("kv_cache_memory", "max_upload_size"):
         if size in merged:
@@ -415,6 +429,10 @@ def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
         raise ValueError(f"invalid setting: {str(error).replace('$.', '')}") from None
 
 
+def _other(command: Command) -> Command:
+    return "worker" if command == "serve" else "serve"
+
+
 def _path(kind: type, value: Any) -> Any:
     if kind is Path and isinstance(value, (str, Path)):
         return Path(value)
@@ -422,18 +440,25 @@ def _path(kind: type, value: Any) -> Any:
     raise TypeError(f"Expected a folder path (a string), got {type(value).__name__}")
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path, command: Command) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read the config file {path}: {error}") from None
     # A file's keys are the long options' names (as `--heartbeat` is `heartbeat`), or the fields'.
-    known = {f.name for f in fields(ServeConfig)} | set(_FILE_KEYS)
     values = {key.replace("-", "_"): value for key, value in raw.items()}
-    unknown = sorted(set(values) - known)
+    settings = {key: _FILE_KEYS.get(key, key) for key in values}  # the field each key sets
+    known, others = {f.name for f in fields(ServeConfig)}, _OWN_SETTINGS[_other(command)]
+    unknown = sorted(key for key, setting in settings.items() if setting not in known)
     if unknown:
-        listed = sorted(known - set(_FILE_KEYS.values()))
+        option_names = {setting: key for key, setting in _FILE_KEYS.items()}
+        listed = sorted(option_names.get(setting, setting) for setting in known - others)
         raise ValueError(f"unknown keys in {path}: {', '.join(unknown)}; "
                          f"known keys: {', '.join(listed)}")
-    return {_FILE_KEYS.get(key, key): value for key, value in values.items()}
+    foreign = sorted(key for key, setting in settings.items() if setting in others)
+    if foreign:
+        are, them = ("is a setting", "it") if len(foreign) == 1 else ("are settings", "them")
+        raise ValueError(f"{', '.join(foreign)} in {path} {are} of switchboard {_other(command)}, "
+                         f"not of switchboard {command}: remove {them}")
+    return {settings[key]: value for key, value in values.items()}

@@ -576,8 +576,48 @@ def test_help_gives_the_engine_s_own_defaults(capsys):
 def test_a_config_file_takes_the_long_options_names(tmp_path):
     config = tmp_path / "worker.toml"
     config.write_text("heartbeat = 2.5\nmax-num-seqs = 3\nshutdown-timeout = 5\n")
-    loaded = load_serve_config({}, config, {})
+    loaded = load_serve_config({}, config, {}, command="worker")
     assert (loaded.heartbeat_s, loaded.max_num_seqs, loaded.shutdown_timeout_s) == (2.5, 3, 5.0)
     config.write_text("heartbeet = 2.5\n")
     with pytest.raises(ValueError, match="unknown keys .*: heartbeet; known keys: .*heartbeat,"):
-        load_serve_config({}, config, {})
+        load_serve_config({}, config, {}, command="worker")
+
+
+@pytest.mark.parametrize("command, text, key", [
+    # Each once started the command, which ignored the setting.
+    ("serve", "heartbeat = 5\n", "heartbeat"),
+    ("serve", 'advertise-url = "http://10.0.0.7:9000"\n', "advertise_url"),
+    ("worker", 'admin_key = "sb-admin-secret"\n', "admin_key"),
+    ("worker", 'metrics_key = "scrape-me"\n', "metrics_key"),
+    ("worker", 'store = "sqlite://a.db"\n', "store"),
+    ("worker", 'adapter_dir = "/srv/adapters"\n', "adapter_dir"),
+    ("worker", 'max_upload_size = "1MiB"\n', "max_upload_size"),
+    ("worker", 'default_route = "auto"\n[routes.auto]\ntiers = ["a", "b"]\nthreshold = 0.5\n',
+     "default_route, routes"),
+    ("worker", '[models.demo]\npath = "/models/demo"\nprice_input = 1\n', "models"),
+])
+def test_a_config_key_of_the_other_command_exits_2_naming_it(command, text, key, tmp_path, capsys):
+    config = tmp_path / f"{command}.toml"
+    config.write_text(text)
+    data = tmp_path / "data"
+    argv = [command, "--config", str(config), "--data-dir", str(data), "--port", "0",
+            "--model", f"gone={tmp_path / 'nowhere'}", "--redis", "redis://127.0.0.1:1/0"]
+    assert main(argv) == 2
+    other, one = "worker" if command == "serve" else "serve", "," not in key
+    assert capsys.readouterr().err == (
+        f"switchboard {command}: {key} in {config} {'is a setting' if one else 'are settings'} of "
+        f"switchboard {other}, not of switchboard {command}: remove {'it' if one else 'them'}\n")
+    assert not data.exists()  # refused before anything loads
+    config.write_text("colour = 1\n")
+    with pytest.raises(ValueError, match="unknown keys") as raised:
+        load_serve_config({}, config, {}, command=command)
+    known = str(raised.value).split("known keys: ")[1].split(", ")
+    assert not set(key.split(", ")) & set(known)  # nor listed among the command's own
+
+
+def test_a_worker_leaves_the_gateway_s_variables_alone():
+    # One environment (a shell, a container's) often starts gateways and workers alike.
+    environ = {"SWITCHBOARD_ADMIN_KEY": "two words", "SWITCHBOARD_METRICS_KEY": "scrape-me",
+               "SWITCHBOARD_HOME": "/srv/sb"}
+    worker = load_serve_config({}, None, environ, command="worker")
+    assert (worker.admin_key, worker.metrics_key, worker.data_dir) == (None, None, Path("/srv/sb"))
