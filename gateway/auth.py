@@ -1,7 +1,9 @@
-"""Bearer-key authentication: tenant keys for /v1, the admin key for /admin.
+"""Bearer-key authentication: tenant keys for /v1, the admin key for /admin, the metrics key
+(or the admin key) for /metrics.
 
-The store keeps only hashes. The admin key is not a tenant key: it manages tenants and keys, and
-calls to /v1 with it are refused with a hint to create a tenant key.
+The store keeps only hashes. A valid key sent where it has no permission (the admin key to /v1,
+the metrics key anywhere but /metrics) is refused with 403 and what to send instead, not taken
+for an unknown key.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def bearer_key(request: Request) -> str:
     return key.strip()
 
 
-async def authenticate_tenant(request: Request, store: Store) -> Tenant:
-    """The tenant owning the request's key; 401 for unknown or revoked keys."""
+async def authenticate_tenant(request: Request, store: Store, metrics_key_hash: str | None) -> Tenant:
+    """The tenant owning the request's key; 403 for the admin key and the metrics key (valid keys,
+    but no tenant's), 401 for unknown or revoked keys."""
     key = bearer_key(request)
     tenant = await store.authenticate(key)
     if tenant is not None:
@@ -39,14 +42,21 @@ async def authenticate_tenant(request: Request, store: Store) -> Tenant:
                        "tenant (POST /admin/tenants) and a key for it "
                        "(POST /admin/tenants/{tenant}/keys) to call /v1",
                        type="permission_error", code="admin_key_not_allowed")
+    if _is_metrics_key(key, metrics_key_hash):
+        raise ApiError(403, "this is the metrics key, which reads /metrics only; call /v1 with a "
+                       "tenant's key (POST /admin/tenants/{tenant}/keys)",
+                       type="permission_error", code="metrics_key_not_allowed")
     raise _unauthenticated("invalid API key: it is unknown or was revoked")
 
 
-async def require_admin(request: Request, store: Store) -> None:
-    """Pass for the admin key; 403 for a tenant key, 401 for anything else."""
+async def require_admin(request: Request, store: Store, metrics_key_hash: str | None) -> None:
+    """Pass for the admin key; 403 for a tenant key or the metrics key, 401 for anything else."""
     key = bearer_key(request)
     if await _is_admin_key(store, key):
         return
+    if _is_metrics_key(key, metrics_key_hash):
+        raise ApiError(403, "this endpoint needs the admin key; the metrics key reads /metrics only",
+                       type="permission_error", code="admin_key_required")
     if await store.authenticate(key) is not None:
         raise ApiError(403, "this endpoint needs the admin key; tenant keys cannot manage tenants",
                        type="permission_error", code="admin_key_required")
@@ -57,9 +67,7 @@ async def require_metrics_reader(request: Request, store: Store, metrics_key_has
     """Pass for the metrics key (when one is set) and the admin key; 403 for a tenant key, 401
     for anything else. The series name every tenant and adapter, which no tenant may see."""
     key = bearer_key(request)
-    if metrics_key_hash is not None and verify_key(key, metrics_key_hash):
-        return
-    if await _is_admin_key(store, key):
+    if _is_metrics_key(key, metrics_key_hash) or await _is_admin_key(store, key):
         return
     if await store.authenticate(key) is not None:
         raise ApiError(403, "/metrics needs the metrics key or the admin key: its series name every "
@@ -88,6 +96,10 @@ async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:
 async def _is_admin_key(store: Store, key: str) -> bool:
     key_hash = await store.get_admin_key_hash()
     return key_hash is not None and verify_key(key, key_hash)
+
+
+def _is_metrics_key(key: str, metrics_key_hash: str | None) -> bool:
+    return metrics_key_hash is not None and verify_key(key, metrics_key_hash)
 
 
 def _unauthenticated(message: str) -> ApiError:

@@ -43,7 +43,7 @@ async def retrieve_model(request: Request) -> Response:
 async def _model_cards(request: Request) -> list[ModelCard]:
     state = gateway_state(request)
     store = state.require_store()
-    tenant = await authenticate_tenant(request, store)
+    tenant = await authenticate_tenant(request, store, state.metrics_key_hash)
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=state.engines[name].max_model_len)
              for name in allowed_base_models(tenant, state.engines)]

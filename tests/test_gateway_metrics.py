@@ -124,3 +124,20 @@ def test_metrics_need_the_metrics_key_or_the_admin_key(demo_engine, tmp_path):
             answer = scrape(key)
             assert answer.status_code == status and "switchboard_" not in answer.text
             assert answer.json()["error"]["message"]
+
+
+def test_the_metrics_key_is_refused_elsewhere_as_a_key_without_that_permission(demo_engine, tmp_path):
+    """It is a valid key, so the admin API and /v1 answer 403 (as the admin key gets on /v1, a
+    tenant key on /admin), not 401 as for an unknown key."""
+    with gateway_server(demo_engine, tmp_path, metrics_key="scrape-me") as server:
+        server.new_tenant("acme")
+        scraper = {"Authorization": "Bearer scrape-me"}
+        calls = [("GET", "/admin/tenants", None), ("POST", "/admin/tenants", {"name": "evil"}),
+                 ("GET", "/admin/tenants/acme/adapters", None), ("GET", "/v1/models", None),
+                 ("POST", "/v1/completions", {"model": DEMO_MODEL, "prompt": "hi"})]
+        for method, path, body in calls:
+            answer = httpx.request(method, server.url + path, json=body, headers=scraper, timeout=30)
+            error = answer.json()["error"]
+            assert (answer.status_code, error["type"]) == (403, "permission_error"), (path, error)
+            assert "the metrics key" in error["message"]
+        assert [t["name"] for t in server.admin("GET", "/admin/tenants").json()["data"]] == ["acme"]
