@@ -1,7 +1,8 @@
-"""The gateway's Prometheus series: traffic by tenant/model/status, latencies, engine gauges.
+"""The gateway's Prometheus series: traffic by tenant/model/status, latencies, engine gauges and
+counters.
 
-Engine gauges are read from each EngineClient when /metrics is scraped, so they are never stale
-and cost nothing between scrapes.
+The engine's series are read from each EngineClient when /metrics is scraped, so they are never
+stale and cost nothing between scrapes.
 """
 
 from __future__ import annotations
@@ -59,25 +60,26 @@ class GatewayMetrics:
                               "Fraction of the engine's KV-cache blocks in use.", ("model",))
         self.kv_blocks_used = Gauge("switchboard_kv_cache_blocks_used",
                                     "KV-cache blocks in use.", ("model",))
-        self.kv_blocks_total = Gauge("switchboard_kv_cache_blocks_total",
-                                     "KV-cache blocks in the engine's pool.", ("model",))
+        # NOTE: not named _total, which Prometheus keeps for counters.
+        self.kv_blocks_capacity = Gauge("switchboard_kv_cache_blocks_capacity",
+                                        "KV-cache blocks in the engine's pool.", ("model",))
         self.prefix_cache_hit_rate = Gauge("switchboard_prefix_cache_hit_rate",
                                            "Share of queried prompt tokens served from the prefix "
                                            "cache.", ("model",))
-        self.num_preemptions = Gauge("switchboard_num_preemptions",
-                                     "Requests preempted by the engine since it started.", ("model",))
-        # NOTE: the engine's own cumulative counters, read at scrape time, so exported as gauges
-        # of the running totals (like num_preemptions).
-        self.adapter_hits = Gauge("switchboard_adapter_cache_hits",
-                                  "Adapter requests whose adapter was already in a device slot.",
-                                  ("model",))
-        self.adapter_misses = Gauge("switchboard_adapter_cache_misses",
-                                    "Adapter requests whose adapter had to be paged in.", ("model",))
-        self.adapter_evictions = Gauge("switchboard_adapter_cache_evictions",
-                                       "Device slots taken from an idle adapter.", ("model",))
-        self.adapter_disk_loads = Gauge("switchboard_adapter_disk_loads",
-                                        "Adapters read from storage, validated and packed into "
-                                        "host memory.", ("model",))
+        # NOTE: the engine's own running totals, read at scrape time: they only go up, so they
+        # are counters, though set rather than incremented here.
+        self.num_preemptions = Counter("switchboard_num_preemptions_total",
+                                       "Requests preempted by the engine since it started.", ("model",))
+        self.adapter_hits = Counter("switchboard_adapter_cache_hits_total",
+                                    "Adapter requests whose adapter was already in a device slot.",
+                                    ("model",))
+        self.adapter_misses = Counter("switchboard_adapter_cache_misses_total",
+                                      "Adapter requests whose adapter had to be paged in.", ("model",))
+        self.adapter_evictions = Counter("switchboard_adapter_cache_evictions_total",
+                                         "Device slots taken from an idle adapter.", ("model",))
+        self.adapter_disk_loads = Counter("switchboard_adapter_disk_loads_total",
+                                          "Adapters read from storage, validated and packed into "
+                                          "host memory.", ("model",))
         self.adapters_resident = Gauge("switchboard_adapters_resident",
                                        "Adapters in device slots now.", ("model",))
         self.routed = Counter("switchboard_routed_requests_total",
@@ -122,13 +124,13 @@ class GatewayMetrics:
         self.num_running.set(stats.num_running, model=model)
         self.kv_usage.set(stats.kv_blocks_used / max(1, stats.kv_blocks_total), model=model)
         self.kv_blocks_used.set(stats.kv_blocks_used, model=model)
-        self.kv_blocks_total.set(stats.kv_blocks_total, model=model)
+        self.kv_blocks_capacity.set(stats.kv_blocks_total, model=model)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate, model=model)
-        self.num_preemptions.set(stats.num_preemptions, model=model)
-        self.adapter_hits.set(stats.adapter_hits, model=model)
-        self.adapter_misses.set(stats.adapter_misses, model=model)
-        self.adapter_evictions.set(stats.adapter_evictions, model=model)
-        self.adapter_disk_loads.set(stats.adapter_disk_loads, model=model)
+        self.num_preemptions.set_total(stats.num_preemptions, model=model)
+        self.adapter_hits.set_total(stats.adapter_hits, model=model)
+        self.adapter_misses.set_total(stats.adapter_misses, model=model)
+        self.adapter_evictions.set_total(stats.adapter_evictions, model=model)
+        self.adapter_disk_loads.set_total(stats.adapter_disk_loads, model=model)
         self.adapters_resident.set(stats.adapters_resident, model=model)
 
     def _all(self) -> list[Metric]:

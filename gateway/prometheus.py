@@ -52,18 +52,12 @@ class Metric:
         return tuple(str(labels[n]) for n in self.labelnames)
 
 
-class Counter(Metric):
-    """A value that only goes up (its name should end in _total)."""
-
-    kind = "counter"
+class _Values(Metric):
+    """One value per label set."""
 
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
         super().__init__(name, help, labelnames)
         self._values: dict[tuple[str, ...], float] = {}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = self._key(labels)
-        self._values[key] = self._values.get(key, 0.0) + amount
 
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
@@ -73,7 +67,23 @@ class Counter(Metric):
             yield f"{self.name}{_labels(self.labelnames, key)} {_number(value)}"
 
 
-class Gauge(Counter):
+class Counter(_Values):
+    """A value that only goes up (its name should end in _total)."""
+
+    kind = "counter"
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = self._key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def set_total(self, total: float, **labels: str) -> None:
+        """Take the running total of a count kept elsewhere (an engine's, read when /metrics is
+        scraped). NOTE: a total lower than the last is read by Prometheus as a counter reset, as
+        when an engine worker restarts."""
+        self._values[self._key(labels)] = float(total)
+
+
+class Gauge(_Values):
     """A value that is set (read from the engines when /metrics is scraped)."""
 
     kind = "gauge"

@@ -166,11 +166,12 @@ def test_uploaded_adapters_answer_as_peft_does(server, tenant, adapters):
     assert expected["all-r8"] != expected["base"] != expected["attn-r4"]
     metrics = server.admin("GET", "/metrics").text
     misses = [line for line in metrics.splitlines()
-              if line.startswith("switchboard_adapter_cache_misses{")]
+              if line.startswith("switchboard_adapter_cache_misses_total{")]
     assert misses and float(misses[0].split()[-1]) >= 1  # both adapters were paged in
-    loads = [line for line in metrics.splitlines() if line.startswith("switchboard_adapter_disk_loads{")]
+    loads = [line for line in metrics.splitlines()
+             if line.startswith("switchboard_adapter_disk_loads_total{")]
     assert loads and float(loads[0].split()[-1]) >= 2  # and read from their files
-    assert "switchboard_adapter_cache_hits{" in metrics
+    assert "switchboard_adapter_cache_hits_total{" in metrics
 
 
 def test_an_archive_of_a_trainer_checkpoint_uploads_its_safetensors(server, tenant, adapters):

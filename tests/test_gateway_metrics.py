@@ -15,16 +15,21 @@ def test_counter_gauge_and_histogram_render_the_text_format():
     requests.inc(2, tenant='a"b')
     gauge = Gauge("x_waiting", "Waiting.")
     gauge.set(4)
+    read = Counter("x_reads_total", "Reads counted elsewhere.")
+    read.set_total(7)
     latency = Histogram("x_seconds", "Latency.", (0.1, 1.0), ("model",))
     for value in (0.05, 0.1, 0.5, 3.0):
         latency.observe(value, model="m")
-    assert render([requests, gauge, latency]).splitlines() == [
+    assert render([requests, gauge, read, latency]).splitlines() == [
         "# HELP x_requests_total Requests.",
         "# TYPE x_requests_total counter",
         'x_requests_total{tenant="a\\"b"} 3',
         "# HELP x_waiting Waiting.",
         "# TYPE x_waiting gauge",
         "x_waiting 4",
+        "# HELP x_reads_total Reads counted elsewhere.",
+        "# TYPE x_reads_total counter",
+        "x_reads_total 7",
         "# HELP x_seconds Latency.",
         "# TYPE x_seconds histogram",
         'x_seconds_bucket{model="m",le="0.1"} 2',
@@ -79,9 +84,20 @@ def test_metrics_after_traffic(server):
     assert sample(text, "switchboard_num_requests_waiting", model=DEMO_MODEL) == 0
     assert sample(text, "switchboard_num_requests_running", model=DEMO_MODEL) == 0
     assert sample(text, "switchboard_kv_cache_usage_ratio", model=DEMO_MODEL) == 0
-    assert sample(text, "switchboard_kv_cache_blocks_total", model=DEMO_MODEL) == \
+    assert sample(text, "switchboard_kv_cache_blocks_capacity", model=DEMO_MODEL) == \
         engine.kv_blocks_total
     assert "# TYPE switchboard_time_to_first_token_seconds histogram" in text
+    # The engine's running totals are counters, as rate() and increase() expect.
+    for name, total in (("num_preemptions", engine.num_preemptions),
+                        ("adapter_cache_hits", engine.adapter_hits),
+                        ("adapter_cache_misses", engine.adapter_misses),
+                        ("adapter_cache_evictions", engine.adapter_evictions),
+                        ("adapter_disk_loads", engine.adapter_disk_loads)):
+        assert f"# TYPE switchboard_{name}_total counter" in text
+        assert sample(text, f"switchboard_{name}_total", model=DEMO_MODEL) == total
+    assert "# TYPE switchboard_kv_cache_blocks_capacity gauge" in text
+    types = re.findall(r"^# TYPE (\w+) (\w+)$", text, re.MULTILINE)
+    assert [name for name, kind in types if name.endswith("_total") and kind != "counter"] == []
 
 
 def test_latency_is_observed_once_per_call_however_many_choices(server):
