@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gateway import version
-from gateway.config import DEFAULT_DATA_DIR, ServeConfig, load_serve_config, parse_size
+from gateway.config import DEFAULT_DATA_DIR, LOG_LEVELS, ServeConfig, load_serve_config, parse_size
 from gateway.engine_client import EngineClient
 from routing.pricing import Price
 from routing.routes import parse_routes
@@ -27,8 +27,9 @@ logger = logging.getLogger("gateway")
 
 _SERVE_EPILOG = """\
 Sources, strongest first: these options, then the environment (SWITCHBOARD_HOME is the data
-folder, SWITCHBOARD_ADMIN_KEY the admin key), then --config FILE.toml (same keys as the long
-options, e.g. port = 8080, max_num_seqs = 32, model = ["small=/models/a"]), then the defaults.
+folder, SWITCHBOARD_ADMIN_KEY the admin key, SWITCHBOARD_METRICS_KEY the metrics key), then
+--config FILE.toml (same keys as the long options, e.g. port = 8080, max_num_seqs = 32,
+model = ["small=/models/a"]), then the defaults.
 A config file can also declare models with their prices (USD per million tokens), which tenants'
 spend budgets are charged by:
 
@@ -36,7 +37,8 @@ spend budgets are charged by:
   path = "/models/small"
   price_input = 0.10
   price_output = 0.40
-  tier = 0                   # its place among cost tiers, cheapest first
+  kv_cache_memory = "2GiB"   # its own KV-cache budget (default: --kv-cache-memory)
+  tier = 0                   # its place among cost tiers, cheapest first (informational)
 
 or served by a remote OpenAI-compatible server (streamed from its API):
 
@@ -46,8 +48,8 @@ or served by a remote OpenAI-compatible server (streamed from its API):
   upstream_model = "big-v2"  # the upstream's name for it (default: the table's name)
   upstream_api = "chat"      # "completions" (default: its /completions, chats as a transcript)
                              # or "chat" (its /chat/completions: chat models, chats as messages)
-  timeout_s = 30             # to connect, and for each read of the answer
-  max_model_len = 8192       # its context, in tokens
+  timeout_s = 30             # to connect, to send, and for each read of the answer
+  max_model_len = 8192       # its context, in tokens (default 8192)
   price_input = 1.00
   price_output = 4.00
   tier = 1
@@ -192,7 +194,7 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, how long requests in flight may take to "
                              "finish before their connections are dropped (default 30)")
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+    parser.add_argument("--log-level", choices=LOG_LEVELS,
                         help="log level (default info)")
 
 

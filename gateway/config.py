@@ -46,7 +46,7 @@ _UPSTREAM_KEYS = {"upstream", "api_key_env", "upstream_model", "upstream_api", "
                   "max_model_len"}
 _UPSTREAM_APIS = ("completions", "chat")  # the OpenAI APIs an upstream may be reached by
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _STORE_SCHEMES = ("sqlite://", "redis://", "rediss://", "unix://")  # what store.open_store opens
 
 
@@ -179,8 +179,8 @@ class ServeConfig:
                     raise ValueError(f"{name} must be printable ASCII only, as clients send it in an "
                                      "HTTP header: it holds other characters; choose another key")
                 setattr(self, name, key)
-        if self.log_level.lower() not in _LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.redis is not None:
             check_redis_url(self.redis)
             if self.store is None:

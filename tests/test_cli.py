@@ -4,6 +4,7 @@ import asyncio
 import json
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -571,6 +572,15 @@ def test_help_gives_the_engine_s_own_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"most requests in one batch (default {EngineConfig.max_num_seqs})" in text
     assert f"token budget of one step (default {EngineConfig.max_num_batched_tokens})" in text
+
+
+@pytest.mark.parametrize("command", [["serve"], ["worker"], ["router", "train"]])
+def test_the_readme_names_every_option_of_the_help(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    options = set(re.findall(r"(--[a-z][a-z-]+)", capsys.readouterr().out)) - {"--help"}
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert sorted(o for o in options if not re.search(rf"(?<![\w-]){o}(?![\w-])", readme)) == []
 
 
 def test_a_config_file_takes_the_long_options_names(tmp_path):

@@ -1,12 +1,15 @@
 """Prometheus text rendering, and the gateway's /metrics after real traffic."""
 
 import re
+from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.prometheus import Counter, Gauge, Histogram, render
 from tests.conftest import DEMO_MODEL, gateway_server
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_counter_gauge_and_histogram_render_the_text_format():
@@ -157,3 +160,21 @@ def test_the_metrics_key_is_refused_elsewhere_as_a_key_without_that_permission(d
             assert (answer.status_code, error["type"]) == (403, "permission_error"), (path, error)
             assert "the metrics key" in error["message"]
         assert [t["name"] for t in server.admin("GET", "/admin/tenants").json()["data"]] == ["acme"]
+
+
+def test_the_readme_lists_every_series_with_its_type_and_labels(server):
+    key = server.new_tenant("listed")
+    answer = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": DEMO_MODEL, "prompt": "hi", "max_tokens": 2}, headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200
+    text = server.admin("GET", "/metrics").text
+    rendered = dict(re.findall(r"^# TYPE (\w+) (\w+)$", text, re.MULTILINE))
+    rows = re.findall(r"^\| `(switchboard_\w+)` \| (\w+) \| ([\w, ]*) \|", README.read_text(),
+                      re.MULTILINE)
+    assert {name: kind for name, kind, _ in rows} == rendered  # no series left out, none gone
+    labels = {name: set(listed.replace(",", " ").split()) for name, _, listed in rows}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            name, found = re.fullmatch(r"(\w+)(?:\{(.*)\})? \S+", line).groups()
+            series = name if name in rendered else re.sub(r"_(bucket|sum|count)$", "", name)
+            assert set(re.findall(r'(\w+)="', found or "")) - {"le"} == labels[series], line
