@@ -63,10 +63,12 @@ class GenerationChunk(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class AdapterRef(msgspec.Struct, frozen=True):
-    """The LoRA adapter a request runs with: its identity (store.blobs digest) and its folder."""
+    """The LoRA adapter a request runs with: its identity (store.blobs digest), its folder and
+    its rank, by which requests are placed on workers that serve it."""
 
     digest: str
     path: str
+    rank: int = 0  # the largest over its modules; 0: not known here (a worker reads the files)
 
 
 class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):

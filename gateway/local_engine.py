@@ -121,6 +121,12 @@ class LocalEngineClient(TextCodec):
         lora = self._engine.engine.config.lora
         return 0 if lora is None else lora.max_gpu_adapters
 
+    @property
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank it serves (0 without LoRA support)."""
+        lora = self._engine.engine.config.lora
+        return 0 if lora is None else lora.max_lora_rank
+
     def resident_adapters(self) -> tuple[list[str], list[str]]:
         """Digests of the adapters in device slots, and of those loaded in host memory."""
         cache = self._engine.engine.adapter_cache

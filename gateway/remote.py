@@ -3,7 +3,8 @@ EngineClient of one model served by some of them.
 
 The pool re-reads the registry every `poll_s`: a worker that stopped heartbeating leaves it within
 its record's lifetime (a few heartbeats), and one that refuses connections leaves at once until
-it heartbeats again. Each request is placed by routing.placement over the model's workers.
+it heartbeats again. Each request is placed by routing.placement over the model's workers that
+can serve it: for an adapter, those whose --max-lora-rank holds its rank (a pool may mix GPUs).
 
 Failover: until a request's first chunk arrives nothing has reached the client, so a worker that
 cannot be reached, refuses for being busy or closing, drops the connection, or falls silent
@@ -145,15 +146,20 @@ class WorkerPool:
             await asyncio.to_thread(_write_folder, folder, files)
         return await asyncio.to_thread(self._load_tokenizer, folder)
 
+    def up(self, model: str) -> list[WorkerRecord]:
+        """The model's workers that are up: registered, and not found failing since their last
+        heartbeat."""
+        return [r for r in self.workers.values() if r.model == model and r.id not in self._down]
+
     def candidates(self, model: str, exclude: set[str], *,
-                   adapters: bool = False) -> list[Candidate]:
-        """The model's workers that are up (only those that serve adapters, with `adapters`),
-        with their load as this gateway best knows it."""
+                   adapter_rank: int | None = None) -> list[Candidate]:
+        """The model's workers that are up, less those in `exclude` (with `adapter_rank`, only
+        those that serve adapters of that rank; 0: any adapter), with their load as this
+        gateway best knows it."""
         return [Candidate(r.id, self.load_of(r), frozenset(r.adapters_device),
                           frozenset(r.adapters_host))
-                for r in self.workers.values()
-                if r.model == model and r.id not in exclude and r.id not in self._down
-                and (r.supports_adapters or not adapters)]
+                for r in self.up(model)
+                if r.id not in exclude and (adapter_rank is None or r.serves_rank(adapter_rank))]
 
     def load_of(self, record: WorkerRecord) -> int:
         """The worker's load now: other gateways' requests as of its last heartbeat, plus this
@@ -267,15 +273,18 @@ class RemoteEngineClient(TextCodec):
         """Nothing: workers run the local engine, which serves every option."""
 
     async def check_adapter(self, folder: str) -> AdapterInfo:
-        """The adapter checked by a worker of the model; one that cannot be reached is passed
-        over for the next, as for a request."""
+        """The adapter checked by a worker of the model that takes the highest ranks, so that it
+        is accepted if any worker can serve it; one that cannot be reached is passed over for
+        the next, as for a request."""
         pool, tried = self._pool, set()
         parts = await _adapter_parts(folder)
         for _ in range(_MAX_PLACEMENTS):
-            candidates = await self._candidates(tried, adapters=True)
+            candidates = await self._candidates(tried, adapter_rank=0)
             if not candidates:
                 break
-            worker = pool.workers[place(candidates, "check").id]
+            widest = max(pool.workers[c.id].rank_limit for c in candidates)
+            worker = pool.workers[place([c for c in candidates
+                                         if pool.workers[c.id].rank_limit == widest], "check").id]
             tried.add(worker.id)
             try:
                 response = await pool.http.post(worker.url + CHECK_ADAPTER_PATH, files=parts,
@@ -293,15 +302,15 @@ class RemoteEngineClient(TextCodec):
             return msgspec.json.decode(response.content, type=AdapterInfo)
         raise EngineUnavailable(self._no_worker())
 
-    async def _candidates(self, tried: set[str], *, adapters: bool) -> list[Candidate]:
-        """The model's workers to place on (those that serve adapters, with `adapters`), less
-        those `tried`."""
-        candidates = self._pool.candidates(self.model, tried, adapters=adapters)
+    async def _candidates(self, tried: set[str], *,
+                          adapter_rank: int | None) -> list[Candidate]:
+        """The model's workers to place on (see WorkerPool.candidates), less those `tried`."""
+        candidates = self._pool.candidates(self.model, tried, adapter_rank=adapter_rank)
         if not candidates and not tried:
             # NOTE: the pool's view is up to poll_s old: a worker may have (re)joined since.
             with contextlib.suppress(Exception):
                 await self._pool.refresh()
-            candidates = self._pool.candidates(self.model, tried, adapters=adapters)
+            candidates = self._pool.candidates(self.model, tried, adapter_rank=adapter_rank)
         return candidates
 
     async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
@@ -343,8 +352,9 @@ class RemoteEngineClient(TextCodec):
         stream, so that the worker aborts the request if it still runs)."""
         pool, tried = self._pool, set()
         digest = None if adapter is None else adapter.digest
+        rank = None if adapter is None else adapter.rank
         for _ in range(_MAX_PLACEMENTS):
-            candidates = await self._candidates(tried, adapters=adapter is not None)
+            candidates = await self._candidates(tried, adapter_rank=rank)
             if not candidates:
                 break
             worker = pool.workers[place(candidates, digest or request_id, digest, pool.slack).id]
@@ -367,13 +377,20 @@ class RemoteEngineClient(TextCodec):
                 finally:
                     await lines.aclose()
                 return
-        raise EngineUnavailable(self._no_worker())
+        raise EngineUnavailable(self._no_worker(rank))
 
     async def ensure_available(self) -> None:
-        if not await self._candidates(set(), adapters=False):
+        if not await self._candidates(set(), adapter_rank=None):
             raise EngineUnavailable(self._no_worker())
 
-    def _no_worker(self) -> str:
+    def _no_worker(self, adapter_rank: int | None = None) -> str:
+        """Why no worker took a request (for an adapter of `adapter_rank`)."""
+        limits = [r.rank_limit for r in self._pool.up(self.model) if r.supports_adapters]
+        if adapter_rank is not None and limits and max(limits) < adapter_rank:
+            # NOTE: its upload was checked by a worker that served it; that one has left.
+            return (f"no engine worker of {self.model!r} that is up serves adapters of rank "
+                    f"{adapter_rank} (the highest rank they take is {max(limits):.0f}); start "
+                    f"one with --max-lora-rank {adapter_rank} or more, or retry shortly")
         return (f"no engine worker serving {self.model!r} is available now; start one with "
                 f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
 

@@ -172,7 +172,7 @@ async def _adapter_tier(state: GatewayState, adapter: AdapterRecord) -> Tier:
     """The adapter's base model, run with this gateway's copy of its files."""
     folder = await adapter_folder(state, adapter)
     return Tier(adapter.base_model, state.engines[adapter.base_model],
-                AdapterRef(adapter.digest, str(folder)), functools.partial(
+                AdapterRef(adapter.digest, str(folder), adapter.rank), functools.partial(
                     ensure_intact_copy, state.blobs, state.require_store().shared_blobs,
                     adapter.digest))
 

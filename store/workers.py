@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -46,10 +47,22 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
     adapters_host: list[str]  # digests of adapters loaded in host memory
     stats: bytes  # its EngineStats as JSON (the gateway's type; the store does not import it)
     beat_at: float  # wall-clock time of this heartbeat
+    # The largest adapter rank it serves (its --max-lora-rank; 0 with no LoRA). None: written by
+    # a worker older than this field, taken to serve any rank, as gateways took every worker then.
+    max_lora_rank: int | None = None
 
     @property
     def supports_adapters(self) -> bool:
         return self.max_loras > 0
+
+    @property
+    def rank_limit(self) -> float:
+        """The largest adapter rank it serves (inf: it did not say)."""
+        return math.inf if self.max_lora_rank is None else self.max_lora_rank
+
+    def serves_rank(self, rank: int) -> bool:
+        """Whether it serves adapters of this rank (0: an adapter of a rank not known)."""
+        return self.supports_adapters and rank <= self.rank_limit
 
     @property
     def load(self) -> int:

@@ -1,14 +1,16 @@
 """The gateway over the worker registry, in-process: a model whose only worker cannot be reached
 answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too. Over real
 workers (in-process, on the demo engine): a gateway streams from them past any connection limit
-of its own, counts each call against its worker from the moment it places it there, and sends an
-adapter's files to a worker once however many calls need them at once."""
+of its own, counts each call against its worker from the moment it places it there, sends an
+adapter's files to a worker once however many calls need them at once, and serves each adapter on
+the workers whose --max-lora-rank holds its rank."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,8 +25,9 @@ from gateway.engine_client import (AdapterRef, EngineFailure, EngineStats, Reque
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
+from routing.placement import home_of
 from store import RedisStore
-from store.blobs import BlobStore, digest_files, ensure_intact_copy
+from store.blobs import ADAPTER_FILES, BlobStore, digest_files, ensure_intact_copy
 from store.workers import WorkerRecord, WorkerRegistry
 from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, serve_gateway
 from tests.helpers import damage_adapter_files
@@ -33,6 +36,7 @@ from tests.test_scaleout_adapters import demo_adapter, upload
 
 GHOST = "ghost"
 _HEARTBEAT_S = 0.1
+_NARROW_RANK = 4  # the largest adapter rank narrow_engine serves
 
 
 def _record(worker_id: str, load: int = 0, beat_at: float = 0.0, **fields) -> WorkerRecord:
@@ -164,6 +168,35 @@ def second_engine(demo_engine, demo_model_dir) -> Iterator:
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def narrow_engine(demo_engine, demo_model_dir) -> Iterator:
+    """An engine over the demo model that serves adapters up to rank _NARROW_RANK only (a worker
+    on a smaller GPU), where demo_engine serves them up to DEMO_MAX_LORA_RANK."""
+    from adapters import AdapterConfig
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    lora = AdapterConfig(max_lora_rank=_NARROW_RANK, max_gpu_adapters=2, max_cpu_adapters=4)
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512,
+                                                 lora=lora), show_progress=False)
+    yield engine
+    engine.close()
+
+
+def _completion(url: str, key: str, model: str, max_tokens: int) -> httpx.Response:
+    """A greedy completion of a fixed prompt of token ids, its tokens named by their ids."""
+    return httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                      timeout=30, json={"model": model, "prompt": [1, 2, 3], "temperature": 0,
+                                        "max_tokens": max_tokens, "ignore_eos": True,
+                                        "logprobs": 0, "return_tokens_as_token_ids": True})
+
+
+def _answer_ids(reply: httpx.Response) -> list[int]:
+    assert reply.status_code == 200, reply.text
+    return [int(t.removeprefix("token_id:"))
+            for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+
+
 def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path):  # noqa: F811
     _register_unreachable_worker(redis_url)
     with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
@@ -231,13 +264,32 @@ def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context
     registry.records = [_record("lora", max_loras=4), _record("plain", max_loras=0)]
     asyncio.run(pool.refresh())
     assert {c.id for c in pool.candidates(GHOST, set())} == {"lora", "plain"}
-    assert [c.id for c in pool.candidates(GHOST, set(), adapters=True)] == ["lora"]
+    assert [c.id for c in pool.candidates(GHOST, set(), adapter_rank=0)] == ["lora"]
     client = RemoteEngineClient(GHOST, pool, None, None)
     assert client.max_model_len == 64
     registry.records = []  # every worker restarting at once
     asyncio.run(pool.refresh())
     assert client.max_model_len == 64  # it was 0: an answer without max_tokens got 1 token
     asyncio.run(pool.http.aclose())
+
+
+def test_a_record_written_without_max_lora_rank_is_read_as_a_worker_serving_any_rank(
+        redis_url, tmp_path):  # noqa: F811
+    import redis
+
+    older = msgspec.structs.asdict(_record("older"))
+    del older["max_lora_rank"]  # as a worker of an older version writes its record
+    with redis.Redis.from_url(redis_url) as client:
+        client.set("sb:worker:older", msgspec.json.encode(older))
+        client.sadd("sb:workers", "older")
+    _register_unreachable_worker(redis_url, _record("narrow", max_lora_rank=_NARROW_RANK))
+
+    async def serving(rank: int) -> list[str]:
+        async with _gateway_pool(redis_url, tmp_path) as pool:
+            return sorted(c.id for c in pool.candidates(GHOST, set(), adapter_rank=rank))
+
+    assert asyncio.run(serving(_NARROW_RANK)) == ["narrow", "older"]
+    assert asyncio.run(serving(_NARROW_RANK + 1)) == ["older"]
 
 
 def test_a_worker_address_that_answers_no_worker_json_is_passed_over(redis_url, tmp_path):  # noqa: F811
@@ -586,3 +638,46 @@ def test_workers_that_refuse_a_damaged_copy_at_once_each_get_the_stores(
     for worker in (one, two):
         assert [path for method, path in worker.seen if method == "PUT"] == [
             f"{ADAPTERS_PATH}/{digest}"] * 2
+
+def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_rank_fits(
+        demo_engine, narrow_engine, redis_url, tmp_path):  # noqa: F811
+    folder = demo_adapter(tmp_path / "adapter", rank=2 * _NARROW_RANK)
+    adapter = AdapterRef(digest_files(folder), str(folder))
+    expected = asyncio.run(_token_ids(demo_engine, "local", 4, adapter))
+    # An id by which rendezvous hashing alone sends both the upload's check and the adapter's calls
+    # to the narrow worker: the check was refused there (400) though the wide worker serves the
+    # adapter, and once checked on the wide one, every call failed there (500).
+    narrow = next(f"narrow-{i}" for i in itertools.count()
+                  if home_of("check", ["wide", f"narrow-{i}"])
+                  == home_of(adapter.digest, ["wide", f"narrow-{i}"]) == f"narrow-{i}")
+    with _serving_worker(narrow_engine, redis_url, tmp_path / "narrow", narrow) as narrow_seen, \
+            contextlib.ExitStack() as wide_running:
+        wide_seen = wide_running.enter_context(
+            _serving_worker(demo_engine, redis_url, tmp_path / "wide", "wide"))
+        with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                           load_tokenizer=lambda folder: None) as server:
+            key = server.new_tenant("mixed")
+            uploaded = httpx.post(server.url + "/v1/adapters", timeout=30,
+                                  headers={"Authorization": f"Bearer {key}"},
+                                  data={"name": "tuned", "base_model": DEMO_MODEL},
+                                  files={n: (n, (folder / n).read_bytes()) for n in ADAPTER_FILES})
+            assert uploaded.status_code == 201, uploaded.text
+            assert uploaded.json()["rank"] == 2 * _NARROW_RANK
+            for _ in range(3):
+                assert _answer_ids(_completion(server.url, key, "tuned", 4)) == expected
+            # All on the wide worker (the first call found it without the adapter's files).
+            assert [p for _, p in narrow_seen.seen] == []
+            assert [p for _, p in wide_seen.seen] == [
+                CHECK_ADAPTER_PATH, GENERATE_PATH, f"{ADAPTERS_PATH}/{adapter.digest}",
+                *[GENERATE_PATH] * 3]
+
+            wide_running.close()  # the only worker that serves the adapter's rank leaves
+            refused = _completion(server.url, key, "tuned", 4)
+            assert len(_answer_ids(_completion(server.url, key, DEMO_MODEL, 4))) == 4
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "2"
+    error = refused.json()["error"]
+    assert error["code"] == "engine_unavailable"
+    assert (f"no engine worker of {DEMO_MODEL!r} that is up serves adapters of rank "
+            f"{2 * _NARROW_RANK} (the highest rank they take is {_NARROW_RANK})") in error["message"]
+    assert [p for _, p in narrow_seen.seen] == [GENERATE_PATH]  # the base model's call alone

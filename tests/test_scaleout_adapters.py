@@ -61,12 +61,13 @@ def adapter(tmp_path) -> Path:
     return demo_adapter(tmp_path / "adapter")
 
 
-def demo_adapter(folder: Path) -> Path:
-    """A PEFT adapter for the demo model, with files no other test uploads."""
+def demo_adapter(folder: Path, rank: int = 4) -> Path:
+    """A PEFT adapter of `rank` for the demo model, with files no other test uploads."""
     from engine.demo import demo_config
 
     demo_dims = {name: getattr(demo_config(), name) for name in TINY_DIMS}
-    save_peft_adapter(folder, seed=next(_seeds), model_overrides=demo_dims, r=4, lora_alpha=8)
+    save_peft_adapter(folder, seed=next(_seeds), model_overrides=demo_dims, r=rank,
+                      lora_alpha=2 * rank)
     return folder
 
 
