@@ -29,7 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessLog, InFlight
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics, retrieve_model
-from gateway.remote import WorkerPool
+from gateway.remote import DEFAULT_MODEL_TTL_S, WorkerPool
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.pricing import Price
 from routing.routes import Route as ModelRoute
@@ -89,6 +89,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                prices: dict[str, Price] | None = None,
                routes: dict[str, ModelRoute] | None = None, default_route: str | None = None,
                workers_url: str | None = None, load_tokenizer: Callable[[Path], Any] | None = None,
+               worker_model_ttl_s: float = DEFAULT_MODEL_TTL_S,
                announce_admin_key: Callable[[str], None] = _log_admin_key,
                blob_sweep_s: float = SWEEP_PERIOD_S) -> Starlette:
     """The gateway serving `engines` (by the model name clients send).
@@ -103,20 +104,20 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
     `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
     With `workers_url` (a Redis URL), the models of the engine workers registered there are
-    served too (gateway/remote.py), their tokenizers read by `load_tokenizer`; routes are then
-    checked once the registry has been read, so their models may be served by workers (even
-    workers that start later).
+    served too (gateway/remote.py), their tokenizers read by `load_tokenizer`, each until
+    `worker_model_ttl_s` after the last heartbeat of its workers; routes are then checked once
+    the registry has been read, so their models may be served by workers (even workers that
+    start later).
     """
     routes = routes or {}
-    engines = dict(engines)  # NOTE: the worker pool adds the models its workers serve
+    engines = dict(engines)  # NOTE: the worker pool adds (and removes) the models of its workers
     if workers_url is None:
         check_routes(engines, routes, default_route)
     blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
                            max_upload_bytes=max_upload_bytes, prices=prices or {},
                            routes=routes, default_route=default_route,
-                           metrics_key_hash=hash_key(metrics_key) if metrics_key else None,
-                           has_workers=workers_url is not None)
+                           metrics_key_hash=hash_key(metrics_key) if metrics_key else None)
     requests: set[asyncio.Task] = set()  # those being handled
 
     @contextlib.asynccontextmanager
@@ -135,7 +136,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                     "dropping the files of deleted adapters"))
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
-                                  load_tokenizer, engines.setdefault,
+                                  load_tokenizer, engines, model_ttl_s=worker_model_ttl_s,
                                   ensure_intact_copy=functools.partial(
                                       ensure_intact_copy, blobs, gateway.store.shared_blobs))
                 await pool.start()

@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis", metavar="URL",
                        help="Redis shared with engine workers (redis://host:port/0): serve the "
                             "models of the workers registered there; also the default --store")
+    serve.add_argument("--worker-model-ttl", type=float, dest="worker_model_ttl_s",
+                       metavar="SECONDS",
+                       help="how long a workers' model stays served after their last heartbeat: "
+                            "its calls get 503 until then, 404 after (default 3600; the same on "
+                            "every gateway)")
     _add_server_options(serve)
     worker = commands.add_parser(
         "worker", help="run one model's engine for gateways sharing a Redis",
@@ -295,6 +300,7 @@ def _load_and_serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
                              max_upload_bytes=config.max_upload_size, prices=prices,
                              routes=routes, default_route=config.default_route,
                              workers_url=config.redis, load_tokenizer=_load_tokenizer,
+                             worker_model_ttl_s=config.worker_model_ttl_s,
                              announce_admin_key=functools.partial(
                                  _print_admin_key, _base_url(config.host, sockets)))
         except ValueError as error:  # e.g. a route naming a model that is not served

@@ -32,13 +32,14 @@ _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
         "metrics_key": "SWITCHBOARD_METRICS_KEY"}
 # Config-file keys named after a long option whose value lands in a field of another name.
-_FILE_KEYS = {"heartbeat": "heartbeat_s", "shutdown_timeout": "shutdown_timeout_s"}
+_FILE_KEYS = {"heartbeat": "heartbeat_s", "shutdown_timeout": "shutdown_timeout_s",
+              "worker_model_ttl": "worker_model_ttl_s"}
 Command = Literal["serve", "worker"]
 # The settings (fields) only one command uses; the others apply to both. Each command refuses the
 # other's, which it would silently ignore.
 _OWN_SETTINGS: dict[Command, frozenset[str]] = {
     "serve": frozenset({"models", "routes", "default_route", "store", "admin_key", "metrics_key",
-                        "adapter_dir", "max_upload_size"}),
+                        "adapter_dir", "max_upload_size", "worker_model_ttl_s"}),
     "worker": frozenset({"advertise_url", "heartbeat_s"}),
 }
 _COMMON_KEYS = {"price_input", "price_output", "tier"}  # of [models.NAME], local or upstream
@@ -159,6 +160,9 @@ class ServeConfig:
     """A worker's URL as gateways reach it; None: http://host:port."""
     heartbeat_s: float = 1.0
     """Seconds between a worker's heartbeats; it leaves the pool after three missed ones."""
+    worker_model_ttl_s: float = 3600.0
+    """Seconds a gateway keeps serving a workers' model after their last heartbeat (its calls get
+    503 until a worker is back, then 404); give every gateway sharing a Redis the same value."""
     shutdown_timeout_s: float = 30.0
     """Seconds a graceful shutdown (SIGTERM, Ctrl-C) lets requests in flight finish; then their
     connections are dropped and the requests cancelled, as when their clients disconnect."""
@@ -206,6 +210,8 @@ class ServeConfig:
         if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
             raise ValueError(f"heartbeat_s must be in (0, {MAX_HEARTBEAT_S}] seconds, got "
                              f"{self.heartbeat_s}")
+        if not self.worker_model_ttl_s > 0:
+            raise ValueError(f"worker_model_ttl must be positive seconds, got {self.worker_model_ttl_s}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.default_route is not None and self.default_route not in self.routes:

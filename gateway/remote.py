@@ -6,6 +6,11 @@ its record's lifetime (a few heartbeats), and one that refuses connections leave
 it heartbeats again. Each request is placed by routing.placement over the model's workers that
 can serve it: for an adapter, those whose --max-lora-rank holds its rank (a pool may mix GPUs).
 
+Which models the pool serves is decided from Redis alone, so that every gateway behind a load
+balancer gives the same answers: a model is served while one of its workers is up or one sent a
+heartbeat within `model_ttl_s` (the registry keeps each model's latest heartbeat), its calls
+answering 503 `engine_unavailable` while no worker is up; past that it is no longer served (404).
+
 Failover: until a request's first chunk arrives nothing has reached the client, so a worker that
 cannot be reached, refuses for being busy or closing, drops the connection, or falls silent
 (STREAM_SILENCE_S without even a keepalive) before the first chunk, is passed over and the
@@ -24,6 +29,7 @@ import functools
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,20 +37,21 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   EngineStats, EngineUnavailable, GenerationChunk,
-                                   RequestRejected, SamplingOptions)
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineClient,
+                                   EngineFailure, EngineStats, EngineUnavailable,
+                                   GenerationChunk, RequestRejected, SamplingOptions)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
                                 GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES
-from store.workers import WorkerRecord, WorkerRegistry, keep_running
+from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, keep_running
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLL_S = 0.5
+DEFAULT_MODEL_TTL_S = 3600.0  # a model stays served this long after its last worker's heartbeat
 DEFAULT_READ_TIMEOUT_S = 60.0  # adapter files and checks
 _CONNECT_TIMEOUT_S = 2.0
 # A generate stream is never silent for more than KEEPALIVE_S while its worker lives (queued
@@ -56,29 +63,32 @@ _MAX_IDLE_CONNECTIONS = 20  # connections to workers kept open for reuse (as htt
 
 
 class WorkerPool:
-    """The live workers, refreshed from the registry; one RemoteEngineClient per model seen.
+    """The live workers, refreshed from the registry; one RemoteEngineClient per model served
+    (see the module docstring).
 
     `load_tokenizer` reads a folder of tokenizer files (it may import transformers, so the
-    caller passes it in); `on_model` is told of each new model's client. `ensure_intact_copy` is
-    called with an adapter's digest when a worker refuses this gateway's copy of its files, as
-    they do not hash to it: whether this gateway holds an intact copy now, a damaged one replaced
-    (None: it cannot replace its copies).
+    caller passes it in). `models` are the gateway's served models: the pool adds each model it
+    serves there, and removes it when it stops serving it, leaving alone a local engine or
+    upstream of the same name. `ensure_intact_copy` is called with an adapter's digest when a
+    worker refuses this gateway's copy of its files, as they do not hash to it: whether this
+    gateway holds an intact copy now, a damaged one replaced (None: it cannot replace its copies).
     """
 
     def __init__(self, registry: WorkerRegistry, tokenizer_dir: Path,
-                 load_tokenizer: Callable[[Path], Any],
-                 on_model: Callable[[str, "RemoteEngineClient"], None], *,
+                 load_tokenizer: Callable[[Path], Any], models: dict[str, EngineClient], *,
                  ensure_intact_copy: Callable[[str], Awaitable[bool]] | None = None,
                  poll_s: float = DEFAULT_POLL_S, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 slack: int = DEFAULT_SLACK):
+                 slack: int = DEFAULT_SLACK, model_ttl_s: float = DEFAULT_MODEL_TTL_S):
         self.registry = registry
         self._tokenizer_dir = tokenizer_dir
         self._load_tokenizer = load_tokenizer
-        self._on_model = on_model
+        self._models = models
         self._ensure_intact_copy = ensure_intact_copy
         self._poll_s = poll_s
+        self._model_ttl_s = model_ttl_s
         self.slack = slack
         self.workers: dict[str, WorkerRecord] = {}
+        self.seen: dict[str, ModelSeen] = {}  # every model's latest heartbeat, as Redis has it
         self.clients: dict[str, RemoteEngineClient] = {}
         self.inflight: dict[str, int] = {}  # this gateway's requests placed on each worker
         self._inflight_at_beat: dict[str, int] = {}  # the same, when its last record was read
@@ -110,30 +120,47 @@ class WorkerPool:
         await self.registry.close()
 
     async def refresh(self) -> None:
-        """Take the registry's view of the workers, and make clients for new models."""
+        """Take the registry's view of the workers and of the models to serve."""
         self.internal_key = await self.registry.internal_key()
         records = await self.registry.workers()
+        self.seen = await self.registry.models_seen()
         for r in records:
             if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
                 self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)
         self.workers = {r.id: r for r in records}
         self._down = {i: beat for i, beat in self._down.items()
                       if i in self.workers and self.workers[i].beat_at <= beat}
+        # The models to serve, each with the digest of the tokenizer to read its prompts with.
+        horizon = time.time() - self._model_ttl_s
+        served = {m: s.tokenizer for m, s in self.seen.items() if s.beat_at >= horizon}
+        served |= {r.model: r.tokenizer for r in records}  # NOTE: up, whatever its clock says
+        for model in [m for m in self.clients if m not in served]:
+            self._stop_serving(model)
+        for model, tokenizer in served.items():
+            if model not in self.clients:
+                await self._start_serving(model, tokenizer)
         for record in records:
-            client = self.clients.get(record.model)
-            if client is None:
-                tokenizer = await self._tokenizer(record.tokenizer)
-                self.clients[record.model] = client = RemoteEngineClient(
-                    record.model, self, tokenizer, record.tokenizer)
-                self._on_model(record.model, client)
-                logger.info("serving %s on the workers registered in Redis", record.model)
-            elif record.tokenizer != client.tokenizer_digest and all(
+            client = self.clients[record.model]
+            if record.tokenizer != client.tokenizer_digest and all(
                     r.tokenizer == record.tokenizer for r in records if r.model == record.model):
                 # Every worker of the model now has other tokenizer files (a rolling upgrade
                 # done): prompts must be read as they read them.
                 client.use_tokenizer(await self._tokenizer(record.tokenizer), record.tokenizer)
                 logger.info("%s's workers have a new tokenizer (%s): reading prompts with it",
                             record.model, record.tokenizer)
+
+    async def _start_serving(self, model: str, tokenizer: str | None) -> None:
+        self.clients[model] = client = RemoteEngineClient(
+            model, self, await self._tokenizer(tokenizer), tokenizer)
+        self._models.setdefault(model, client)
+        logger.info("serving %s on the workers registered in Redis", model)
+
+    def _stop_serving(self, model: str) -> None:
+        client = self.clients.pop(model)
+        if self._models.get(model) is client:
+            del self._models[model]
+        logger.info("no longer serving %s: none of its workers has sent a heartbeat for %.0f s",
+                    model, self._model_ttl_s)
 
     async def _tokenizer(self, digest: str | None) -> Any:
         if digest is None:
@@ -247,7 +274,6 @@ class RemoteEngineClient(TextCodec):
         self.tokenizer_digest = tokenizer_digest  # of the workers' tokenizer files it reads with
         self.model = model
         self._pool = pool
-        self._max_model_len = 0
 
     def _records(self) -> list[WorkerRecord]:
         return [r for r in self._pool.workers.values() if r.model == self.model]
@@ -255,11 +281,13 @@ class RemoteEngineClient(TextCodec):
     @property
     def max_model_len(self) -> int:
         """The shortest context of the model's workers; while none is registered (say, during
-        a restart), the one they had last, so that no answer is sized for a context of 0."""
+        a restart), the one its latest heartbeat gave, so that no answer is sized for a context
+        of 0, and every gateway says the same."""
         lengths = [r.max_model_len for r in self._records()]
         if lengths:
-            self._max_model_len = min(lengths)
-        return self._max_model_len
+            return min(lengths)
+        seen = self._pool.seen.get(self.model)
+        return 0 if seen is None else seen.max_model_len
 
     @property
     def supports_adapters(self) -> bool:

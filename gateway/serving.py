@@ -156,11 +156,12 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
                        type="permission_error", code="model_not_allowed") from None
     models = target.route.tiers if target.route is not None else (target.base_model,)
     if missing := [m for m in models if m not in state.engines]:
-        if not state.has_workers:  # an adapter of a base model this server no longer serves
+        if target.route is None:  # an adapter of a base model this server no longer serves
             raise ApiError(404, f"{model!r} is an adapter for the base model {missing[0]!r}, which "
                            f"this server does not serve; upload it again for one of "
                            f"{', '.join(state.engines)}", param="model", code="model_not_found")
-        # A route or an adapter over workers not up yet.
+        # NOTE: only with engine workers (other routes are checked at startup): a route over
+        # workers not up yet.
         raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(missing)} yet"))
     adapter = None if target.adapter is None else await _adapter_tier(state, target.adapter)
     tiers = tuple(adapter if adapter is not None and adapter.model == m else Tier(m, state.engines[m])

@@ -34,7 +34,6 @@ class GatewayState:
     default_route: str | None = None  # what `auto` means for tenants without a default of their own
     metrics_key_hash: str | None = None  # of the key that may read /metrics (the admin key may too)
     learned: LearnedRouting = field(default_factory=LearnedRouting)
-    has_workers: bool = False  # models may be served by engine workers that have not registered yet
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

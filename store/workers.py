@@ -6,6 +6,10 @@ a few heartbeats long and adds its id to the set `<prefix>workers`; a worker tha
 heartbeating disappears when its key expires, and readers drop its id from the set. Gateways read
 the records to place requests (routing.placement).
 
+With each heartbeat a worker also records its model in the hash `<prefix>models` (model ->
+ModelSeen), which outlives its workers: every gateway reads the same one, so all agree on which
+worker models they serve while none of their workers is up (gateway/remote.py).
+
 Two more things live here because every gateway and worker reaches the same Redis:
 - the internal key, a random secret created by whichever process comes first (SET NX), which
   gateways send to workers and workers require: whoever can read it could read Redis anyway;
@@ -70,6 +74,20 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_running + self.num_waiting
 
 
+class ModelSeen(msgspec.Struct, frozen=True, kw_only=True):
+    """A model as its latest heartbeat left it: when that was, and what a gateway needs to serve
+    it while none of its workers is up."""
+
+    beat_at: float  # the worker's wall-clock time of the heartbeat
+    max_model_len: int
+    tokenizer: str | None  # digest of the worker's tokenizer files
+
+    @classmethod
+    def of(cls, record: WorkerRecord) -> "ModelSeen":
+        return cls(beat_at=record.beat_at, max_model_len=record.max_model_len,
+                   tokenizer=record.tokenizer)
+
+
 class WorkerRegistry:
     """Worker records, the internal key and tokenizer files in one Redis."""
 
@@ -77,6 +95,7 @@ class WorkerRegistry:
         self._redis = client  # NOTE: decode_responses=False: tokenizer files are bytes
         self._prefix = prefix
         self._workers = prefix + "workers"
+        self._models = prefix + "models"
 
     @classmethod
     def open(cls, url: str, prefix: str = "sb:", timeout_s: float = 2.0) -> "WorkerRegistry":
@@ -90,10 +109,12 @@ class WorkerRegistry:
         return f"{self._prefix}worker:{worker_id}"
 
     async def heartbeat(self, record: WorkerRecord, ttl_s: float) -> None:
-        """Publish `record`; it lapses after `ttl_s` unless published again."""
+        """Publish `record`; it lapses after `ttl_s` unless published again. Its model is recorded
+        as seen now, which outlasts the record."""
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(self._worker_key(record.id), msgspec.json.encode(record), px=int(ttl_s * 1000))
             pipe.sadd(self._workers, record.id)
+            pipe.hset(self._models, record.model, msgspec.json.encode(ModelSeen.of(record)))
             await pipe.execute()
 
     async def remove(self, worker_id: str) -> None:
@@ -113,6 +134,12 @@ class WorkerRegistry:
         if lapsed:
             await self._redis.srem(self._workers, *lapsed)
         return [msgspec.json.decode(raw, type=WorkerRecord) for raw in raws if raw is not None]
+
+    async def models_seen(self) -> dict[str, ModelSeen]:
+        """Every model a worker ever sent a heartbeat for, as its latest heartbeat left it."""
+        seen = await self._redis.hgetall(self._models)
+        return {model.decode(): msgspec.json.decode(raw, type=ModelSeen)
+                for model, raw in seen.items()}
 
     async def internal_key(self) -> str:
         """The secret gateways and workers share (created here if nobody has yet)."""

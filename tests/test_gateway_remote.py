@@ -28,15 +28,17 @@ from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH,
 from routing.placement import home_of
 from store import RedisStore
 from store.blobs import ADAPTER_FILES, BlobStore, digest_files, ensure_intact_copy
-from store.workers import WorkerRecord, WorkerRegistry
+from store.workers import ModelSeen, WorkerRecord, WorkerRegistry
 from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, serve_gateway
 from tests.helpers import damage_adapter_files
 from tests.redis_server import redis_server, redis_url  # noqa: F401
+from tests.test_gateway_routing import eventually
 from tests.test_scaleout_adapters import demo_adapter, upload
 
 GHOST = "ghost"
 _HEARTBEAT_S = 0.1
 _NARROW_RANK = 4  # the largest adapter rank narrow_engine serves
+_names = itertools.count()
 
 
 def _record(worker_id: str, load: int = 0, beat_at: float = 0.0, **fields) -> WorkerRecord:
@@ -63,15 +65,22 @@ def _register_unreachable_worker(url: str, record: WorkerRecord | None = None) -
 
 
 class _Registry:
-    """What WorkerPool.refresh() reads; nothing here needs Redis."""
+    """What WorkerPool.refresh() reads; nothing here needs Redis. `records` are the workers up;
+    as in Redis, their heartbeats leave their models seen."""
 
-    records: list[WorkerRecord] = []
+    def __init__(self) -> None:
+        self.records: list[WorkerRecord] = []
+        self.seen: dict[str, ModelSeen] = {}
 
     async def internal_key(self) -> str:
         return "k"
 
     async def workers(self) -> list[WorkerRecord]:
+        self.seen |= {r.model: ModelSeen.of(r) for r in self.records}
         return self.records
+
+    async def models_seen(self) -> dict[str, ModelSeen]:
+        return self.seen
 
 
 class _Requests:
@@ -127,8 +136,8 @@ async def _gateway_pool(registry_url: str, folder: Path,
     """A gateway's pool over the workers registered in the Redis at `registry_url`, read once (it
     does not poll, so that each test decides when the gateway sees their heartbeats); `options`
     go to WorkerPool."""
-    pool = WorkerPool(WorkerRegistry.open(registry_url), folder, lambda tokenizer_dir: None,
-                      lambda name, client: None, **options)
+    pool = WorkerPool(WorkerRegistry.open(registry_url), folder, lambda tokenizer_dir: None, {},
+                      **options)
     await pool.refresh()
     try:
         yield pool
@@ -240,7 +249,7 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     from routing.placement import place
 
     registry = _Registry()
-    pool = WorkerPool(registry, tmp_path, lambda folder: None, lambda name, client: None)
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, {})
     # Our 16 requests ran on "a" when it last heartbeat; "b" also runs 3 of another gateway's.
     pool.inflight = {"a": 16, "b": 0}
     registry.records = [_record("a", 16, 1.0), _record("b", 3, 1.0)]
@@ -260,7 +269,7 @@ def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context
     from gateway.remote import RemoteEngineClient, WorkerPool
 
     registry = _Registry()
-    pool = WorkerPool(registry, tmp_path, lambda folder: None, lambda name, client: None)
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, {})
     registry.records = [_record("lora", max_loras=4), _record("plain", max_loras=0)]
     asyncio.run(pool.refresh())
     assert {c.id for c in pool.candidates(GHOST, set())} == {"lora", "plain"}
@@ -353,7 +362,7 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
         shutil.copytree(demo_model_dir, tmp_path / digest, ignore=shutil.ignore_patterns("*.safetensors"))
         (tmp_path / digest / "chat_template.jinja").write_text(template)
     registry, models = _Registry(), {}
-    pool = WorkerPool(registry, tmp_path, load_tokenizer, models.setdefault)
+    pool = WorkerPool(registry, tmp_path, load_tokenizer, models)
     registry.records = [_record("a", tokenizer="old"), _record("b", tokenizer="old")]
     asyncio.run(pool.refresh())
     chat = [{"role": "user", "content": "hi"}]
@@ -681,3 +690,71 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
     assert (f"no engine worker of {DEMO_MODEL!r} that is up serves adapters of rank "
             f"{2 * _NARROW_RANK} (the highest rank they take is {_NARROW_RANK})") in error["message"]
     assert [p for _, p in narrow_seen.seen] == [GENERATE_PATH]  # the base model's call alone
+
+
+def test_gateways_agree_on_a_model_whose_workers_left_until_the_ttl_then_forget_it(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    import redis
+
+    local, ttl_s = "local-demo", 600.0
+    prompt = {"prompt": [1, 2, 3], "max_tokens": 2}
+    folder = demo_adapter(tmp_path / "adapter")
+
+    def gateway(name: str):
+        return serve_gateway({local: demo_engine}, tmp_path / name, store_url=redis_url,
+                             workers_url=redis_url, load_tokenizer=lambda folder: None,
+                             worker_model_ttl_s=ttl_s)
+
+    def answers(server, key: str) -> dict:
+        """What a gateway says of the worker model and of its own: the same on every replica."""
+        headers = {"Authorization": f"Bearer {key}"}
+        allowed = server.admin("POST", "/admin/tenants", json={
+            "name": f"policy-{next(_names)}", "allowed_models": [DEMO_MODEL, local]})
+        listed = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+        calls = {m: httpx.post(server.url + "/v1/completions", headers=headers, timeout=30,
+                               json={"model": m, **prompt}) for m in (DEMO_MODEL, "tuned", local)}
+        return {"allowed_models": allowed.status_code,
+                "listed": sorted((m["id"], m["max_model_len"]) for m in listed),
+                "calls": {m: (r.status_code, r.json().get("error", {}).get("code"))
+                          for m, r in calls.items()},
+                "health": httpx.get(server.url + "/health").json()}
+
+    length = demo_engine.max_model_len
+    with contextlib.ExitStack() as stack:
+        with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "leaving"):
+            early = stack.enter_context(gateway("early"))  # it saw the worker up
+            key = early.new_tenant("caller")
+            uploaded = httpx.post(early.url + "/v1/adapters", timeout=30,
+                                  headers={"Authorization": f"Bearer {key}"},
+                                  data={"name": "tuned", "base_model": DEMO_MODEL},
+                                  files={n: (n, (folder / n).read_bytes()) for n in ADAPTER_FILES})
+            assert uploaded.status_code == 201, uploaded.text
+        late = stack.enter_context(gateway("late"))  # started once the worker had left
+        # Within the TTL: served, but no worker can take its calls (the late gateway once did
+        # not know the model at all: a 400 in allowed_models, a 404 for its calls, not listed).
+        within = [answers(server, key) for server in (early, late)]
+        assert within[0] == within[1], within
+        assert within[0]["allowed_models"] == 201
+        assert within[0]["listed"] == sorted([(DEMO_MODEL, length), (local, length),
+                                              ("tuned", length)])
+        assert within[0]["calls"] == {DEMO_MODEL: (503, "engine_unavailable"),
+                                      "tuned": (503, "engine_unavailable"), local: (200, None)}
+        assert within[0]["health"] == {"status": "ok", "models": [local, DEMO_MODEL],
+                                       "unavailable_models": [DEMO_MODEL]}
+
+        # Its last heartbeat longer ago than the TTL, as Redis would hold it by then.
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset("sb:models", DEMO_MODEL, msgspec.json.encode(ModelSeen(
+                beat_at=time.time() - ttl_s - 1, max_model_len=length, tokenizer=None)))
+        for server in (early, late):
+            assert eventually(lambda: DEMO_MODEL not in httpx.get(
+                server.url + "/health").json()["models"]), "the worker model is still served"
+        # Past it: served by neither (the early gateway once served it until restarted); their
+        # own engine's model is unaffected.
+        after = [answers(server, key) for server in (early, late)]
+    assert after[0] == after[1], after
+    assert after[0]["allowed_models"] == 400
+    assert after[0]["listed"] == [(local, length)]
+    assert after[0]["calls"] == {DEMO_MODEL: (404, "model_not_found"),
+                                 "tuned": (404, "model_not_found"), local: (200, None)}
+    assert after[0]["health"] == {"status": "ok", "models": [local]}
