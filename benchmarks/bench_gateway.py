@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from benchmarks.common import DEFAULT_WORK_DIR, load_summary, machine_summary
+from benchmarks.common import (DEFAULT_WORK_DIR, load_summary, machine_summary, positive_float,
+                               positive_int)
 from benchmarks.instant_engine import INSTANT_MODEL
 from benchmarks.loadgen import Connection, LoadResult, closed_loop, encode_request, percentile
 
@@ -65,15 +66,15 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                         help="which part to run")
-    parser.add_argument("--pairs", type=int, default=400,
+    parser.add_argument("--pairs", type=positive_int, default=400,
                         help="part 1: timed request pairs (HTTP and direct), after 20 warm-up pairs")
-    parser.add_argument("--max-tokens", type=int, default=4,
+    parser.add_argument("--max-tokens", type=positive_int, default=4,
                         help="part 1: requests cycle through max_tokens 1..this (greedy, EOS ignored)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="part 1: torch threads of the demo engine (more only spin on 2 cores)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 64],
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 32, 64],
                         help="part 2: requests kept in flight, one run per value")
-    parser.add_argument("--duration", type=float, default=10.0,
+    parser.add_argument("--duration", type=positive_float, default=10.0,
                         help="part 2: timed seconds per concurrency, after --warmup")
     parser.add_argument("--warmup", type=float, default=2.0, help="part 2: untimed seconds first")
     parser.add_argument("--log-level", default="info", choices=("info", "warning"),

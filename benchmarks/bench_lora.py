@@ -39,6 +39,8 @@ from benchmarks.common import (
     machine_summary,
     make_offline_workload,
     num_params,
+    positive_float,
+    positive_int,
     random_prompt,
     scaled_range,
 )
@@ -63,24 +65,24 @@ PAD_TOKEN_ID = 0
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--scale", type=float, default=0.125,
+    p.add_argument("--num-requests", type=positive_int, default=32)
+    p.add_argument("--scale", type=positive_float, default=0.125,
                    help="factor on PERF.md's prompt [8, 512) and output [8, 256) lengths")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="timed Switchboard runs per config (best reported)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="timed Switchboard runs per config (best reported)")
     p.add_argument("--with-128", action="store_true", help="also run n = 128 adapters")
     p.add_argument("--alphas", type=float, nargs="+", default=[1.0],
                    help="S-LoRA power-law alphas (1 = uniform); e.g. --alphas 1 0.3 0.1")
-    p.add_argument("--peft-batch-size", type=int, default=8)
-    p.add_argument("--peft-requests", type=int, default=16,
+    p.add_argument("--peft-batch-size", type=positive_int, default=8)
+    p.add_argument("--peft-requests", type=positive_int, default=16,
                    help="PEFT runs only the first this-many requests (it is slow); throughput is per token")
-    p.add_argument("--registered", type=int, default=1000, help="adapters on disk for the scale point")
-    p.add_argument("--scale-active", type=int, default=128, help="adapters active in the scale point")
-    p.add_argument("--scale-slots", type=int, default=32,
+    p.add_argument("--registered", type=positive_int, default=1000, help="adapters on disk for the scale point")
+    p.add_argument("--scale-active", type=positive_int, default=128, help="adapters active in the scale point")
+    p.add_argument("--scale-slots", type=positive_int, default=32,
                    help="device slots in the scale point (a quarter of the active adapters)")
-    p.add_argument("--cpu-adapters", type=int, default=256,
+    p.add_argument("--cpu-adapters", type=positive_int, default=256,
                    help="host adapter cache (max_cpu_adapters); S-LoRA keeps the active adapters in host memory")
-    p.add_argument("--cold-repeats", type=int, default=5)
+    p.add_argument("--cold-repeats", type=positive_int, default=5)
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     return p.parse_args()
 

@@ -27,7 +27,7 @@ import httpx
 import msgspec
 
 from benchmarks.common import (DEFAULT_WORK_DIR, ModelSpec, ensure_model, load_summary,
-                               machine_summary)
+                               machine_summary, positive_float, positive_int)
 from benchmarks.loadgen import LoadResult, closed_loop, encode_request, percentile
 from store.workers import WorkerRecord
 from tests.processes import SwitchboardProcess, is_healthy, start_switchboard, wait_until
@@ -39,11 +39,11 @@ MODEL = "bench"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
+    parser.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
     parser.add_argument("--warmup", type=float, default=5.0, help="untimed seconds per phase")
-    parser.add_argument("--duration", type=float, default=30.0, help="timed seconds per phase")
+    parser.add_argument("--duration", type=positive_float, default=30.0, help="timed seconds per phase")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                         help=f"where the random model is kept (default {DEFAULT_WORK_DIR})")
     return parser.parse_args()
@@ -88,7 +88,7 @@ def run_load(gateway: SwitchboardProcess, key: str, args: argparse.Namespace,
         # loop runs in lockstep rounds.
         body = msgspec.json.encode({
             "model": MODEL, "prompt": [rng.randrange(vocab_size) for _ in range(args.prompt_len)],
-            "max_tokens": args.max_tokens // 2 + i % (args.max_tokens + 1),
+            "max_tokens": output_tokens(args, i),
             "temperature": 0, "ignore_eos": True})
         requests.append(encode_request("POST", "/v1/completions", host.netloc, body,
                                        {"Authorization": f"Bearer {key}",
@@ -96,6 +96,12 @@ def run_load(gateway: SwitchboardProcess, key: str, args: argparse.Namespace,
     return asyncio.run(closed_loop(host.hostname, host.port, requests, args.concurrency,
                                    args.warmup, args.duration,
                                    probe=lambda: sum(worker_tokens(redis_url).values())))
+
+
+def output_tokens(args: argparse.Namespace, connection: int) -> int:
+    """The max_tokens of a connection's requests: from half of --max-tokens up, one more per
+    connection (wrapping past 1.5 times --max-tokens)."""
+    return args.max_tokens // 2 + connection % (args.max_tokens + 1)
 
 
 def report(label: str, result: LoadResult) -> float:
@@ -111,9 +117,10 @@ def main() -> None:
     spec = ModelSpec()
     model_dir = ensure_model(spec, args.work_dir)
     print(machine_summary())
+    lengths = [output_tokens(args, i) for i in range(args.concurrency)]
     print(f"model: {spec.name} (random weights); {args.concurrency} in flight, prompt "
-          f"{args.prompt_len} tokens, {args.max_tokens // 2} to {args.max_tokens * 3 // 2} "
-          "output tokens, greedy")
+          f"{args.prompt_len} tokens, {min(lengths)} to {max(lengths)} output tokens (mean "
+          f"{sum(lengths) / len(lengths):.1f}), greedy")
     redis_proc, redis_url = start_redis_server()
     processes: list[SwitchboardProcess] = []
     with tempfile.TemporaryDirectory(prefix="sb-scaleout-") as tmp:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import platform
 import random
@@ -14,6 +16,22 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 DEFAULT_WORK_DIR = Path("/tmp/switchboard-bench")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count or size, at least 1 (0 would divide by zero or time nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a duration or scale, above 0."""
+    value = float(text)
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
 
 
 def machine_summary() -> str:
