@@ -67,7 +67,8 @@ Peer = Callable[[list[WorkloadRequest]], RunResult]
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=positive_int, default=48, help="requests in the offline workload")
+    parser.add_argument("--num-requests", type=positive_int, default=48,
+                        help="requests in the offline workload")
     parser.add_argument("--scale", type=positive_float, default=0.25,
                         help="factor on PERF.md's prompt [8, 512) and output [8, 256) lengths (1 = unscaled)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -77,7 +78,8 @@ def parse_args() -> argparse.Namespace:
                         help="requests per padded batch of model.generate")
     parser.add_argument("--decode-context", type=positive_int, default=256,
                         help="prompt length of the batch-1 decode probe")
-    parser.add_argument("--decode-steps", type=positive_int, default=32, help="timed decode steps per batch-1 probe")
+    parser.add_argument("--decode-steps", type=positive_int, default=32,
+                        help="timed decode steps per batch-1 probe")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                         help="where the random model is cached")
     return parser.parse_args()

@@ -69,15 +69,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--scale", type=positive_float, default=0.125,
                    help="factor on PERF.md's prompt [8, 512) and output [8, 256) lengths")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=positive_int, default=2, help="timed Switchboard runs per config (best reported)")
+    p.add_argument("--rounds", type=positive_int, default=2,
+                   help="timed Switchboard runs per config (best reported)")
     p.add_argument("--with-128", action="store_true", help="also run n = 128 adapters")
     p.add_argument("--alphas", type=float, nargs="+", default=[1.0],
                    help="S-LoRA power-law alphas (1 = uniform); e.g. --alphas 1 0.3 0.1")
     p.add_argument("--peft-batch-size", type=positive_int, default=8)
     p.add_argument("--peft-requests", type=positive_int, default=16,
                    help="PEFT runs only the first this-many requests (it is slow); throughput is per token")
-    p.add_argument("--registered", type=positive_int, default=1000, help="adapters on disk for the scale point")
-    p.add_argument("--scale-active", type=positive_int, default=128, help="adapters active in the scale point")
+    p.add_argument("--registered", type=positive_int, default=1000,
+                   help="adapters on disk for the scale point")
+    p.add_argument("--scale-active", type=positive_int, default=128,
+                   help="adapters active in the scale point")
     p.add_argument("--scale-slots", type=positive_int, default=32,
                    help="device slots in the scale point (a quarter of the active adapters)")
     p.add_argument("--cpu-adapters", type=positive_int, default=256,
