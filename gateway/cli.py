@@ -252,10 +252,18 @@ def _run(command: str, args: dict) -> int:
     raise AssertionError(f"unhandled command {command!r}")
 
 
-def serve(config: ServeConfig) -> int:
-    """Check the settings, load the engines, then serve until interrupted; the exit status."""
+def _configure_logging(config: ServeConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # NOTE: httpx logs every request it sends at INFO: a second line per call to a worker or an
+    # upstream, beside the access log's own. Its warnings still show, and all of it at debug.
+    if config.log_level.lower() != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def serve(config: ServeConfig) -> int:
+    """Check the settings, load the engines, then serve until interrupted; the exit status."""
+    _configure_logging(config)
     # NOTE: before minutes of model loading.
     problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.store)
                or _sqlite_problem(config.store, config.data_dir)
@@ -327,8 +335,7 @@ def _load_engine(command: str, name: str, path: Path, config: ServeConfig) -> En
 def run_worker(config: ServeConfig) -> int:
     """Check the settings, load the one model's engine, then serve the internal API until
     interrupted; the exit status."""
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(config)
     if len(config.model_paths()) > 1:  # NOTE: a worker's config has no [models.NAME] tables
         print("switchboard worker: a worker serves exactly one local model (--model NAME=PATH); "
               "run one worker per model and GPU", file=sys.stderr)

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -631,3 +632,15 @@ def test_a_worker_leaves_the_gateway_s_variables_alone():
                "SWITCHBOARD_HOME": "/srv/sb"}
     worker = load_serve_config({}, None, environ, command="worker")
     assert (worker.admin_key, worker.metrics_key, worker.data_dir) == (None, None, Path("/srv/sb"))
+
+
+@pytest.mark.parametrize("level, httpx_level", [("info", logging.WARNING), ("debug", logging.NOTSET)])
+def test_the_http_client_logs_no_line_per_call_beside_the_access_log(level, httpx_level):
+    from gateway.cli import _configure_logging
+    client_logger = logging.getLogger("httpx")
+    try:
+        client_logger.setLevel(logging.NOTSET)
+        _configure_logging(ServeConfig(log_level=level))
+        assert client_logger.level == httpx_level
+    finally:
+        client_logger.setLevel(logging.NOTSET)
