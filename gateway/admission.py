@@ -22,8 +22,10 @@ logger = logging.getLogger(__name__)
 
 
 # A hold lapses this long after its last renewal, so the budget a gateway that died mid-call held
-# comes back by then; a live call renews its hold every third of it, however long it runs.
-HOLD_TTL_S = 600.0
+# comes back by then (a tenant near its budget waits out at most this after a crash); a live call
+# renews its hold every third of it, however long it runs, which also rides out a store outage
+# of up to two thirds of it.
+HOLD_TTL_S = 60.0
 
 
 class Admission:
