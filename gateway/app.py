@@ -154,9 +154,11 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                 await pool.close()
             await gateway.store.close()
 
+    # NOTE: AccessLog outside InFlight, so that it records the 503 InFlight answers a call the
+    # shutdown's deadline stopped (inside, it logged and counted a 500 nobody was sent).
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS,
-                    middleware=[Middleware(InFlight, tasks=requests),
-                                Middleware(AccessLog, metrics=gateway.metrics)])
+                    middleware=[Middleware(AccessLog, metrics=gateway.metrics),
+                                Middleware(InFlight, tasks=requests)])
     app.state.gateway = gateway
     app.state.version = version()
     return app

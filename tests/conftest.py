@@ -111,8 +111,9 @@ def logged_status(caplog: pytest.LogCaptureFixture, method: str, path: str) -> i
 
 
 @contextmanager
-def run_server(app) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free loopback port until the block ends; yields its URL."""
+def run_server(app, shutdown_timeout_s: float = 5) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port until the block ends, then shut it down
+    gracefully (calls still running after `shutdown_timeout_s` are cancelled); yields its URL."""
     import uvicorn
 
     # NOTE: with IPPROTO_TCP given, asyncio sets TCP_NODELAY; without it every keep-alive request
@@ -122,7 +123,7 @@ def run_server(app) -> Iterator[str]:
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            lifespan="on", log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=shutdown_timeout_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + _START_TIMEOUT_S
@@ -140,13 +141,13 @@ def run_server(app) -> Iterator[str]:
 
 @contextmanager
 def serve_gateway(engines: dict, data_dir: Path, admin_key: str = ADMIN_KEY,
-                  **app_options) -> Iterator[GatewayServer]:
+                  shutdown_timeout_s: float = 5, **app_options) -> Iterator[GatewayServer]:
     """A gateway serving `engines` (by served name), with its store in `data_dir`;
     `app_options` go to create_app. The caller keeps the engines (and closes them)."""
     from gateway.app import create_app
 
     app = create_app(engines, data_dir=data_dir, admin_key=admin_key, **app_options)
-    with run_server(app) as url:
+    with run_server(app, shutdown_timeout_s) as url:
         yield GatewayServer(url, admin_key, app)
 
 

@@ -1,9 +1,12 @@
-"""/health, /openapi.json, errors outside the API routes, and the gateway's torch-free import."""
+"""/health, /openapi.json, errors outside the API routes, what a graceful shutdown does to the calls
+still running at its deadline, and the gateway's torch-free import."""
 
+import logging
 import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -11,8 +14,10 @@ from gateway.app import ROUTES
 from gateway.errors import STORE_UNAVAILABLE_MESSAGE
 from gateway.openapi import openapi_path
 from store.sqlite import LOCK_TIMEOUT_S
-from tests.conftest import DEMO_MODEL
-from tests.test_gateway_routing import eventually
+from tests.conftest import DEMO_MODEL, logged_status, serve_gateway
+from tests.test_gateway_routing import ScriptedTier, eventually
+
+_SHUTDOWN_TIMEOUT_S = 1.0
 
 
 def test_health_needs_no_key(server):
@@ -94,6 +99,35 @@ def test_a_client_cannot_forge_access_log_lines(server, caplog):
         assert eventually(access_lines)
     [line] = access_lines()
     assert "\n" not in line and "x\\n2026-01-01" in line  # escaped, still readable
+
+
+def _stalling_tier() -> ScriptedTier:
+    """An engine whose answers stop after their first token and wait until they are aborted: calls
+    still running when a shutdown reaches its deadline."""
+    tier = ScriptedTier("small")
+    tier.stall_after = 1
+    return tier
+
+
+def test_a_call_the_shutdown_stops_is_logged_and_counted_as_the_503_its_client_gets(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    tier = _stalling_tier()
+    with ThreadPoolExecutor(1) as clients:
+        with serve_gateway({"small": tier}, tmp_path,
+                           shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S) as server:
+            key = server.new_tenant("acme")
+            reply = clients.submit(httpx.post, server.url + "/v1/completions", timeout=30,
+                                   json={"model": "small", "prompt": "easy", "max_tokens": 4},
+                                   headers={"Authorization": f"Bearer {key}"})
+            assert tier.stalled.wait(10)
+        stopped = reply.result()  # the block's end shut the server down, the call still running
+    assert (stopped.status_code, stopped.headers["retry-after"]) == (503, "2"), stopped.text
+    assert stopped.json()["error"]["code"] == "server_shutdown"
+    # Once both said 500, so every rolling restart raised alerts for server errors.
+    assert logged_status(caplog, "POST", "/v1/completions") == 503
+    requests = server.app.state.gateway.metrics.requests
+    assert [requests.value(tenant="acme", model="small", status=status)
+            for status in ("503", "500")] == [1, 0]
 
 
 def test_request_handling_never_imports_torch():
