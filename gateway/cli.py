@@ -76,7 +76,8 @@ admin key creates one and prints it once; only its hash is stored.
 # NOTE: after each command's epilog: serve and worker stop, and exit, the same way.
 _EXIT_STATUS = """
 SIGTERM or Ctrl-C stops the server gracefully (requests in flight get --shutdown-timeout seconds
-to finish, then their connections are dropped); it then exits 0. Other exit statuses: 2, a
+to finish, then those still running end with a 503 server_shutdown, or a stream with that error
+event); it then exits 0. Other exit statuses: 2, a
 setting or model it cannot use (said before any model loads where it can be); 130, Ctrl-C while
 the models load (SIGTERM then stops it at once); others, a server that failed to start (its log
 says why).
@@ -198,7 +199,9 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, dest="shutdown_timeout_s",
                         metavar="SECONDS",
                         help="on SIGTERM or Ctrl-C, how long requests in flight may take to "
-                             "finish before their connections are dropped (default 30)")
+                             "finish (default 30); those still running then end with a 503 "
+                             "server_shutdown (a stream: with that error event), billed for what "
+                             "they produced")
     parser.add_argument("--log-level", choices=LOG_LEVELS,
                         help="log level (default info)")
 

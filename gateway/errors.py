@@ -75,6 +75,14 @@ def engine_failed(error: Exception) -> ApiError:
                     code="engine_failure")
 
 
+def server_shutdown(message: str = "the server shut down before this call finished; send it again",
+                    headers: dict[str, str] | None = None) -> ApiError:
+    """503 `server_shutdown` for a call that a graceful shutdown stopped at its deadline: sent
+    again, it runs on a server that is up (the OpenAI SDKs retry a 503 by themselves)."""
+    return ApiError(503, message, type="server_error", code="server_shutdown",
+                    headers={"Retry-After": "2", **(headers or {})})
+
+
 def from_validation_error(error: msgspec.ValidationError | msgspec.DecodeError) -> ApiError:
     """A 400 for a body msgspec refused, naming the offending field as `param`."""
     text = str(error)

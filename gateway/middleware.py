@@ -14,7 +14,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import ApiError
+from gateway.errors import server_shutdown
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger("gateway.access")
@@ -102,6 +102,4 @@ class InFlight:
 
 
 # NOTE: uvicorn cancels a request's task only when a shutdown's deadline has passed.
-_STOPPED = ApiError(503, "the server shut down before this call finished; send it again",
-                    type="server_error", code="server_shutdown",
-                    headers={"Retry-After": "2", "Connection": "close"})
+_STOPPED = server_shutdown(headers={"Connection": "close"})

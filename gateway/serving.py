@@ -26,10 +26,10 @@ from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
-                           invalid_request, model_not_found, too_deep_message)
+                           invalid_request, model_not_found, server_shutdown, too_deep_message)
 from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
-from gateway.sse import EventStreamResponse
+from gateway.sse import DONE, EventStreamResponse, event
 from gateway.state import GatewayState, gateway_state
 from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
 from routing.routes import CascadeRoute, LearnedRoute, Route
@@ -584,7 +584,8 @@ async def respond(request: Request, call: Call, stream: AsyncIterator[bytes] | N
                   whole: Callable[[], msgspec.Struct]) -> Response:
     """Send `stream` as server-sent events, or run the call to its end and send `whole()`."""
     if stream is not None:
-        return EventStreamResponse(stream, on_close=call.finish, headers=call.headers())
+        return EventStreamResponse(stream, on_close=call.finish, at_shutdown=_STOPPED_STREAM_END,
+                                   headers=call.headers())
     try:
         completed = await until_disconnected(request, call.run_to_end())
     finally:
@@ -594,6 +595,10 @@ async def respond(request: Request, call: Call, stream: AsyncIterator[bytes] | N
     return Response(await _encode(call, whole), media_type="application/json",
                     headers=call.headers())
 
+
+# How a stream still running at a shutdown's deadline ends: as one whose engine failed, with an
+# error event (one the client may retry) and [DONE].
+_STOPPED_STREAM_END = event(server_shutdown().body) + DONE
 
 # A response of more tokens than this is built in a thread: with logprobs, each token is up to
 # 21 entries that Python loops name one by one (about 0.1 s per thousand tokens at 20 logprobs).

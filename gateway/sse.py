@@ -3,12 +3,16 @@ written by the gateway and its workers, read back from workers and upstreams."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 _LINE_BREAK = re.compile(rb"\r\n|\r|\n")
@@ -19,7 +23,10 @@ def event(payload: msgspec.Struct) -> bytes:
 
 
 class EventStreamResponse(StreamingResponse):
-    """Streams `content`, then awaits `on_close` however the stream ended.
+    """Streams `content`, then awaits `on_close` however the stream ended. A graceful shutdown
+    whose deadline passes while the stream runs ends it with `at_shutdown` (events that tell its
+    reader why it ends there) and one line of log, where a cut connection would tell the reader
+    nothing and uvicorn would log a traceback.
 
     NOTE: when the client disconnects, Starlette cancels the task that iterates `content`, maybe
     before it started or while it is suspended at a `yield`, where no `finally` of the iterator
@@ -30,14 +37,31 @@ class EventStreamResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
-                 headers: dict[str, str] | None = None):
+                 at_shutdown: bytes, headers: dict[str, str] | None = None):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                            **(headers or {})})
         self._on_close = on_close
+        self._at_shutdown = at_shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        is_streaming = False  # the response has started and has more to send
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal is_streaming
+            is_streaming = message["type"] == "http.response.start" or message.get("more_body", False)
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            # NOTE: a client that leaves ends the stream without cancelling this task: only a
+            # server's shutdown does, once its deadline has passed.
+            if not is_streaming:
+                raise
+            asyncio.current_task().uncancel()  # NOTE: handled: the stream ends here
+            logger.warning("%s %s: the server's shutdown ended this stream before its answer did",
+                           scope["method"], scope["path"])
+            await send({"type": "http.response.body", "body": self._at_shutdown, "more_body": False})
         finally:
             await self._on_close()
 

@@ -182,7 +182,11 @@ async def generate(request: Request) -> Response:
                                tenant=body.tenant, adapter=adapter), adapter))
     # NOTE: answered at once, not after the first chunk: a request queued behind others for
     # minutes is not a silent worker (the keepalives say so).
-    return EventStreamResponse(answer.lines(), on_close=answer.close)
+    return EventStreamResponse(answer.lines(), on_close=answer.close, at_shutdown=_STOPPED_STREAM_END)
+
+
+# How a stream still running at the shutdown's deadline ends: the request is gone.
+_STOPPED_STREAM_END = event(StreamLine(error="the worker shut down before the request finished"))
 
 
 class _KeptAlive:

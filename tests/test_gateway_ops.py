@@ -1,6 +1,7 @@
 """/health, /openapi.json, errors outside the API routes, what a graceful shutdown does to the calls
 still running at its deadline, and the gateway's torch-free import."""
 
+import json
 import logging
 import sqlite3
 import subprocess
@@ -128,6 +129,35 @@ def test_a_call_the_shutdown_stops_is_logged_and_counted_as_the_503_its_client_g
     requests = server.app.state.gateway.metrics.requests
     assert [requests.value(tenant="acme", model="small", status=status)
             for status in ("503", "500")] == [1, 0]
+
+
+def test_a_stream_the_shutdown_stops_ends_with_a_server_shutdown_event_and_one_log_line(
+        tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    tier = _stalling_tier()
+
+    def stream(url: str, key: str) -> list[str]:
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"model": "small", "prompt": "easy", "max_tokens": 4, "stream": True},
+                          headers={"Authorization": f"Bearer {key}"}) as response:
+            return [line.removeprefix("data: ") for line in response.iter_lines() if line]
+
+    with ThreadPoolExecutor(1) as clients:
+        with serve_gateway({"small": tier}, tmp_path,
+                           shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S) as server:
+            events = clients.submit(stream, server.url, server.new_tenant("acme"))
+            assert tier.stalled.wait(10)
+        # Once cut mid-stream, with uvicorn's traceback of the CancelledError in the log.
+        *chunks, error, done = events.result()
+    assert [json.loads(chunk)["choices"][0]["text"] for chunk in chunks] == ["s"]
+    assert (json.loads(error)["error"]["code"], done) == ("server_shutdown", "[DONE]")
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert [r.getMessage() for r in caplog.records if r.name == "gateway.sse"] == [
+        "POST /v1/completions: the server's shutdown ended this stream before its answer did"]
+    # Billed for the token it streamed, as when a client leaves.
+    [access] = [r.getMessage() for r in caplog.records
+                if r.name == "gateway.access" and "/v1/completions" in r.getMessage()]
+    assert " 200 tenant=acme model=small prompt_tokens=4 completion_tokens=1 " in access
 
 
 def test_request_handling_never_imports_torch():
