@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gateway import version
@@ -75,12 +75,10 @@ admin key creates one and prints it once; only its hash is stored.
 
 # NOTE: after each command's epilog: serve and worker stop, and exit, the same way.
 _EXIT_STATUS = """
-SIGTERM or Ctrl-C stops the server gracefully (requests in flight get --shutdown-timeout seconds
-to finish, then those still running end with a 503 server_shutdown, or a stream with that error
-event); it then exits 0. Other exit statuses: 2, a
-setting or model it cannot use (said before any model loads where it can be); 130, Ctrl-C while
-the models load (SIGTERM then stops it at once); others, a server that failed to start (its log
-says why).
+SIGTERM or Ctrl-C stops the server gracefully (see --shutdown-timeout); it then exits 0. Other
+exit statuses: 2, a setting or model it cannot use (said before any model loads where it can be);
+130, Ctrl-C while the models load (SIGTERM then stops it at once); others, a server that failed
+to start (its log says why).
 """
 
 WORKER_PORT = 9000
@@ -140,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long a workers' model stays served after their last heartbeat: "
                             "its calls get 503 until then, 404 after (default 3600; the same on "
                             "every gateway)")
-    _add_server_options(serve)
+    _add_server_options(serve, "serve")
     worker = commands.add_parser(
         "worker", help="run one model's engine for gateways sharing a Redis",
         description="Run one model's engine behind an internal HTTP API and register it in Redis, "
@@ -165,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="read settings from a TOML file (the keys of the long options)")
     _add_engine_options(worker)
-    _add_server_options(worker)
+    _add_server_options(worker, "worker")
     router = commands.add_parser(
         "router", help="train the learned router of routes with kind = \"learned\"",
         description="Learned routing: a classifier that predicts from the prompt whether the "
@@ -194,14 +192,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _add_server_options(parser: argparse.ArgumentParser) -> None:
+_SHUTDOWN_HELP = {
+    "serve": "on SIGTERM or Ctrl-C, how long requests in flight may take to finish (default 30); "
+             "those still running then end with a 503 server_shutdown (a stream: with that "
+             "error event), billed for what they produced",
+    "worker": "on SIGTERM or Ctrl-C the worker leaves the pool at once (gateways place new "
+              "requests on other workers) and gives requests in flight this long to finish "
+              "(default 30); it then ends the others: gateways place one it has not started on "
+              "another worker, and answer the rest 503 server_shutdown (a stream: that error "
+              "event), billed for what they produced",
+}
+
+
+def _add_server_options(parser: argparse.ArgumentParser, command: str) -> None:
     """The options of the HTTP server a command runs (serve and worker share them)."""
     parser.add_argument("--shutdown-timeout", type=float, dest="shutdown_timeout_s",
-                        metavar="SECONDS",
-                        help="on SIGTERM or Ctrl-C, how long requests in flight may take to "
-                             "finish (default 30); those still running then end with a 503 "
-                             "server_shutdown (a stream: with that error event), billed for what "
-                             "they produced")
+                        metavar="SECONDS", help=_SHUTDOWN_HELP[command])
     parser.add_argument("--log-level", choices=LOG_LEVELS,
                         help="log level (default info)")
 
@@ -375,7 +381,8 @@ def _load_and_run_worker(config: ServeConfig, sockets: list[socket.socket],
                         blobs=BlobStore(adapter_folder),
                         registry=WorkerRegistry.open(config.redis), heartbeat_s=config.heartbeat_s,
                         store_url=config.redis, tokenizer_files=tokenizer_files(path))
-        return _run_server(create_worker_app(worker), config, sockets)
+        return _run_server(create_worker_app(worker), config, sockets,
+                           on_shutdown=worker.begin_shutdown)
     finally:
         engine.close()
 
@@ -426,15 +433,20 @@ def _base_url(host: str, sockets: list[socket.socket]) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _run_server(app: Callable, config: ServeConfig, sockets: list[socket.socket]) -> int:
-    """Serve `app` on `sockets` until interrupted; the exit status."""
+def _run_server(app: Callable, config: ServeConfig, sockets: list[socket.socket],
+                on_shutdown: Callable[[], Awaitable[None]] | None = None) -> int:
+    """Serve `app` on `sockets` until interrupted, awaiting `on_shutdown()` as its graceful
+    shutdown begins; the exit status."""
     import uvicorn
+
+    from gateway.http_server import Server
 
     # NOTE: without a deadline a client that stops sending mid-request holds the shutdown forever;
     # after it the requests still running are cancelled, as when their clients disconnect.
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           log_level=config.log_level, lifespan="on",
-                                           timeout_graceful_shutdown=config.shutdown_timeout_s))
+    server = Server(uvicorn.Config(app, log_config=None, access_log=False,
+                                   log_level=config.log_level, lifespan="on",
+                                   timeout_graceful_shutdown=config.shutdown_timeout_s),
+                    on_shutdown)
     logger.info("listening on %s", _base_url(config.host, sockets))
     # NOTE: uvicorn shuts down gracefully on SIGTERM (what systemd, Docker and Kubernetes send)
     # as on Ctrl-C, then raises the signal again; by default that would kill the process before

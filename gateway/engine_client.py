@@ -200,6 +200,11 @@ class EngineUnavailable(EngineFailure):
     """No engine can take the request now (say no worker of its model is up): retry shortly."""
 
 
+class EngineStopped(EngineFailure):
+    """The engine's worker shut down gracefully before the request finished (its deadline came
+    first): sent again, the request runs on a worker that is up."""
+
+
 class UpstreamFailure(EngineFailure):
     """An upstream server (gateway/upstream.py) failed the request. The message names only the
     model it serves: its address, its answer and what to fix are the operator's, in the log."""

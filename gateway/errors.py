@@ -10,7 +10,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway.engine_client import EngineUnavailable, UpstreamFailure, UpstreamUnavailable
+from gateway.engine_client import (EngineStopped, EngineUnavailable, UpstreamFailure,
+                                   UpstreamUnavailable)
 from store import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def engine_failed(error: Exception) -> ApiError:
     if isinstance(error, EngineUnavailable):
         return ApiError(503, f"no engine can take this request now: {error}", type="server_error",
                         code="engine_unavailable", headers={"Retry-After": "2"})
+    if isinstance(error, EngineStopped):
+        return server_shutdown(f"{error}; send it again")
     if isinstance(error, UpstreamUnavailable):
         return ApiError(503, str(error), type="server_error", code="upstream_unavailable",
                         headers={"Retry-After": "2"})

@@ -19,6 +19,11 @@ stream carries keepalives. Once chunks flow, a cut
 stream is an EngineFailure (the gateway ends the response with a clean error). A worker whose
 engine failed the request (500 `engine_failure`) is not passed over: that is the request's
 EngineFailure, with the engine's reason, as from a local engine.
+
+A worker that shuts down gracefully is not a failed one: it leaves the registry as its shutdown
+begins, and its requests in flight may finish; those still running at its deadline end with a
+`stopped` line. A request stopped before its first chunk is placed again on another worker;
+after, it is EngineStopped (the client is told to send it again).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import httpx
 import msgspec
 
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineClient,
-                                   EngineFailure, EngineStats, EngineUnavailable,
+                                   EngineFailure, EngineStats, EngineStopped, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
@@ -356,6 +361,11 @@ class RemoteEngineClient(TextCodec):
                         logger.warning("request %s: worker %s failed: %s", request_id, worker_id,
                                        line.error)
                         raise EngineFailure(f"worker {worker_id} failed: {line.error}")
+                    if line.stopped is not None:
+                        logger.warning("request %s: worker %s shut down before it finished",
+                                       request_id, worker_id)
+                        raise EngineStopped(f"engine worker {worker_id} shut down before this "
+                                            "request finished")
                     yield line.chunk
                     if line.chunk.finished:
                         return
@@ -391,8 +401,11 @@ class RemoteEngineClient(TextCodec):
                 lines = _stream_lines(pool, worker, body, adapter)
                 try:
                     first = await anext(lines)
+                    if first.stopped is not None:  # nothing came of it yet: nothing is lost
+                        await lines.aclose()
+                        raise _Retry(first.stopped)
                 except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
-                    # NOTE: the generator raised, so it is finished and its connection closed.
+                    # NOTE: the generator raised (or was closed), so its connection is closed.
                     if not isinstance(error, _Retry) or error.down:
                         pool.mark_down(worker.id)
                     logger.warning("request %s not started on worker %s (%s); placing it again",

@@ -30,6 +30,7 @@ from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
 from gateway.errors import too_deep_message
 from gateway.local_engine import LocalEngineClient
+from gateway.remote import DEFAULT_POLL_S
 from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
                                 GenerateBody, StreamLine, WorkerError)
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
 _LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two missed beats do not drop it
+# How long a worker that left the pool still takes connections: gateways read the registry every
+# DEFAULT_POLL_S, and one that places a request here meanwhile is refused with 503 `unavailable`
+# and places it elsewhere, where a closed port would have it take this worker for failed.
+_LEAVING_S = 2 * DEFAULT_POLL_S
 # What gateways need to load a worker's tokenizer (transformers reads config.json for its class).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -65,7 +70,8 @@ class Worker:
     blob_sweep_s: float = SWEEP_PERIOD_S  # how often it drops the files of deleted adapters
     id: str = field(default_factory=lambda: secrets.token_hex(6))
     internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
-    is_closing: bool = False
+    is_closing: bool = False  # it has left the pool: it takes no more requests
+    _beating: asyncio.Task | None = field(default=None, init=False, repr=False)
 
     def record(self, tokenizer: str | None) -> WorkerRecord:
         stats = self.engine.stats()
@@ -114,9 +120,33 @@ class Worker:
                         await asyncio.to_thread(self.blobs.delete_if_damaged, adapter.digest)
                 raise
 
-    async def keep_beating(self) -> None:
-        """Heartbeat until cancelled, riding out Redis outages."""
-        await keep_running(self.beat, self.heartbeat_s, "heartbeating to Redis")
+    async def join_the_pool(self) -> None:
+        """Register (raising if Redis cannot be reached), then heartbeat until it leaves the pool,
+        riding out Redis outages."""
+        await self.beat()
+        self._beating = asyncio.create_task(
+            keep_running(self.beat, self.heartbeat_s, "heartbeating to Redis"))
+
+    async def begin_shutdown(self) -> None:
+        """What the server awaits as its graceful shutdown begins, before it stops taking
+        connections: leave the pool, and wait until gateways have read the registry since. The
+        requests in flight go on until they finish or the shutdown's deadline ends them."""
+        await self.leave_the_pool()
+        await asyncio.sleep(_LEAVING_S)
+
+    async def leave_the_pool(self) -> None:
+        """Take no more requests and leave the registry at once (once is enough)."""
+        if self.is_closing:
+            return
+        self.is_closing = True
+        if self._beating is not None:
+            # NOTE: stopped first: a heartbeat landing after the removal would put the record back.
+            self._beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beating
+        with contextlib.suppress(Exception):  # Redis may be gone: the record lapses anyway
+            await self.registry.remove(self.id)
+        logger.info("worker %s left the pool", self.id)
 
 
 def tokenizer_files(model_dir: Path) -> dict[str, bytes]:
@@ -186,7 +216,7 @@ async def generate(request: Request) -> Response:
 
 
 # How a stream still running at the shutdown's deadline ends: the request is gone.
-_STOPPED_STREAM_END = event(StreamLine(error="the worker shut down before the request finished"))
+_STOPPED_STREAM_END = event(StreamLine(stopped="the worker shut down before the request finished"))
 
 
 class _KeptAlive:
@@ -294,26 +324,23 @@ async def health(request: Request) -> Response:
 def create_worker_app(worker: Worker) -> Starlette:
     """The worker's internal API; its lifespan drops unreferenced blobs (then every
     `worker.blob_sweep_s`), registers the worker and heartbeats until shutdown (failing to start
-    if Redis cannot be reached)."""
+    if Redis cannot be reached). The server should await `worker.begin_shutdown()` as its
+    shutdown begins: the lifespan's end comes only once the requests in flight have ended."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # NOTE: before serving: a request handed a blob's folder must not see it deleted.
         await worker.drop_unreferenced_blobs()
-        await worker.beat()
+        await worker.join_the_pool()
         logger.info("worker %s serves %s at %s", worker.id, worker.model, worker.url)
-        beating = asyncio.create_task(worker.keep_beating())
         sweeping = asyncio.create_task(keep_running(worker.drop_unreferenced_blobs,
                                                     worker.blob_sweep_s,
                                                     "dropping the files of deleted adapters"))
         try:
             yield
         finally:
-            worker.is_closing = True
-            beating.cancel()
+            await worker.leave_the_pool()
             sweeping.cancel()
-            with contextlib.suppress(Exception):  # Redis may be gone: the record lapses anyway
-                await worker.registry.remove(worker.id)
             await worker.registry.close()
 
     routes = [Route(GENERATE_PATH, generate, methods=["POST"]),

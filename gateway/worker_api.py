@@ -3,13 +3,15 @@
 A worker serves one model. Gateways send the internal key (store.workers) as a bearer token.
 
 - POST GENERATE_PATH, body GenerateBody: the answer is a stream of server-sent events, each a
-  StreamLine: chunks, or one error that ends the stream: `rejected` (the engine refused the
-  request; before any chunk) or `error` (the engine failed it). While the request waits (queued
-  behind others, or between chunks), a comment line comes every KEEPALIVE_S, so that a gateway
-  tells a busy worker from a hung one by silence alone. Refused before the stream starts, with an
-  HTTP status and a WorkerError: 400 `rejected` (a malformed body), 409 `adapter_missing` (send
-  the adapter's files, then ask again), 404 `unknown_model`, 401 `unauthorized`, 503
-  `unavailable` (the worker is shutting down).
+  StreamLine: chunks, or one line that ends the stream: `rejected` (the engine refused the
+  request; before any chunk), `error` (the engine failed it) or `stopped` (the worker's graceful
+  shutdown reached its deadline first: before any chunk, another worker may run the request as
+  if it never came here). While the request waits (queued behind others, or between chunks), a
+  comment line comes every KEEPALIVE_S, so that a gateway tells a busy worker from a hung one by
+  silence alone. Refused before the stream starts, with an HTTP status and a WorkerError: 400
+  `rejected` (a malformed body), 409 `adapter_missing` (send the adapter's files, then ask
+  again), 404 `unknown_model`, 401 `unauthorized`, 503 `unavailable` (the worker is shutting
+  down: it has left the registry already).
 - PUT ADAPTERS_PATH/<digest>, multipart with the adapter's two files: the worker keeps them under
   their digest (checked) for the requests that name it.
 - POST CHECK_ADAPTER_PATH, multipart with the two files: AdapterInfo, or 422 `adapter_rejected`.
@@ -46,3 +48,4 @@ class StreamLine(msgspec.Struct, frozen=True, omit_defaults=True):
     chunk: GenerationChunk | None = None
     error: str | None = None  # the engine failed the request: it is gone
     rejected: WorkerError | None = None  # the engine refused the request (the first line)
+    stopped: str | None = None  # the worker shut down before the request finished: it is gone

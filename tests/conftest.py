@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,19 +111,23 @@ def logged_status(caplog: pytest.LogCaptureFixture, method: str, path: str) -> i
 
 
 @contextmanager
-def run_server(app, shutdown_timeout_s: float = 5) -> Iterator[str]:
+def run_server(app, shutdown_timeout_s: float = 5,
+               on_shutdown: Callable[[], Awaitable[None]] | None = None) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port until the block ends, then shut it down
-    gracefully (calls still running after `shutdown_timeout_s` are cancelled); yields its URL."""
+    gracefully (awaiting `on_shutdown()` first; calls still running after `shutdown_timeout_s` are
+    cancelled), as `switchboard serve` and `worker` do; yields its URL."""
     import uvicorn
+
+    from gateway.http_server import Server
 
     # NOTE: with IPPROTO_TCP given, asyncio sets TCP_NODELAY; without it every keep-alive request
     # waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           lifespan="on", log_level="warning",
-                                           timeout_graceful_shutdown=shutdown_timeout_s))
+    server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                   log_level="warning", timeout_graceful_shutdown=shutdown_timeout_s),
+                    on_shutdown)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + _START_TIMEOUT_S

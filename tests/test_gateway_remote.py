@@ -2,8 +2,9 @@
 answers 503 `engine_unavailable` at once (no hang), and its adapter uploads 503 too. Over real
 workers (in-process, on the demo engine): a gateway streams from them past any connection limit
 of its own, counts each call against its worker from the moment it places it there, sends an
-adapter's files to a worker once however many calls need them at once, and serves each adapter on
-the workers whose --max-lora-rank holds its rank."""
+adapter's files to a worker once however many calls need them at once, serves each adapter on
+the workers whose --max-lora-rank holds its rank, and sees a worker that shuts down leave the pool
+at once, its calls ending for their clients to send them again."""
 
 from __future__ import annotations
 
@@ -11,17 +12,20 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 
-from gateway.engine_client import (AdapterRef, EngineFailure, EngineStats, RequestRejected,
-                                   SamplingOptions)
+from gateway.engine_client import (AdapterRef, EngineFailure, EngineStats, GenerationChunk,
+                                   RequestRejected, SamplingOptions)
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
@@ -98,14 +102,16 @@ class _Requests:
 
 
 @contextlib.contextmanager
-def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str) -> Iterator[_Requests]:
+def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
+                    shutdown_timeout_s: float = 5) -> Iterator[_Requests]:
     """A real worker of DEMO_MODEL over `engine`, registered in the Redis at `registry_url` and
-    serving on a loopback port until the block ends; yields the record of what it was asked."""
+    serving on a loopback port until the block ends, then shut down as `switchboard worker` is
+    (its calls in flight get `shutdown_timeout_s`); yields the record of what it was asked."""
     registry = WorkerRegistry.open(registry_url)
     worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(folder),
                     registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S, id=worker_id)
     requests = _Requests(create_worker_app(worker))
-    with run_server(requests) as url:
+    with run_server(requests, shutdown_timeout_s, on_shutdown=worker.begin_shutdown) as url:
         worker.url = url  # NOTE: known once it serves; its next heartbeat publishes it
 
         async def published() -> None:
@@ -118,6 +124,15 @@ def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str) -> 
 
         asyncio.run(asyncio.wait_for(published(), 10))
         yield requests
+
+
+async def _registered(registry_url: str) -> list[str]:
+    """The ids of the workers registered in the Redis at `registry_url`."""
+    registry = WorkerRegistry.open(registry_url)
+    try:
+        return sorted(r.id for r in await registry.workers())
+    finally:
+        await registry.close()
 
 
 async def _address_and_key(registry_url: str, worker_id: str) -> tuple[str, str]:
@@ -758,3 +773,90 @@ def test_gateways_agree_on_a_model_whose_workers_left_until_the_ttl_then_forget_
     assert after[0]["calls"] == {DEMO_MODEL: (404, "model_not_found"),
                                  "tuned": (404, "model_not_found"), local: (200, None)}
     assert after[0]["health"] == {"status": "ok", "models": [local]}
+
+
+class _StallingEngine:
+    """`engine`, whose answers stop after `stall_after` tokens (0: before their first chunk) and
+    wait there until they are aborted: calls still running when a worker's shutdown reaches its
+    deadline."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.stall_after = 1
+        self.num_stalled = 0
+        self.num_tokens = 0  # sent in all, before they stalled
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions,
+                       **kwargs) -> AsyncIterator[GenerationChunk]:
+        num_tokens, stall_after = 0, self.stall_after
+        async with contextlib.aclosing(self._engine.generate(prompt_token_ids, options,
+                                                             **kwargs)) as answer:
+            while num_tokens < stall_after:
+                chunk = await anext(answer)
+                num_tokens += len(chunk.token_ids)
+                self.num_tokens += len(chunk.token_ids)
+                yield chunk
+        self.num_stalled += 1
+        await asyncio.Event().wait()  # until the worker aborts the request
+
+
+def test_a_worker_shutting_down_leaves_the_pool_at_once_and_its_calls_end_to_be_sent_again(
+        demo_engine, redis_url, tmp_path, caplog):  # noqa: F811
+    caplog.set_level(logging.INFO)
+    drain_s = 2.0  # the stopping worker's --shutdown-timeout
+    stalling = _StallingEngine(demo_engine)
+    with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None) as gateway, \
+            ThreadPoolExecutor(3) as clients, contextlib.ExitStack() as stopping:
+        headers = {"Authorization": f"Bearer {gateway.new_tenant('acme')}"}
+        body = {"model": DEMO_MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+
+        def complete() -> httpx.Response:
+            return httpx.post(gateway.url + "/v1/completions", json=body, headers=headers,
+                              timeout=30)
+
+        def stream() -> list[str]:
+            with httpx.stream("POST", gateway.url + "/v1/completions", timeout=30,
+                              json={**body, "stream": True}, headers=headers) as response:
+                return [line.removeprefix("data: ") for line in response.iter_lines() if line]
+
+        stopping.enter_context(_serving_worker(stalling, redis_url, tmp_path / "stopping",
+                                               "stopping", shutdown_timeout_s=drain_s))
+        assert eventually(lambda: httpx.get(gateway.url + "/health").status_code == 200)
+        whole, streamed = clients.submit(complete), clients.submit(stream)
+        assert eventually(lambda: stalling.num_stalled == 2)  # each after its first token
+        stalling.stall_after = 0
+        queued = clients.submit(complete)
+        assert eventually(lambda: stalling.num_stalled == 3)  # before its first token
+        with _serving_worker(demo_engine, redis_url, tmp_path / "live", "live"):
+            shutdown = threading.Thread(target=stopping.close)
+            shutdown.start()
+            # It leaves the registry as its shutdown begins (once, when its calls had ended).
+            assert eventually(lambda: asyncio.run(_registered(redis_url)) == ["live"], drain_s)
+            assert not any(call.done() for call in (whole, streamed, queued))
+            whole, (*chunks, error, done), queued = whole.result(), streamed.result(), queued.result()
+            shutdown.join()
+        usage = gateway.admin("GET", "/admin/tenants/acme").json()["usage"]
+    # At its deadline it ended them with a line the gateway understands: the calls it had
+    # started are told to be sent again, as by a gateway that shuts down (they once got 500
+    # engine_failure, "lost worker ... mid-answer", with no Retry-After)...
+    assert (whole.status_code, whole.headers["retry-after"]) == (503, "2"), whole.text
+    assert whole.json()["error"]["code"] == "server_shutdown"
+    assert all("choices" in json.loads(chunk) for chunk in chunks)
+    assert (json.loads(error)["error"]["code"], done) == ("server_shutdown", "[DONE]")
+    # ...and the call it had not started is answered by the live worker, as if nothing happened.
+    assert queued.status_code == 200, queued.text
+    assert queued.json()["usage"]["completion_tokens"] == 4
+    # Each billed for what it produced.
+    assert (usage["requests"], usage["tokens_out"], usage["reserved_tokens"]) == (
+        3, stalling.num_tokens + 4, 0)
+    # The gateway never took it for a failed worker; one line for each stream it ended, and no
+    # traceback (there was one for each).
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "placing its requests elsewhere" in m or "lost worker" in m] == []
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert messages.count(f"POST {GENERATE_PATH}: the server's shutdown ended this stream before "
+                          "its answer did") == 3
