@@ -739,11 +739,7 @@ def test_gateways_agree_on_a_model_whose_workers_left_until_the_ttl_then_forget_
         with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "leaving"):
             early = stack.enter_context(gateway("early"))  # it saw the worker up
             key = early.new_tenant("caller")
-            uploaded = httpx.post(early.url + "/v1/adapters", timeout=30,
-                                  headers={"Authorization": f"Bearer {key}"},
-                                  data={"name": "tuned", "base_model": DEMO_MODEL},
-                                  files={n: (n, (folder / n).read_bytes()) for n in ADAPTER_FILES})
-            assert uploaded.status_code == 201, uploaded.text
+            upload(early, key, "tuned", folder)
         late = stack.enter_context(gateway("late"))  # started once the worker had left
         # Within the TTL: served, but no worker can take its calls (the late gateway once did
         # not know the model at all: a 400 in allowed_models, a 404 for its calls, not listed).
