@@ -17,8 +17,8 @@ from gateway.auth import require_admin
 from gateway.errors import ApiError, invalid_request, not_found
 from gateway.serving import decode_body
 from gateway.state import gateway_state
-from store import (AlreadyExists, ApiKeyRecord, InvalidName, InvalidSetting, NotFound, Store,
-                   StoreError, Tenant, Usage)
+from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
+                   Usage)
 from store.blobs import collect_garbage
 from store.models import TENANT_SETTINGS, check_default_route_allowed
 
@@ -117,10 +117,8 @@ async def create_tenant(request: Request) -> Response:
         raise ApiError(409, str(error), code="tenant_exists") from None
     except InvalidName as error:
         raise invalid_request(str(error), param="name") from None
-    except InvalidSetting as error:
+    except StoreError as error:  # a setting Tenant refuses names its field
         raise invalid_request(str(error), param=error.field) from None
-    except StoreError as error:
-        raise invalid_request(str(error)) from None
     return _json(created, 201)
 
 
@@ -141,10 +139,8 @@ async def update_tenant(request: Request) -> Response:
         return _json(await store.update_tenant(name, changes))
     except NotFound as error:
         raise not_found(str(error), code="tenant_not_found") from None
-    except InvalidSetting as error:
+    except StoreError as error:  # a setting Tenant refuses names its field
         raise invalid_request(str(error), param=error.field) from None
-    except StoreError as error:
-        raise invalid_request(str(error)) from None
 
 
 def _check_policy(request: Request, allowed_models: list[str] | None,

@@ -4,6 +4,8 @@
 class StoreError(ValueError):
     """Base class: a store call could not be done as asked; the message says why."""
 
+    field: str | None = None  # the record's field at fault, when there is one
+
 
 class InvalidName(StoreError):
     """A tenant or adapter name (or a digest) does not follow the naming rule."""
