@@ -325,7 +325,8 @@ class LLMEngine:
 
 
 def _device_memory_bytes(device: torch.device) -> int:
-    """What a KV budget may at most take: the GPU's free memory, or the host's physical memory."""
+    """What the engine's buffers (KV cache, adapter slots) may at most take, each: the GPU's free
+    memory, or the host's physical memory."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

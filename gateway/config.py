@@ -192,8 +192,8 @@ class ServeConfig:
         if self.store is not None and not self.store.startswith(_STORE_SCHEMES):
             raise ValueError(f"unknown store URL {self.store!r}: use sqlite:///path/to/file.db or "
                              "redis://host:port/0")
-        if self.store is not None and not self.store.startswith("sqlite://"):
-            check_redis_url(self.store)
+        if self.store not in (None, self.redis) and not self.store.startswith("sqlite://"):
+            check_redis_url(self.store)  # NOTE: --redis, checked above, is often the store too
         self.data_dir = Path(self.data_dir)
         if self.adapter_dir is not None:
             self.adapter_dir = Path(self.adapter_dir)
