@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from gateway.auth import authenticate_tenant, require_admin
 from gateway.engine_client import AdapterRejected, EngineFailure
-from gateway.errors import ApiError, invalid_request, not_found
+from gateway.errors import ApiError, invalid_request, not_found, quoted
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
@@ -84,7 +84,7 @@ async def _named_tenant(request: Request) -> Tenant:
     name = request.path_params["tenant"]
     tenant = await store.get_tenant(name)
     if tenant is None:
-        raise not_found(f"tenant {name!r} does not exist", code="tenant_not_found")
+        raise not_found(f"tenant {quoted(name)} does not exist", code="tenant_not_found")
     return tenant
 
 
@@ -128,7 +128,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                               param="name", code="invalid_name")
     engine = state.engines.get(uploaded.base_model)
     if engine is None or uploaded.base_model not in allowed_base_models(tenant, state.engines):
-        raise invalid_request(f"unknown base model {uploaded.base_model!r}; GET /v1/models lists "
+        raise invalid_request(f"unknown base model {quoted(uploaded.base_model)}; GET /v1/models lists "
                               "the base models you can use", param="base_model",
                               code="model_not_found")
     try:
@@ -212,7 +212,7 @@ async def get_adapter(request: Request, tenant: Tenant) -> Response:
     record = await store.get_adapter(tenant.name, name, version) if is_valid_name(name) else None
     if record is None:
         which = f"version {version} of " if version is not None else ""
-        raise not_found(f"{which}adapter {name!r} does not exist", code="adapter_not_found")
+        raise not_found(f"{which}adapter {quoted(name)} does not exist", code="adapter_not_found")
     return _json(AdapterObject.of(record))
 
 
@@ -226,7 +226,7 @@ async def delete_adapter(request: Request, tenant: Tenant) -> Response:
             raise NotFound(name)
         removed = await store.delete_adapter(tenant.name, name)
     except NotFound:
-        raise not_found(f"adapter {name!r} does not exist", code="adapter_not_found") from None
+        raise not_found(f"adapter {quoted(name)} does not exist", code="adapter_not_found") from None
     await collect_garbage(state.blobs, store, sorted({r.digest for r in removed}))
     return _json(AdapterDeleted(id=name, versions=len(removed)))
 
@@ -236,7 +236,7 @@ def _version_param(request: Request) -> int | None:
     if text is None:
         return None
     if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) < 1:  # fits int64
-        raise invalid_request(f"version must be a positive integer, got {text!r}", param="version")
+        raise invalid_request(f"version must be a positive integer, got {quoted(text)}", param="version")
     return int(text)
 
 

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.auth import require_admin
-from gateway.errors import ApiError, invalid_request, not_found
+from gateway.errors import ApiError, invalid_request, not_found, quoted
 from gateway.serving import decode_body
 from gateway.state import gateway_state
 from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
@@ -174,7 +174,7 @@ async def get_tenant(request: Request) -> Response:
     month = _month_param(request)
     tenant = await store.get_tenant(name)
     if tenant is None:
-        raise not_found(f"tenant {name!r} does not exist", code="tenant_not_found")
+        raise not_found(f"tenant {quoted(name)} does not exist", code="tenant_not_found")
     keys = [_key_info(k) for k in await store.list_keys(name)]
     return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name, month)))
 
@@ -182,7 +182,7 @@ async def get_tenant(request: Request) -> Response:
 def _month_param(request: Request) -> str | None:
     month = request.query_params.get("month")
     if month is not None and not _MONTH.fullmatch(month):
-        raise invalid_request(f"month must be a month as YYYY-MM, like 2025-03, got {month!r}",
+        raise invalid_request(f"month must be a month as YYYY-MM, like 2025-03, got {quoted(month)}",
                               param="month")
     return month
 

@@ -49,6 +49,14 @@ class ApiError(Exception):
                         media_type="application/json")
 
 
+def quoted(text: str, limit: int = 100) -> str:
+    """`text` quoted for an error message, cut after `limit` characters: echoing a client's long
+    string back in full only bloats the error body and the log line."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -58,7 +66,7 @@ def not_found(message: str, code: str = "not_found") -> ApiError:
 
 
 def model_not_found(model: str) -> ApiError:
-    return ApiError(404, f"the model {model!r} does not exist or you do not have access to it; "
+    return ApiError(404, f"the model {quoted(model)} does not exist or you do not have access to it; "
                     "GET /v1/models lists the models you can use", param="model",
                     code="model_not_found")
 

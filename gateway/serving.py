@@ -26,7 +26,7 @@ from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
-                           invalid_request, model_not_found, server_shutdown, too_deep_message)
+                           invalid_request, model_not_found, quoted, server_shutdown, too_deep_message)
 from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import DONE, EventStreamResponse, event
@@ -151,13 +151,13 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
     except ModelNotFound:
         raise model_not_found(model) from None
     except ModelNotAllowed:
-        raise ApiError(403, f"your tenant's policy does not allow the model {model!r}; GET "
+        raise ApiError(403, f"your tenant's policy does not allow the model {quoted(model)}; GET "
                        "/v1/models lists the models and routes you can use", param="model",
                        type="permission_error", code="model_not_allowed") from None
     models = target.route.tiers if target.route is not None else (target.base_model,)
     if missing := [m for m in models if m not in state.engines]:
         if target.route is None:  # an adapter of a base model this server no longer serves
-            raise ApiError(404, f"{model!r} is an adapter for the base model {missing[0]!r}, which "
+            raise ApiError(404, f"{quoted(model)} is an adapter for the base model {missing[0]!r}, which "
                            f"this server does not serve; upload it again for one of "
                            f"{', '.join(state.engines)}", param="model", code="model_not_found")
         # NOTE: only with engine workers (other routes are checked at startup): a route over
@@ -225,7 +225,7 @@ def _logit_bias(biases: dict[str, float]) -> dict[int, float]:
     for token, bias in biases.items():
         if not (token.isascii() and token.isdigit() and len(token) <= 18):  # 18 digits fit int64
             raise invalid_request(f"logit_bias keys must be token ids (integers as strings), got "
-                                  f"{token!r}", param="logit_bias")
+                                  f"{quoted(token)}", param="logit_bias")
         by_id[int(token)] = bias
     return by_id
 

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.errors import ApiError, invalid_request
+from gateway.errors import ApiError, invalid_request, quoted
 from store.blobs import ADAPTER_FILES
 
 ARCHIVE_PART = "file"
@@ -116,7 +116,7 @@ def _refuse_repeated_parts(form: FormData) -> None:
     names = [name for name, _ in form.multi_items()]
     repeated = next((name for name in names if names.count(name) > 1), None)
     if repeated is not None:
-        raise invalid_request(f"the form has the part {repeated!r} more than once; send it once: "
+        raise invalid_request(f"the form has the part {quoted(repeated)} more than once; send it once: "
                               f"{_USAGE}", param=repeated, code="invalid_upload")
 
 
@@ -134,7 +134,7 @@ def _write_files(files: dict[str, UploadFile], folder: Path, max_bytes: int) -> 
         if part.endswith(_PICKLE_SUFFIXES):
             raise _pickle_refused(part)
         if part not in (*ADAPTER_FILES, ARCHIVE_PART):
-            raise invalid_request(f"unexpected file part {part!r}: {_USAGE}", code="invalid_upload")
+            raise invalid_request(f"unexpected file part {quoted(part)}: {_USAGE}", code="invalid_upload")
     if ARCHIVE_PART in files:
         if len(files) > 1:
             raise invalid_request(f"send either the archive or the two files, not both: {_USAGE}",
@@ -165,7 +165,7 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
             for count, member in enumerate(tar, 1):
                 path = PurePosixPath(member.name)
                 if path.is_absolute() or ".." in path.parts:
-                    raise invalid_request(f"the archive holds the unsafe path {member.name!r}; "
+                    raise invalid_request(f"the archive holds the unsafe path {quoted(member.name)}; "
                                           "pack the adapter folder with relative paths",
                                           code="invalid_upload")
                 total += max(member.size, 0)
@@ -179,7 +179,7 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                         pickled_weights = pickled_weights or member.name
                     continue
                 if not member.isfile():
-                    raise invalid_request(f"{member.name!r} in the archive is a link or a special "
+                    raise invalid_request(f"{quoted(member.name)} in the archive is a link or a special "
                                           "file; pack the files themselves", code="invalid_upload")
                 if name in found:
                     raise invalid_request(f"the archive holds {name} twice; pack one adapter "
@@ -237,7 +237,7 @@ def _require_both(found: set[str], where: str) -> None:
 
 
 def _pickle_refused(name: str) -> ApiError:
-    return invalid_request(f"{name!r} is a pickle checkpoint, which this server never loads "
+    return invalid_request(f"{quoted(name)} is a pickle checkpoint, which this server never loads "
                            "(unpickling runs code); save the adapter with "
                            "save_pretrained(..., safe_serialization=True) and upload "
                            "adapter_model.safetensors", code="pickle_not_allowed")

@@ -28,7 +28,7 @@ from starlette.routing import Route
 from engine.tokenizer import has_tokenizer
 from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
-from gateway.errors import too_deep_message
+from gateway.errors import quoted, too_deep_message
 from gateway.local_engine import LocalEngineClient
 from gateway.remote import DEFAULT_POLL_S
 from gateway.sse import EventStreamResponse, event
@@ -200,7 +200,7 @@ async def generate(request: Request) -> Response:
     except RecursionError:  # msgspec's, for arrays and objects nested past Python's depth limit
         return _error(400, "rejected", f"malformed request: {too_deep_message('the body')}")
     if body.model != worker.model:
-        return _error(404, "unknown_model", f"this worker serves {worker.model!r}, not {body.model!r}")
+        return _error(404, "unknown_model", f"this worker serves {worker.model!r}, not {quoted(body.model)}")
     adapter = None
     if body.adapter is not None:
         folder = worker.blobs.path(body.adapter)

@@ -80,6 +80,9 @@ def test_tenant_lifecycle(server):
     missing = server.admin("GET", f"/admin/tenants/{name}")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "tenant_not_found"
     assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 404
+    long_name = "t" * 4000
+    missing = server.admin("GET", f"/admin/tenants/{long_name}")
+    assert missing.status_code == 404 and len(missing.json()["error"]["message"]) < 300
 
 
 @pytest.mark.parametrize("body, param", [

@@ -257,6 +257,13 @@ def test_unknown_model_is_not_found(client):
         "param": "model", "code": "model_not_found"}
 
 
+def test_a_long_unknown_model_name_is_cut_in_the_message(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="m" * 100_000, prompt="x", max_tokens=1)
+    message = raised.value.body["message"]
+    assert "'" + "m" * 100 + "'... (100000 characters)" in message and len(message) < 400
+
+
 @pytest.mark.parametrize("kwargs, param", [
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
