@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, EngineClient,
-                                   EngineFailure, GenerationChunk, RequestRejected, SamplingOptions,
-                                   TokenLogprob)
+                                   EngineFailure, EngineStopped, EngineUnavailable, GenerationChunk,
+                                   RequestRejected, SamplingOptions, TokenLogprob)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
 
@@ -196,20 +196,31 @@ class Ask:
                        request_id: str, tenant: str | None) -> AsyncIterator[GenerationChunk]:
         """The stream of one answer on `tier` (a reading of `read`); like the engine's own, its
         first iteration raises RequestRejected if the request cannot run there."""
-        async with contextlib.aclosing(tier.engine.generate(
-                prompt, options, request_id=request_id, tenant=tenant,
-                adapter=tier.adapter)) as stream:  # closing it aborts the engine request
+        for attempt in (1, 2):
             is_started = False
-            try:
-                async for chunk in stream:
-                    is_started = True
-                    yield chunk
-            except EngineFailure:
-                # An engine reads the adapter's files before a request's first token: it may
-                # have failed on a damaged copy, which the next request must not find.
-                if not is_started and tier.ensure_intact_adapter is not None:
-                    await tier.ensure_intact_adapter()
-                raise
+            async with contextlib.aclosing(tier.engine.generate(
+                    prompt, options, request_id=request_id, tenant=tenant,
+                    adapter=tier.adapter)) as stream:  # closing it aborts the engine request
+                try:
+                    async for chunk in stream:
+                        is_started = True
+                        yield chunk
+                    return
+                except EngineFailure as error:
+                    if is_started or attempt == 2 or not await _adapter_copy_is_intact(tier, error):
+                        raise
+
+
+async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:
+    """After an engine failed a request before its first token: whether the tier's adapter has
+    an intact copy here now, so the request is worth sending once more.
+
+    An engine reads the adapter's files before a request's first token: it may have failed on
+    a copy damaged on this gateway's disk (replaced here now: see Tier.ensure_intact_adapter) or
+    on a worker's (dropped there by the failure, so the files are sent again)."""
+    if tier.ensure_intact_adapter is None or isinstance(error, (EngineUnavailable, EngineStopped)):
+        return False
+    return await tier.ensure_intact_adapter()
 
 
 @dataclass

@@ -226,6 +226,10 @@ def test_uploading_the_files_again_repairs_a_damaged_stored_copy(server, tenant,
     data[-10] ^= 0xFF  # bit rot in the stored copy
     weights.chmod(0o644)
     weights.write_bytes(bytes(data))
+    if server.app.state.gateway.store.shared_blobs is not None:
+        # Redis keeps a copy: the gateway's own is a cache, fetched again within the call.
+        assert greedy_ids(server, key, "rotted") == adapters["expected"]["all-r8"]
+        return
     with pytest.raises(openai.InternalServerError) as failed:
         greedy_ids(server, key, "rotted")
     message = failed.value.body["message"]

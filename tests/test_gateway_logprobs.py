@@ -7,10 +7,12 @@ error, never a finish reason; plus token bytes read from byte-level and sentence
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -25,6 +27,7 @@ from gateway.completions import TextOffsets
 from gateway.engine_client import EngineFailure, SamplingOptions
 from gateway.local_engine import LocalEngineClient
 from gateway.text_codec import TextCodec, name_bytes, token_name
+from store.blobs import BlobStore
 from store.workers import WorkerRegistry
 from tests.conftest import DEMO_MODEL, run_server, serve_gateway
 from tests.helpers import damage_adapter_files
@@ -416,40 +419,65 @@ def _worker_urls(redis_url: str) -> list[str]:
     return asyncio.run(read())
 
 
-def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
-        demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path):
+@contextlib.contextmanager
+def _worker_and_gateway(engine, model_dir: Path, redis_url: str, tmp_path: Path, **store):
+    """A worker of `engine` registered in `redis_url`, and a gateway using it (with `store`)."""
     from gateway.worker import Worker, create_worker_app, tokenizer_files
-    from store.blobs import BlobStore, digest_files
 
-    worker = Worker(model=DEMO_MODEL, engine=demo_engine, url="", blobs=BlobStore(tmp_path / "w"),
+    worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(tmp_path / "w"),
                     registry=WorkerRegistry.open(redis_url),
-                    tokenizer_files=tokenizer_files(demo_model_dir), heartbeat_s=0.1)
+                    tokenizer_files=tokenizer_files(model_dir), heartbeat_s=0.1)
     with run_server(create_worker_app(worker)) as url:
         worker.url = url  # its next heartbeat tells gateways
         deadline = time.monotonic() + 10
         while _worker_urls(redis_url) != [url]:
             assert time.monotonic() < deadline, "the worker did not register"
             time.sleep(0.05)
-        with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
-                           load_tokenizer=load_tokenizer) as gateway:
-            key = gateway.new_tenant("acme")
-            digest = _upload(gateway.url, key, "damaged", adapter_files)
-            folder = worker.blobs.root / digest  # the worker's own copy, damaged on its disk
-            folder.mkdir()
-            for name, (_, data) in adapter_files.items():
-                (folder / name).write_bytes(data)
-            damage_adapter_files(folder)
-            assert_engine_failure(gateway.url, key, "damaged",
-                                  f"adapter {digest} could not be loaded", hidden=str(folder),
-                                  streams=(False,))
-            # The failure dropped the damaged copy, so the next request has the gateway send
-            # the files again, and answers.
-            assert worker.blobs.path(digest) is None
-            response = httpx.post(gateway.url + "/v1/completions", timeout=60, json={
-                "model": "damaged", "prompt": "hi", "max_tokens": 3},
-                headers={"Authorization": f"Bearer {key}"})
-            assert response.status_code == 200, response.text
-            assert digest_files(worker.blobs.path(digest)) == digest
+        with serve_gateway({}, tmp_path / "gateway", workers_url=redis_url,
+                           load_tokenizer=load_tokenizer, **store) as gateway:
+            yield worker, gateway
+
+
+def _place_damaged_copy(blobs: BlobStore, digest: str, adapter_files: dict) -> Path:
+    folder = blobs.root / digest
+    folder.mkdir(exist_ok=True)
+    for name, (_, data) in adapter_files.items():
+        (folder / name).write_bytes(data)
+    damage_adapter_files(folder)
+    return folder
+
+
+def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
+        demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path):
+    """Its copy and the gateway's both damaged (and no store copy to replace them): the call
+    fails as it would on a local engine, naming no path of the worker's."""
+    with _worker_and_gateway(demo_engine, demo_model_dir, redis_url, tmp_path) as (worker, gateway):
+        key = gateway.new_tenant("acme")
+        digest = _upload(gateway.url, key, "damaged", adapter_files)
+        folder = _place_damaged_copy(worker.blobs, digest, adapter_files)
+        damage_adapter_files(gateway.app.state.gateway.blobs.path(digest))
+        assert_engine_failure(gateway.url, key, "damaged", f"adapter {digest} could not be loaded",
+                              hidden=str(folder), streams=(False,))
+        assert worker.blobs.path(digest) is None  # the failure dropped the damaged copy
+
+
+def test_a_workers_damaged_copy_of_an_adapter_is_replaced_within_the_call(
+        demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path):
+    """The worker's engine fails on its damaged copy, which the failure drops; the gateway's copy
+    is intact, so the call is sent once more, the files with it, and answers (the call once
+    failed with a 500)."""
+    from store.blobs import digest_files
+
+    with _worker_and_gateway(demo_engine, demo_model_dir, redis_url, tmp_path,
+                             store_url=redis_url) as (worker, gateway):
+        key = gateway.new_tenant("acme")
+        digest = _upload(gateway.url, key, "damaged", adapter_files)
+        _place_damaged_copy(worker.blobs, digest, adapter_files)
+        response = httpx.post(gateway.url + "/v1/completions", timeout=60, json={
+            "model": "damaged", "prompt": "hi", "max_tokens": 3},
+            headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        assert digest_files(worker.blobs.path(digest)) == digest
 
 
 class FailingAsyncEngine:

@@ -289,23 +289,18 @@ def test_deleting_a_tenant_removes_its_adapters_redis_copies(gateways, adapter, 
     assert local_blobs(b).path(digest) is None
 
 
-def test_a_gateway_whose_engine_fails_on_its_damaged_copy_fetches_the_stores_again(
+def test_a_gateway_whose_engine_fails_on_its_damaged_copy_fetches_the_stores_and_answers(
         gateways, tenant_key, adapter):
-    """Its adapter folder is a cache of Redis's copies: the call whose engine found the files
-    damaged fails, and has the copy fetched again, so the next one answers (each call once
-    failed the same way until the adapter was uploaded again)."""
+    """Its adapter folder is a cache of Redis's copies: when its engine fails on a copy damaged
+    on disk, the copy is fetched again and the call sent once more, so even that call answers
+    (it once failed with a 500, and every call after it until the adapter was uploaded again)."""
     a, b = gateways
     digest = upload(b, tenant_key, "tuned", adapter)
     cached = local_blobs(b).path(digest)
     damage_adapter_files(cached)
 
-    reply = completion(b, tenant_key, "tuned")
-    assert reply.status_code == 500, reply.text
-    error = reply.json()["error"]
-    assert (error["code"], error["type"]) == ("engine_failure", "server_error")
-    assert f"adapter {digest} could not be loaded" in error["message"]
-    assert digest_files(cached) == digest
     assert greedy_ids(b, tenant_key, "tuned") == greedy_ids(a, tenant_key, "tuned")
+    assert digest_files(cached) == digest
 
 
 @pytest.mark.parametrize("damage", ["changed chunk", "missing chunk"])
