@@ -205,6 +205,11 @@ class EngineStopped(EngineFailure):
     first): sent again, the request runs on a worker that is up."""
 
 
+class DamagedAdapterCopy(EngineFailure):
+    """This gateway's copy of the request's adapter files is damaged, and no intact copy could
+    replace it: sent again, the request would fail the same way."""
+
+
 class UpstreamFailure(EngineFailure):
     """An upstream server (gateway/upstream.py) failed the request. The message names only the
     model it serves: its address, its answer and what to fix are the operator's, in the log."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, EngineClient,
-                                   EngineFailure, EngineStopped, EngineUnavailable, GenerationChunk,
-                                   RequestRejected, SamplingOptions, TokenLogprob)
+from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, DamagedAdapterCopy,
+                                   EngineClient, EngineFailure, EngineStopped, EngineUnavailable,
+                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
 
@@ -211,6 +211,10 @@ class Ask:
                         raise
 
 
+# Failures a second try would meet again, or that say where to send it instead.
+_NOT_RETRIED = (EngineUnavailable, EngineStopped, DamagedAdapterCopy)
+
+
 async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:
     """After an engine failed a request before its first token: whether the tier's adapter has
     an intact copy here now, so the request is worth sending once more.
@@ -218,7 +222,7 @@ async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:
     An engine reads the adapter's files before a request's first token: it may have failed on
     a copy damaged on this gateway's disk (replaced here now: see Tier.ensure_intact_adapter) or
     on a worker's (dropped there by the failure, so the files are sent again)."""
-    if tier.ensure_intact_adapter is None or isinstance(error, (EngineUnavailable, EngineStopped)):
+    if tier.ensure_intact_adapter is None or isinstance(error, _NOT_RETRIED):
         return False
     return await tier.ensure_intact_adapter()
 

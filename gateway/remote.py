@@ -42,8 +42,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineClient,
-                                   EngineFailure, EngineStats, EngineStopped, EngineUnavailable,
+from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, DamagedAdapterCopy,
+                                   EngineClient, EngineFailure, EngineStats, EngineStopped, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
@@ -255,10 +255,10 @@ class WorkerPool:
                 and await self._ensure_intact_copy(adapter.digest):
             response = await self._put_files(worker, adapter)
         if response.status_code == 400:
-            raise EngineFailure(f"this gateway's copy of the files of adapter {adapter.digest} is "
-                                f"damaged (worker {worker.id} found they do not hash to it), and "
-                                "the store holds no good copy to replace it; upload the adapter "
-                                "again")
+            raise DamagedAdapterCopy(
+                f"this gateway's copy of the files of adapter {adapter.digest} is damaged (worker "
+                f"{worker.id} found they do not hash to it), and the store holds no good copy to "
+                "replace it; upload the adapter again")
         if response.status_code != 204:
             raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
 

@@ -461,6 +461,23 @@ def test_a_worker_whose_engine_fails_a_request_gives_the_same_500(
         assert worker.blobs.path(digest) is None  # the failure dropped the damaged copy
 
 
+def test_a_gateway_copy_no_store_copy_replaces_fails_once_hashed_once(
+        demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path, caplog):
+    """The worker refuses the gateway's damaged copy, and the store keeps none: the call fails
+    saying so, and the copy is hashed (and the failure logged) once, not again for a retry that
+    would meet the same damage."""
+    with _worker_and_gateway(demo_engine, demo_model_dir, redis_url, tmp_path) as (worker, gateway):
+        key = gateway.new_tenant("acme")
+        digest = _upload(gateway.url, key, "damaged", adapter_files)
+        damage_adapter_files(gateway.app.state.gateway.blobs.path(digest))
+        assert_engine_failure(gateway.url, key, "damaged",
+                              f"this gateway's copy of the files of adapter {digest} is damaged",
+                              hidden=str(tmp_path), streams=(False,))
+    kept = [r for r in caplog.records
+            if r.name == "store.blobs" and r.getMessage().startswith("kept the damaged copy")]
+    assert len(kept) == 1, [r.getMessage() for r in kept]
+
+
 def test_a_workers_damaged_copy_of_an_adapter_is_replaced_within_the_call(
         demo_engine, demo_model_dir, adapter_files, redis_url, tmp_path):
     """The worker's engine fails on its damaged copy, which the failure drops; the gateway's copy
