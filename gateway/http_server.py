@@ -7,10 +7,25 @@ shutdown begins, so that gateways stop placing requests there while those in fli
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 
 import uvicorn
+
+
+class _DeadlineIsNoError(logging.Filter):
+    """uvicorn logs the cancelling of the requests still running at a graceful shutdown's
+    deadline as an ERROR. The deadline is the operator's setting, and each request it stops ends
+    with an answer and a line of its own: a WARNING, not an alert on every rolling restart."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and str(record.msg).startswith("Cancel %s running task"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_DeadlineIsNoError())
 
 
 class Server(uvicorn.Server):

@@ -11,7 +11,9 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import server_shutdown
@@ -70,12 +72,14 @@ class AccessLog:
 class InFlight:
     """Keeps the tasks of the requests being handled in `tasks`, so that a shutdown can wait for
     those it cancelled at its deadline: they settle their calls on the way out. One cancelled
-    before it answered tells its client to retry, in the API's error shape, where uvicorn would
-    send a plain-text 500."""
+    before it answered gets `stopped()` (telling its client to retry, in the app's error shape),
+    where uvicorn would log a traceback and send a plain-text 500."""
 
-    def __init__(self, app: ASGIApp, tasks: set[asyncio.Task]):
+    def __init__(self, app: ASGIApp, tasks: set[asyncio.Task],
+                 stopped: Callable[[], Response] = lambda: _STOPPED.response()):
         self.app = app
         self.tasks = tasks
+        self.stopped = stopped
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -96,10 +100,12 @@ class InFlight:
             if has_answered:
                 raise
             task.uncancel()  # NOTE: handled: the request ends with the answer below
-            await _STOPPED.response()(scope, receive, send)
+            answer = self.stopped()
+            answer.headers["Connection"] = "close"  # the server is going away
+            await answer(scope, receive, send)
         finally:
             self.tasks.discard(task)
 
 
 # NOTE: uvicorn cancels a request's task only when a shutdown's deadline has passed.
-_STOPPED = server_shutdown(headers={"Connection": "close"})
+_STOPPED = server_shutdown()

@@ -327,6 +327,8 @@ class RemoteEngineClient(TextCodec):
                 logger.warning("adapter check not done on worker %s (%s); trying another",
                                worker.id, _describe(error))
                 continue
+            if response.status_code == 503:  # it is shutting down: another worker checks it
+                continue
             if response.status_code == 422:
                 raise AdapterRejected(msgspec.json.decode(response.content, type=WorkerError).message)
             if response.status_code != 200:

@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
 from gateway.errors import quoted, too_deep_message
 from gateway.local_engine import LocalEngineClient
+from gateway.middleware import InFlight
 from gateway.remote import DEFAULT_POLL_S
 from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
@@ -49,6 +51,7 @@ _LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two missed beats
 # DEFAULT_POLL_S, and one that places a request here meanwhile is refused with 503 `unavailable`
 # and places it elsewhere, where a closed port would have it take this worker for failed.
 _LEAVING_S = 2 * DEFAULT_POLL_S
+_ENDING_TIMEOUT_S = 10.0  # for the requests cancelled at a shutdown's deadline to answer
 # What gateways need to load a worker's tokenizer (transformers reads config.json for its class).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                     "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
@@ -175,6 +178,10 @@ async def _gateway_left(request: Request, error: ClientDisconnect) -> Response:
     return _error(499, "client_closed", "the gateway closed the connection")
 
 
+def _stopping() -> Response:
+    return _error(503, "unavailable", "this worker is shutting down")
+
+
 def _unauthorized(request: Request) -> Response | None:
     worker = _worker(request)
     expected = f"Bearer {worker.internal_key}".encode()
@@ -192,7 +199,7 @@ async def generate(request: Request) -> Response:
     if (refused := _unauthorized(request)) is not None:
         return refused
     if worker.is_closing:
-        return _error(503, "unavailable", "this worker is shutting down")
+        return _stopping()
     try:
         body = msgspec.json.decode(await request.body(), type=GenerateBody)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as error:
@@ -327,6 +334,8 @@ def create_worker_app(worker: Worker) -> Starlette:
     if Redis cannot be reached). The server should await `worker.begin_shutdown()` as its
     shutdown begins: the lifespan's end comes only once the requests in flight have ended."""
 
+    requests: set[asyncio.Task] = set()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # NOTE: before serving: a request handed a blob's folder must not see it deleted.
@@ -339,6 +348,8 @@ def create_worker_app(worker: Worker) -> Starlette:
         try:
             yield
         finally:
+            if requests:  # cancelled at the deadline: they abort their engine requests, and answer
+                await asyncio.wait(set(requests), timeout=_ENDING_TIMEOUT_S)
             await worker.leave_the_pool()
             sweeping.cancel()
             await worker.registry.close()
@@ -347,7 +358,11 @@ def create_worker_app(worker: Worker) -> Starlette:
               Route(ADAPTERS_PATH + "/{digest}", put_adapter, methods=["PUT"]),
               Route(CHECK_ADAPTER_PATH, check_adapter, methods=["POST"]),
               Route("/health", health, methods=["GET"])]
+    # NOTE: a request its shutdown's deadline stopped before it answered (a PUT of files, a
+    # check, a generate still reading its body) gets the refusal of a stopping worker, which
+    # gateways send to another worker, where uvicorn would log a traceback and send a 500.
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ClientDisconnect: _gateway_left})
+                    exception_handlers={ClientDisconnect: _gateway_left},
+                    middleware=[Middleware(InFlight, tasks=requests, stopped=_stopping)])
     app.state.worker = worker
     return app

@@ -90,11 +90,20 @@ def leave_while_sending(url: str, path: str, headers: dict[str, str], sent: byte
                         length: int, method: str = "POST") -> None:
     """Send `method` `path` to the server at `url` with a body said to be `length` bytes long, send only
     `sent` of it, and close the connection: a client that leaves halfway through its body."""
+    with send_partly(url, path, headers, sent, length, method):
+        pass
+
+
+def send_partly(url: str, path: str, headers: dict[str, str], sent: bytes,
+                length: int, method: str = "POST") -> socket.socket:
+    """The connection of a request to the server at `url` whose body is said to be `length` bytes
+    long, of which only `sent` went: the server waits for the rest (or its answer comes first)."""
     host, port = url.removeprefix("http://").split(":")
     lines = "".join(f"{name}: {value}\r\n" for name, value in
                     {**headers, "Host": host, "Content-Length": str(length)}.items())
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode() + sent)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode() + sent)
+    return sock
 
 
 def logged_status(caplog: pytest.LogCaptureFixture, method: str, path: str) -> int:

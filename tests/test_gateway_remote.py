@@ -24,8 +24,8 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.engine_client import (AdapterRef, EngineFailure, EngineStats, GenerationChunk,
-                                   RequestRejected, SamplingOptions)
+from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
+                                   GenerationChunk, RequestRejected, SamplingOptions)
 from gateway.remote import RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
@@ -33,7 +33,7 @@ from routing.placement import home_of
 from store import RedisStore
 from store.blobs import ADAPTER_FILES, BlobStore, digest_files, ensure_intact_copy
 from store.workers import ModelSeen, WorkerRecord, WorkerRegistry
-from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, serve_gateway
+from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, send_partly, serve_gateway
 from tests.helpers import damage_adapter_files
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 from tests.test_gateway_routing import eventually
@@ -603,7 +603,7 @@ def test_calls_waiting_for_an_adapter_transfer_the_worker_refuses_fail_as_one_ca
 
     with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo") as worker:
         outcomes = asyncio.run(scenario())
-    assert [type(o) for o in outcomes] == [EngineFailure] * 5, outcomes
+    assert [type(o) for o in outcomes] == [DamagedAdapterCopy] * 5, outcomes
     assert str(outcomes[0]).startswith(f"this gateway's copy of the files of adapter "
                                        f"{mislabelled.digest} is damaged")
     # Sent for the burst (again for a call that found the worker without the files only once
@@ -797,6 +797,70 @@ class _StallingEngine:
                 yield chunk
         self.num_stalled += 1
         await asyncio.Event().wait()  # until the worker aborts the request
+
+
+def test_a_request_a_workers_shutdown_stops_before_it_answers_is_refused_as_by_a_stopping_worker(
+        demo_engine, redis_url, tmp_path, caplog):  # noqa: F811
+    """A PUT of files still on their way at the deadline: gateways send a stopping worker's 503
+    `unavailable` elsewhere (it once got uvicorn's plain-text 500, and a traceback in the log)."""
+    caplog.set_level(logging.INFO)
+    with contextlib.ExitStack() as stopping:
+        requests = stopping.enter_context(_serving_worker(
+            demo_engine, redis_url, tmp_path / "stopping", "stopping", shutdown_timeout_s=0.5))
+        worker = requests.app.state.worker
+        path = f"{ADAPTERS_PATH}/{'0' * 64}"
+        connection = send_partly(worker.url, path, {
+            "Authorization": f"Bearer {worker.internal_key}",
+            "Content-Type": "multipart/form-data; boundary=b"}, b"--b\r\n", 100_000, "PUT")
+        assert eventually(lambda: ("PUT", path) in requests.seen)
+        stopping.close()
+    with connection:
+        connection.settimeout(10)
+        answer = b"".join(iter(lambda: connection.recv(65536), b""))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), answer
+    assert msgspec.json.decode(body)["kind"] == "unavailable"
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    # The deadline is the operator's setting: uvicorn's line about it is no alert.
+    [cancelled] = [r for r in caplog.records if r.getMessage().startswith("Cancel 1 running task")]
+    assert cancelled.levelname == "WARNING"
+
+
+class _StallingCheck:
+    """`engine`, whose adapter checks never end (until they are cancelled)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.num_checking = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def check_adapter(self, folder: str):
+        self.num_checking += 1
+        await asyncio.Event().wait()
+
+
+def test_an_adapter_check_a_workers_shutdown_stops_is_taken_for_no_worker_up_not_a_failure(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    stalling = _StallingCheck(demo_engine)
+    folder = demo_adapter(tmp_path / "adapter")
+
+    async def scenario(stopping: contextlib.ExitStack) -> BaseException | None:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            check = asyncio.create_task(pool.clients[DEMO_MODEL].check_adapter(str(folder)))
+            async with asyncio.timeout(30):
+                while not stalling.num_checking:
+                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(stopping.close)  # the check still running at the deadline
+                return (await asyncio.gather(check, return_exceptions=True))[0]
+
+    with contextlib.ExitStack() as stopping:
+        stopping.enter_context(_serving_worker(stalling, redis_url, tmp_path / "stopping",
+                                               "stopping", shutdown_timeout_s=0.5))
+        outcome = asyncio.run(scenario(stopping))
+    # An upload told to retry shortly (503), where it once got a 500 for a failed check.
+    assert isinstance(outcome, EngineUnavailable), outcome
 
 
 def test_a_worker_shutting_down_leaves_the_pool_at_once_and_its_calls_end_to_be_sent_again(
