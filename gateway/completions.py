@@ -269,15 +269,19 @@ async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: 
 def _logprobs(name: Callable[[int], str], entries: list[Entry],
               offsets: list[int]) -> CompletionLogprobs:
     tokens = [name(token_id) for token_id, _, _ in entries]
-    top = [None if alternatives is None else _top(name, alternatives)
-           for _, _, alternatives in entries]
+    top = [None if alternatives is None else _top(name, alternatives, token_id, logprob)
+           for token_id, logprob, alternatives in entries]
     return CompletionLogprobs(tokens, [logprob for _, logprob, _ in entries], top, offsets)
 
 
-def _top(name: Callable[[int], str], alternatives: list[tuple[int, float]]) -> dict[str, float]:
-    """The alternatives by name. Two tokens may have one name (sentencepiece's piece for a byte
-    and its "<0x41>" byte piece spell the same): the first, better one keeps it."""
+def _top(name: Callable[[int], str], alternatives: list[tuple[int, float]], token_id: int,
+         logprob: float | None) -> dict[str, float]:
+    """The alternatives by name, and the chosen token's own, as OpenAI's API (and vLLM) always
+    give it: up to `logprobs` + 1 entries. Two tokens may have one name (sentencepiece's piece
+    for a byte and its "<0x41>" byte piece spell the same): the first, better one keeps it."""
     top: dict[str, float] = {}
-    for token_id, logprob in alternatives:
+    for alternative, alternative_logprob in alternatives:
+        top.setdefault(name(alternative), alternative_logprob)
+    if logprob is not None:
         top.setdefault(name(token_id), logprob)
     return top

@@ -242,6 +242,21 @@ def test_top_logprobs_keep_the_chosen_token_s_logprob_and_every_alternative(clie
         assert top[token] == logprob == max(top.values())  # greedy: the chosen token is the best
 
 
+@pytest.mark.parametrize("num_top", [0, 1])
+def test_top_logprobs_always_hold_the_sampled_token(client, num_top):
+    """As OpenAI's reference says (and vLLM does): up to logprobs + 1 entries, the sampled token's
+    among them, where a token sampled outside the top ones (or logprobs=0) was once missing."""
+    completion = client.completions.create(model=DEMO_MODEL, prompt="Hello", max_tokens=16,
+                                           temperature=2.0, seed=3, logprobs=num_top, echo=True)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.top_logprobs[0] is None  # the first prompt token has no logprob
+    entries = list(zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs))[1:]
+    for token, logprob, top in entries:
+        assert top[token] == logprob and len(top) <= num_top + 1
+    # Sampled hot, some tokens were not the best: those entries hold one more.
+    assert any(len(top) == num_top + 1 for _, _, top in entries)
+
+
 def test_top_logprobs_keep_the_better_of_two_tokens_with_one_name():
     from gateway.completions import _logprobs
 
