@@ -338,7 +338,15 @@ class Generation:
 
     @property
     def num_cached_tokens(self) -> int:
-        return sum(c.num_cached_tokens for c in self._one_started_choice_per_prompt())
+        """Prompt tokens read from the prefix cache as earlier calls left it, each prompt once.
+        Of a prompt's choices, the fewest: one computes it, and the others read its blocks from
+        the cache (the engine shares them), which saved this call nothing."""
+        fewest: dict[int, int] = {}
+        for c in self.choices:
+            if c.num_prompt_tokens:
+                fewest[c.prompt_index] = min(c.num_cached_tokens,
+                                             fewest.get(c.prompt_index, c.num_cached_tokens))
+        return sum(fewest.values())
 
     def _one_started_choice_per_prompt(self) -> list[Choice]:
         """A choice of each prompt that got a chunk (the last), if any did: one still waiting when

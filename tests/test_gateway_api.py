@@ -642,6 +642,18 @@ def test_malformed_json_is_a_bad_request(server, key):
         assert response.status_code == 400 and "UTF-8" in response.json()["error"]["message"], path
 
 
+def test_cached_tokens_count_only_what_earlier_calls_left_in_the_cache(client):
+    """A call's choices share the blocks its first computes: that saved the call nothing (n=2 on
+    a fresh prompt once said 128 of 129 tokens were cached)."""
+    prompt = "A prompt no call has sent before, long enough for several KV blocks. " * 3
+    for n in (2, 4):
+        fresh = client.completions.create(model=DEMO_MODEL, prompt=f"{n} {prompt}", max_tokens=1,
+                                          n=n)
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=DEMO_MODEL, prompt=f"2 {prompt}", max_tokens=1, n=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_tenants_never_hit_each_others_cached_prompts(server):
     """`cached_tokens` (and a faster first token) would tell one tenant what another had sent."""
     secret = "The board meets on Friday to approve the merger with Acme. " * 2  # several KV blocks
