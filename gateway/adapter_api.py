@@ -218,6 +218,9 @@ async def get_adapter(request: Request, tenant: Tenant) -> Response:
 
 async def delete_adapter(request: Request, tenant: Tenant) -> Response:
     """Delete every version of an adapter, and the files no other record shares."""
+    if "version" in request.query_params:  # it would be a guess that it deletes that one alone
+        raise invalid_request("DELETE removes every version of an adapter, so it takes no "
+                              "version; send it without one", param="version")
     state = gateway_state(request)
     store = state.require_store()
     name = request.path_params["name"]

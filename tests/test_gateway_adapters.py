@@ -298,6 +298,10 @@ def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
     files = unique_files(adapters["all-r8"])
     digest = upload(server, key_a, "mine", files).json()["digest"]
     assert upload(server, key_b, "same-files", files).json()["digest"] == digest
+    # It deletes every version: one that names a version is refused, not taken for that alone.
+    one = httpx.delete(server.url + "/v1/adapters/mine?version=1", headers=auth(key_a))
+    assert (one.status_code, one.json()["error"]["param"]) == (400, "version"), one.text
+    assert httpx.get(server.url + "/v1/adapters/mine", headers=auth(key_a)).status_code == 200
     deleted = httpx.delete(server.url + "/v1/adapters/mine", headers=auth(key_a))
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     assert blobs.path(digest) is not None  # tenant B's record still references the files
