@@ -87,6 +87,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         _refuse_repeated_parts(form)
         fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
         files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
+        _refuse_files_sent_as_text(fields)
         await asyncio.to_thread(_write_files, files, folder, max_bytes)
         yield AdapterUpload(_field(fields, "name"), _field(fields, "base_model"), folder)
     finally:
@@ -118,6 +119,16 @@ def _refuse_repeated_parts(form: FormData) -> None:
     if repeated is not None:
         raise invalid_request(f"the form has the part {quoted(repeated)} more than once; send it once: "
                               f"{_USAGE}", param=repeated, code="invalid_upload")
+
+
+def _refuse_files_sent_as_text(fields: dict[str, str]) -> None:
+    """A file's part sent without a filename (as `requests.post(data=...)` sends one) arrives as
+    a text field: say so, where the upload would be refused for lacking the file."""
+    for name in fields:
+        if name in (*ADAPTER_FILES, ARCHIVE_PART):
+            raise invalid_request(f"the part '{name}' came as a text field; send it as a file, "
+                                  f"with a filename (curl -F '{name}=@PATH'): {_USAGE}",
+                                  param=name, code="invalid_upload")
 
 
 def _field(fields: dict[str, str], name: str) -> str:

@@ -569,6 +569,11 @@ FORMS = {
                           None, "maximum size"),
     "too many fields": (lambda a: {**_fields(c="1", d="2", e="3"), "files": files_of(a["all-r8"])}, None,
                         "too many fields"),
+    # What requests.post(data=...) sends: once refused as lacking the file.
+    "a file sent as a text field": (lambda a: {
+        **_fields(**{"adapter_config.json": (a["all-r8"] / "adapter_config.json").read_text()}),
+        "files": {"adapter_model.safetensors": files_of(a["all-r8"])["adapter_model.safetensors"]}},
+        "adapter_config.json", "came as a text field; send it as a file"),
     # Parts sent twice: which one was meant is a guess.
     "name twice": (lambda a: {**_fields(name=["a", "b"]), "files": files_of(a["all-r8"])}, "name",
                    "'name' more than once"),
