@@ -1,10 +1,11 @@
 """The adapter API: tenants upload, list, read and delete their LoRA adapters; the admin, anyone's.
 
 `/v1/adapters...` act on the caller's own tenant (a tenant key), `/admin/tenants/{tenant}/adapters...`
-on any tenant (the admin key). An upload is validated in full (form, size, name, base model, and
-the engine's PEFT checks against that base model) before anything is stored; then its files go to
-the content-addressed blob folder (and, with Redis, to the store's shared copy, from which other
-gateways fetch them) and its record to the store, as the next version of its name.
+on any tenant (the admin key); an upload with a tenant key is a request against its rpm. An upload
+is validated in full (form, size, name, base model, and the engine's PEFT checks against that base
+model) before anything is stored; then its files go to the content-addressed blob folder (and,
+with Redis, to the store's shared copy, from which other gateways fetch them) and its record to
+the store, as the next version of its name.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.admission import charge_request, refund_request
 from gateway.auth import authenticate_tenant, require_admin
 from gateway.engine_client import AdapterRejected, EngineFailure
 from gateway.errors import ApiError, invalid_request, not_found, quoted
@@ -88,26 +90,40 @@ async def _named_tenant(request: Request) -> Tenant:
     return tenant
 
 
-def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]]):
-    """The upload endpoint for the tenant `resolve_tenant` finds for the request."""
+def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_counted: bool):
+    """The upload endpoint for the tenant `resolve_tenant` finds for the request; `is_counted`:
+    each upload is a request against the tenant's rpm (its own key's are; the admin's are not)."""
     async def upload(request: Request) -> Response:
         """Validate an uploaded adapter, then store it as the next version of its name (201)."""
         tenant = await resolve_tenant(request)
-        state = gateway_state(request)
-        staging = state.blobs.root
-
-        async def confirm_tenant() -> None:
-            # The body may stream in for minutes: a key revoked or a tenant deleted (and maybe made
-            # anew under its name) meanwhile must store nothing.
-            if (await resolve_tenant(request)).created_at != tenant.created_at:
-                raise not_found(f"tenant {tenant.name!r} was deleted while the adapter was uploaded",
-                                code="tenant_not_found")
-
-        async with read_adapter_upload(request, state.max_upload_bytes, staging) as uploaded:
-            record = await _store_adapter(state, tenant, uploaded, confirm_tenant)
-        return _json(AdapterObject.of(record), 201)
+        if not is_counted:
+            return await _upload(request, tenant, resolve_tenant)
+        store = gateway_state(request).require_store()
+        # NOTE: before the body is read: a tenant past its rpm sends no more megabytes to check.
+        await charge_request(store, tenant)
+        try:
+            return await _upload(request, tenant, resolve_tenant)
+        except ApiError:
+            await refund_request(store, tenant)  # refused, as an API call refused costs no rpm
+            raise
 
     return upload
+
+
+async def _upload(request: Request, tenant: Tenant,
+                  resolve_tenant: Callable[[Request], Awaitable[Tenant]]) -> Response:
+    state = gateway_state(request)
+
+    async def confirm_tenant() -> None:
+        # The body may stream in for minutes: a key revoked or a tenant deleted (and maybe made
+        # anew under its name) meanwhile must store nothing.
+        if (await resolve_tenant(request)).created_at != tenant.created_at:
+            raise not_found(f"tenant {tenant.name!r} was deleted while the adapter was uploaded",
+                            code="tenant_not_found")
+
+    async with read_adapter_upload(request, state.max_upload_bytes, state.blobs.root) as uploaded:
+        record = await _store_adapter(state, tenant, uploaded, confirm_tenant)
+    return _json(AdapterObject.of(record), 201)
 
 
 async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterUpload,
@@ -269,14 +285,15 @@ UPLOAD_FORM_SCHEMA = {
 UPLOAD_PATHS = ("/v1/adapters", "/admin/tenants/{tenant}/adapters")
 
 ROUTES = [
-    Route("/v1/adapters", _upload_as(_caller_tenant), methods=["POST"], name="upload_adapter"),
+    Route("/v1/adapters", _upload_as(_caller_tenant, is_counted=True), methods=["POST"],
+          name="upload_adapter"),
     Route("/v1/adapters", _as(_caller_tenant, list_adapters), methods=["GET"],
           name="list_adapters"),
     Route("/v1/adapters/{name}", _as(_caller_tenant, get_adapter), methods=["GET"],
           name="get_adapter"),
     Route("/v1/adapters/{name}", _as(_caller_tenant, delete_adapter), methods=["DELETE"],
           name="delete_adapter"),
-    Route("/admin/tenants/{tenant}/adapters", _upload_as(_named_tenant), methods=["POST"],
+    Route("/admin/tenants/{tenant}/adapters", _upload_as(_named_tenant, is_counted=False), methods=["POST"],
           name="admin_upload_adapter"),
     Route("/admin/tenants/{tenant}/adapters", _as(_named_tenant, list_adapters), methods=["GET"],
           name="admin_list_adapters"),

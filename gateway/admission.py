@@ -4,7 +4,8 @@ The rate check pays the request's estimated tokens (prompt + max_tokens for ever
 the tenant's tpm bucket up front, and the call gives back what it did not use when it settles;
 the budget holds the same estimate until the call settles with the tokens it really used
 (streamed ones included, also when the client went away). A call refused after admission (the
-budget, or the engine, said no) costs nothing.
+budget, or the engine, said no) costs nothing. An adapter upload with a tenant's key uses no
+tokens: it pays one request into rpm alone (charge_request), given back if it is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from collections.abc import Coroutine
 
 from gateway.errors import ApiError
-from store import Reservation, Store, Tenant, refund_rate
+from store import UNAVAILABLE_ERRORS, RateDecision, Reservation, Store, Tenant, refund_rate
 from store.limits import SPEND_TOLERANCE_USD, budget_left
 
 logger = logging.getLogger(__name__)
@@ -113,19 +114,42 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                          f"monthly budget is {spend_budget} USD in all")
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
-        unit = "requests" if decision.limited_by == "rpm" else "tokens"
-        limit = tenant.rpm if decision.limited_by == "rpm" else tenant.tpm
-        wait = max(1, math.ceil(decision.retry_after))
-        raise ApiError(429, f"rate limit reached: {limit} {unit} per minute "
-                       f"({decision.limited_by}); retry in {wait} s",
-                       type="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(wait)})
+        raise _rate_limited(tenant, decision)
     reservation = await store.reserve_tokens(tenant, estimated_tokens,
                                              spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
     if reservation is None:
         await refund_rate(store, tenant, requests=1, tokens=estimated_tokens)
         raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd)
     return Admission(store, tenant, reservation, hold_ttl_s)
+
+
+async def charge_request(store: Store, tenant: Tenant) -> None:
+    """Charge one call that uses no tokens (an adapter upload) to the tenant's rpm, or raise the
+    429 an API call refused for rate gets. `refund_request` gives it back if the call is refused."""
+    decision = await store.check_and_consume_rate(tenant, requests=1)
+    if not decision.allowed:
+        raise _rate_limited(tenant, decision)
+
+
+async def refund_request(store: Store, tenant: Tenant) -> None:
+    """Give back the request `charge_request` charged, for a call refused with an error: as for
+    an admitted call refused, only one its client left counts against rpm."""
+    try:
+        await refund_rate(store, tenant, requests=1)
+    except UNAVAILABLE_ERRORS:  # the refusal, not the store's state, is what the client must see
+        logger.warning("could not give back the request of tenant %s to its rpm", tenant.name,
+                       exc_info=True)
+
+
+def _rate_limited(tenant: Tenant, decision: RateDecision) -> ApiError:
+    """The 429 for a call its tenant's rpm or tpm refused, with the wait in Retry-After."""
+    unit = "requests" if decision.limited_by == "rpm" else "tokens"
+    limit = tenant.rpm if decision.limited_by == "rpm" else tenant.tpm
+    wait = max(1, math.ceil(decision.retry_after))
+    return ApiError(429, f"rate limit reached: {limit} {unit} per minute "
+                    f"({decision.limited_by}); retry in {wait} s",
+                    type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(wait)})
 
 
 def _too_large(what_it_may_use: str, limit: str) -> ApiError:

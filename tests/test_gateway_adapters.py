@@ -292,6 +292,31 @@ def test_an_upload_the_locked_store_refuses_keeps_no_files(server, tenant, adapt
     assert _snapshot(server, name) == before
 
 
+def test_uploads_with_a_tenant_key_count_against_its_rpm_and_the_admin_s_do_not(server, adapters):
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, rpm=1)
+    refused = upload(server, key, "bad", files_of(adapters["all-r8"]), base="no-such-model")
+    assert refused.status_code == 400, refused.text  # refused: its request is given back
+    for i in range(2):
+        by_admin = upload(server, server.admin_key, f"by-admin-{i}", unique_files(adapters["all-r8"]),
+                          path=f"/admin/tenants/{name}/adapters")
+        assert by_admin.status_code == 201, by_admin.text
+    assert upload(server, key, "mine", unique_files(adapters["attn-r4"])).status_code == 201
+    before = _snapshot(server, name)
+    limited = upload(server, key, "one-too-many", unique_files(adapters["attn-r4"]))
+    assert limited.status_code == 429, limited.text
+    assert _snapshot(server, name) == before
+    completion = httpx.post(server.url + "/v1/completions", headers=auth(key),
+                            json={"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1})
+    assert completion.status_code == 429  # one limit for uploads and calls, refused alike
+    for refusal in (limited, completion):
+        assert 1 <= int(refusal.headers["retry-after"]) <= 60
+        error = refusal.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == \
+            ("rate_limit_error", "rate_limit_exceeded", None)
+        assert error["message"].startswith("rate limit reached: 1 requests per minute (rpm); retry in")
+
+
 def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
     blobs = server.app.state.gateway.blobs
     (_, key_a), (_, key_b) = _two_tenants(server)
