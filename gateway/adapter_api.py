@@ -28,7 +28,8 @@ from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
 from routing.routes import AUTO
-from store import UNAVAILABLE_ERRORS, AdapterRecord, InvalidName, NotFound, Store, StoreError, Tenant
+from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
+                   Store, StoreError, Tenant)
 from store.blobs import collect_garbage
 from store.models import is_valid_name, validate_name
 
@@ -176,7 +177,21 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
         if isinstance(error, NotFound):
             raise not_found(f"tenant {tenant.name!r} does not exist",
                             code="tenant_not_found") from None
+        if isinstance(error, AdapterStorageExceeded):
+            raise _storage_exceeded(error) from None
         raise
+
+
+def _storage_exceeded(error: AdapterStorageExceeded) -> ApiError:
+    """The 403 for an upload past its tenant's max_adapter_bytes: not a 429, which SDKs retry,
+    since no wait makes room; deleting adapters or a higher limit does."""
+    return ApiError(
+        403, f"tenant {error.tenant!r} stores {error.stored_bytes} bytes of adapter files (every "
+        f"version of each adapter; files several share count once) and this upload adds "
+        f"{error.size_bytes}, past its limit of {error.limit_bytes} bytes (max_adapter_bytes): "
+        "delete adapters it no longer needs (DELETE /v1/adapters/{name} deletes every version of "
+        "one), or ask the operator to raise max_adapter_bytes",
+        type="insufficient_quota", code="adapter_storage_exceeded")
 
 
 async def _drop_unrecorded_files(state: GatewayState, digest: str) -> None:

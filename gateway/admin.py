@@ -43,6 +43,7 @@ class TenantCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_models: list[str] | None = None
     default_route: str | None = None
     strong_share: _Share | None = None
+    max_adapter_bytes: _Limit | None = None
 
 
 class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,6 +57,7 @@ class TenantUpdate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_models: list[str] | None | msgspec.UnsetType = msgspec.UNSET
     default_route: str | None | msgspec.UnsetType = msgspec.UNSET
     strong_share: _Share | None | msgspec.UnsetType = msgspec.UNSET
+    max_adapter_bytes: _Limit | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class KeyInfo(msgspec.Struct, kw_only=True):
@@ -71,6 +73,7 @@ class TenantDetail(msgspec.Struct, kw_only=True):
     tenant: Tenant
     keys: list[KeyInfo]
     usage: Usage
+    adapter_bytes: int  # the adapter files it stores, as its max_adapter_bytes counts them
 
 
 class CreatedKey(msgspec.Struct, kw_only=True):
@@ -111,7 +114,7 @@ async def create_tenant(request: Request) -> Response:
                         monthly_token_budget=body.monthly_token_budget,
                         monthly_spend_budget_usd=body.monthly_spend_budget_usd,
                         allowed_models=allowed, default_route=body.default_route,
-                        strong_share=body.strong_share)
+                        strong_share=body.strong_share, max_adapter_bytes=body.max_adapter_bytes)
         created = await store.create_tenant(tenant)
     except AlreadyExists as error:
         raise ApiError(409, str(error), code="tenant_exists") from None
@@ -167,8 +170,8 @@ async def list_tenants(request: Request) -> Response:
 
 
 async def get_tenant(request: Request) -> Response:
-    """One tenant: its limits, its keys (prefixes only) and its usage this month, or in the
-    (UTC) month `?month=YYYY-MM`."""
+    """One tenant: its limits, its keys (prefixes only), its usage this month, or in the (UTC)
+    month `?month=YYYY-MM`, and the bytes of adapter files it stores."""
     store = await _admin_store(request)
     name = request.path_params["tenant"]
     month = _month_param(request)
@@ -176,7 +179,8 @@ async def get_tenant(request: Request) -> Response:
     if tenant is None:
         raise not_found(f"tenant {quoted(name)} does not exist", code="tenant_not_found")
     keys = [_key_info(k) for k in await store.list_keys(name)]
-    return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name, month)))
+    return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name, month),
+                              adapter_bytes=await store.get_adapter_bytes(name)))
 
 
 def _month_param(request: Request) -> str | None:

@@ -8,8 +8,8 @@ shortly"; the store needs no reopening once Redis is back or the lock is let go.
 from pathlib import Path
 
 from store.base import Store, refund_rate
-from store.errors import (AlreadyExists, InvalidName, InvalidSetting, NotFound, StoreError,
-                          StoreUnavailable)
+from store.errors import (AdapterStorageExceeded, AlreadyExists, InvalidName, InvalidSetting,
+                          NotFound, StoreError, StoreUnavailable)
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 from store.redis import REDIS_UNAVAILABLE_ERRORS, RedisStore
 from store.sqlite import SqliteStore
@@ -20,6 +20,7 @@ DEFAULT_SQLITE_NAME = "switchboard.db"
 
 __all__ = [
     "AdapterRecord",
+    "AdapterStorageExceeded",
     "AlreadyExists",
     "ApiKeyRecord",
     "InvalidName",

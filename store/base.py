@@ -92,7 +92,10 @@ class Store(Protocol):
     # Adapter records.
 
     async def put_adapter_record(self, record: AdapterRecord) -> AdapterRecord:
-        """Store `record` as the next version of its (tenant, name); NotFound if no such tenant.
+        """Store `record` as the next version of its (tenant, name); NotFound if no such tenant,
+        AdapterStorageExceeded if its files would take the tenant past its max_adapter_bytes
+        (store.limits.check_adapter_storage, checked in the write's transaction, so concurrent
+        uploads of one tenant never pass the limit together).
 
         Returns the record with `version` set to 1 + the latest stored version (1 for a new name).
         """
@@ -104,6 +107,10 @@ class Store(Protocol):
 
     async def list_adapters(self, tenant: str) -> list[AdapterRecord]:
         """The latest version of each of the tenant's adapters, sorted by name."""
+
+    async def get_adapter_bytes(self, tenant: str) -> int:
+        """The bytes of adapter files the tenant stores, as max_adapter_bytes counts them: over
+        every version of every adapter, each set of files (digest) once; 0 for no such tenant."""
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
         """Delete every version of an adapter (NotFound if none) and return the removed records."""

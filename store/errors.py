@@ -19,6 +19,20 @@ class InvalidSetting(StoreError):
         self.field = field
 
 
+class AdapterStorageExceeded(StoreError):
+    """An adapter record whose files would take its tenant past its max_adapter_bytes."""
+
+    field = "max_adapter_bytes"
+
+    def __init__(self, tenant: str, stored_bytes: int, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"tenant {tenant!r} stores {stored_bytes} bytes of adapter files; "
+                         f"{size_bytes} more would take it past its max_adapter_bytes of {limit_bytes}")
+        self.tenant = tenant
+        self.stored_bytes = stored_bytes
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+
+
 class NotFound(StoreError):
     """The tenant, key or adapter named in the call does not exist."""
 

@@ -1,4 +1,5 @@
-"""Rate-limit and budget arithmetic shared by the backends (the Redis Lua scripts mirror it).
+"""Rate-limit, budget and adapter-storage arithmetic shared by the backends (the Redis Lua
+scripts mirror the first two).
 
 Rate limits are token buckets, one per (tenant, kind): a bucket holds at most `limit` units and
 refills at `limit` per minute, so a full bucket allows exactly `limit` requests (or tokens) at once
@@ -9,10 +10,11 @@ all of them pay.
 import math
 import secrets
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 
-from store.errors import StoreError
-from store.models import RateDecision, Reservation, Tenant, Usage
+from store.errors import AdapterStorageExceeded, StoreError
+from store.models import AdapterRecord, RateDecision, Reservation, Tenant, Usage
 
 WINDOW_S = 60.0
 # Spend is float dollars, summed one call at a time, so a budget met exactly can come out a rounding
@@ -123,3 +125,21 @@ def new_reservation(
         spend_usd=spend_usd,
         expires_at=now + ttl_s,
     )
+
+
+def stored_files(records: Iterable[AdapterRecord]) -> dict[str, int]:
+    """{digest: size in bytes} of the files `records` reference: files that several versions or
+    adapters share are stored once, so they count once."""
+    return {r.digest: r.size_bytes for r in records}
+
+
+def check_adapter_storage(tenant: Tenant, stored: dict[str, int], record: AdapterRecord) -> None:
+    """Refuse (AdapterStorageExceeded) `record` if its files would take `tenant` past its
+    max_adapter_bytes; `stored`: stored_files of the tenant's records. Files it stores already
+    add nothing, so storing them again always passes (also past a limit lowered since)."""
+    limit = tenant.max_adapter_bytes
+    if limit is None or record.digest in stored:
+        return
+    stored_bytes = sum(stored.values())
+    if stored_bytes + record.size_bytes > limit:
+        raise AdapterStorageExceeded(tenant.name, stored_bytes, record.size_bytes, limit)

@@ -52,6 +52,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     allowed_models: tuple[str, ...] | None = None  # base models and routes it may name
     default_route: str | None = None  # the route `model: "auto"` means; None: the server's
     strong_share: float | None = None  # learned routes: target share of strong-model calls
+    # The bytes of adapter files it may store: every version of every adapter, each set of files once.
+    max_adapter_bytes: int | None = None
     created_at: float = msgspec.field(default_factory=time.time)
 
     @property
@@ -66,6 +68,7 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
         _check_positive("tpm", self.tpm)
         _check_positive("monthly_token_budget", self.monthly_token_budget)
         _check_positive("monthly_spend_budget_usd", self.monthly_spend_budget_usd)
+        _check_positive("max_adapter_bytes", self.max_adapter_bytes)
         if self.strong_share is not None and not 0.0 <= self.strong_share <= 1.0:
             raise InvalidSetting("strong_share",
                                  f"strong_share must be in [0, 1], got {self.strong_share!r}")
@@ -73,7 +76,7 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
 
 # The tenant fields an update may change (store.Store.update_tenant): its limits and policy.
 TENANT_SETTINGS = ("rpm", "tpm", "monthly_token_budget", "monthly_spend_budget_usd",
-                   "allowed_models", "default_route", "strong_share")
+                   "allowed_models", "default_route", "strong_share", "max_adapter_bytes")
 
 
 def check_default_route_allowed(allowed_models: Collection[str] | None,

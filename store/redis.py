@@ -26,8 +26,8 @@ from redis.connection import parse_url
 from store import redis_lua
 from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
-from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, month_of, months_in_flight,
-                          new_reservation, now_or, rate_costs)
+from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, check_adapter_storage, month_of,
+                          months_in_flight, new_reservation, now_or, rate_costs, stored_files)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
                           with_settings)
 from store.redis_blobs import RedisBlobs
@@ -334,8 +334,12 @@ class RedisStore:
         key = k.adapter(record.tenant, record.name)
 
         async def insert(pipe: Pipeline) -> AdapterRecord:
-            if not await pipe.exists(k.tenant(record.tenant)):
+            raw = await pipe.get(k.tenant(record.tenant))
+            if raw is None:
                 raise NotFound(f"tenant {record.tenant!r} does not exist")
+            tenant = msgspec.json.decode(raw, type=Tenant)
+            if tenant.max_adapter_bytes is not None:
+                check_adapter_storage(tenant, await self._watched_files(pipe, tenant.name), record)
             latest = max((int(v) for v in await pipe.hkeys(key)), default=0)
             stored = msgspec.structs.replace(record, version=latest + 1)
             pipe.multi()
@@ -348,6 +352,17 @@ class RedisStore:
             insert, k.tenant(record.tenant), key, value_from_callable=True
         )
 
+    async def _watched_files(self, pipe: Pipeline, tenant: str) -> dict[str, int]:
+        """store.limits.stored_files of every version of every adapter of `tenant`, each key
+        watched before it is read: an adapter written or deleted meanwhile retries the caller's
+        transaction, which then counts it."""
+        k = self._keys
+        await pipe.watch(k.adapters(tenant))
+        keys = [k.adapter(tenant, name) for name in await pipe.smembers(k.adapters(tenant))]
+        if keys:
+            await pipe.watch(*keys)
+        return stored_files([a for key in keys for a in _decode_versions(await pipe.hvals(key))])
+
     async def get_adapter(
         self, tenant: str, name: str, version: int | None = None
     ) -> AdapterRecord | None:
@@ -359,15 +374,22 @@ class RedisStore:
         return max(versions, key=lambda a: a.version, default=None)
 
     async def list_adapters(self, tenant: str) -> list[AdapterRecord]:
+        latest = [max(versions, key=lambda a: a.version, default=None)
+                  for versions in await self._all_versions(tenant)]
+        return [a for a in latest if a is not None]
+
+    async def get_adapter_bytes(self, tenant: str) -> int:
+        records = [a for versions in await self._all_versions(tenant) for a in versions]
+        return sum(stored_files(records).values())
+
+    async def _all_versions(self, tenant: str) -> list[list[AdapterRecord]]:
+        """Every version of each of the tenant's adapters, the adapters sorted by name."""
         names = sorted(await self._redis.smembers(self._keys.adapters(tenant)))
         async with self._redis.pipeline(transaction=True) as pipe:
             for name in names:
                 pipe.hvals(self._keys.adapter(tenant, name))
             results = await pipe.execute()
-        latest = [
-            max(_decode_versions(raws), key=lambda a: a.version, default=None) for raws in results
-        ]
-        return [a for a in latest if a is not None]
+        return [_decode_versions(raws) for raws in results]
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
         k = self._keys

@@ -30,7 +30,8 @@ import msgspec
 
 from store.errors import AlreadyExists, NotFound, StoreError, StoreUnavailable
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
-from store.limits import budget_allows, month_of, new_reservation, now_or, rate_costs, take
+from store.limits import (budget_allows, check_adapter_storage, month_of, new_reservation, now_or,
+                          rate_costs, stored_files, take)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
                           with_settings)
 
@@ -369,7 +370,11 @@ class SqliteStore:
 
     async def put_adapter_record(self, record: AdapterRecord) -> AdapterRecord:
         def insert(conn: sqlite3.Connection) -> AdapterRecord:
-            _require_tenant(conn, record.tenant)
+            tenant = _get_tenant(conn, record.tenant)
+            if tenant is None:
+                raise NotFound(f"tenant {record.tenant!r} does not exist")
+            if tenant.max_adapter_bytes is not None:
+                check_adapter_storage(tenant, _stored_files(conn, tenant.name), record)
             (latest,) = conn.execute(
                 "SELECT COALESCE(MAX(version), 0) FROM adapters WHERE tenant = ? AND name = ?",
                 (record.tenant, record.name),
@@ -381,7 +386,8 @@ class SqliteStore:
             )
             return stored
 
-        return await self._write(insert)
+        # On the worker: under a storage limit it reads every record of the tenant.
+        return await self._on_worker(_WRITE, insert)
 
     async def get_adapter(
         self, tenant: str, name: str, version: int | None = None
@@ -407,6 +413,9 @@ class SqliteStore:
             return [msgspec.json.decode(r, type=AdapterRecord) for (r,) in rows]
 
         return await self._on_worker(_READ, select)
+
+    async def get_adapter_bytes(self, tenant: str) -> int:
+        return await self._on_worker(_READ, lambda conn: sum(_stored_files(conn, tenant).values()))
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
         def delete(conn: sqlite3.Connection) -> list[AdapterRecord]:
@@ -565,6 +574,12 @@ def _get_tenant(conn: sqlite3.Connection, name: str) -> Tenant | None:
 def _require_tenant(conn: sqlite3.Connection, name: str) -> None:
     if conn.execute("SELECT 1 FROM tenants WHERE name = ?", (name,)).fetchone() is None:
         raise NotFound(f"tenant {name!r} does not exist")
+
+
+def _stored_files(conn: sqlite3.Connection, tenant: str) -> dict[str, int]:
+    """store.limits.stored_files of every version of every adapter of `tenant`."""
+    rows = conn.execute("SELECT record FROM adapters WHERE tenant = ?", (tenant,))
+    return stored_files(msgspec.json.decode(r, type=AdapterRecord) for (r,) in rows)
 
 
 def _usage(conn: sqlite3.Connection, tenant: str, month: str, now: float) -> Usage:

@@ -18,8 +18,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 import torch
 
+from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import DEMO_MAX_LORA_RANK, DEMO_MODEL, gateway_server, logged_status
 from tests.helpers import hf_greedy, make_peft_model
@@ -315,6 +317,48 @@ def test_uploads_with_a_tenant_key_count_against_its_rpm_and_the_admin_s_do_not(
         assert (error["type"], error["code"], error["param"]) == \
             ("rate_limit_error", "rate_limit_exceeded", None)
         assert error["message"].startswith("rate limit reached: 1 requests per minute (rpm); retry in")
+
+
+def test_the_storage_limit_refuses_the_upload_that_crosses_it_and_keeps_nothing_of_it(
+        server, adapters, request):
+    first, second, third = (unique_files(adapters["attn-r4"]) for _ in range(3))
+    sizes = [sum(len(data) for _, data in files.values()) for files in (first, second, third)]
+    limit = sizes[0] + max(sizes[1:])  # room for two of them
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, max_adapter_bytes=limit)
+    assert upload(server, key, "bot", first).status_code == 201
+    assert upload(server, key, "bot", second).json()["version"] == 2  # versions count too
+    again = upload(server, key, "copy", first)  # files it stores already add nothing
+    assert again.status_code == 201, again.text
+    before, shared_before = _snapshot(server, name), _shared_copies(server, request)
+    stored = sizes[0] + sizes[1]
+    for path, credential in (("/v1/adapters", key), (f"/admin/tenants/{name}/adapters", server.admin_key)):
+        refused = upload(server, credential, "bot", third, path=path)
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == \
+            ("insufficient_quota", "adapter_storage_exceeded", None)
+        for words in (f"stores {stored} bytes", f"this upload adds {sizes[2]}",
+                      f"limit of {limit} bytes", "delete adapters", "raise max_adapter_bytes"):
+            assert words in error["message"], error["message"]
+    assert _snapshot(server, name) == before  # no record, no files in the gateway's folder
+    assert _shared_copies(server, request) == shared_before  # nor in Redis
+    detail = server.admin("GET", f"/admin/tenants/{name}").json()
+    assert (detail["tenant"]["max_adapter_bytes"], detail["adapter_bytes"]) == (limit, stored)
+    assert httpx.delete(server.url + "/v1/adapters/bot", headers=auth(key)).status_code == 200
+    assert upload(server, key, "bot", third).status_code == 201  # the second's bytes were freed
+    assert server.admin("GET", f"/admin/tenants/{name}").json()["adapter_bytes"] == sizes[0] + sizes[2]
+
+
+def _shared_copies(server, request) -> list[bytes]:
+    """The keys of every adapter's files in Redis (none without a Redis store)."""
+    if server.app.state.gateway.store.shared_blobs is None:
+        return []
+    client = redis.Redis.from_url(request.getfixturevalue("redis_server"))
+    try:
+        return sorted(client.scan_iter(match=RedisKeys("sb:").blob("*")))
+    finally:
+        client.close()
 
 
 def test_delete_removes_the_adapter_and_unshared_files(server, adapters):

@@ -93,6 +93,8 @@ def test_tenant_lifecycle(server):
     ({"name": "ok", "monthly_token_budget": 2**53 + 1}, "monthly_token_budget"),
     ({"name": "ok", "monthly_spend_budget_usd": 0}, "monthly_spend_budget_usd"),
     ({"name": "ok", "strong_share": 2}, "strong_share"),
+    ({"name": "ok", "max_adapter_bytes": 0}, "max_adapter_bytes"),
+    ({"name": "ok", "max_adapter_bytes": 1.5}, "max_adapter_bytes"),
     ({"rpm": 3}, "name"),
     ({"name": "ok", "rpm": "many"}, "rpm"),
     # Misspelt limits once made an unlimited tenant (201).
@@ -173,10 +175,26 @@ def test_a_tenant_s_limits_change_in_place_and_its_keys_see_them_at_once(server)
     assert len(detail["keys"]) == 1 and not detail["keys"][0]["revoked"]
 
 
+def test_max_adapter_bytes_is_set_at_creation_changed_by_patch_and_shown(server):
+    name = f"t{next(_names)}"
+    created = server.admin("POST", "/admin/tenants", json={"name": name, "max_adapter_bytes": 10**9})
+    assert created.status_code == 201 and created.json()["max_adapter_bytes"] == 10**9
+    patched = server.admin("PATCH", f"/admin/tenants/{name}", json={"max_adapter_bytes": 2**53})
+    assert patched.status_code == 200 and patched.json()["max_adapter_bytes"] == 2**53
+    detail = server.admin("GET", f"/admin/tenants/{name}").json()
+    assert (detail["tenant"]["max_adapter_bytes"], detail["adapter_bytes"]) == (2**53, 0)
+    unlimited = server.admin("PATCH", f"/admin/tenants/{name}", json={"max_adapter_bytes": None})
+    assert unlimited.json()["max_adapter_bytes"] is None
+    listed = {t["name"]: t for t in server.admin("GET", "/admin/tenants").json()["data"]}
+    assert listed[name]["max_adapter_bytes"] is None
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, None),
     ({"rpm": 0}, "rpm"),
     ({"strong_share": 1.5}, "strong_share"),
+    ({"max_adapter_bytes": -1}, "max_adapter_bytes"),
+    ({"max_adapter_bytes": "1GB"}, "max_adapter_bytes"),
     ({"name": "renamed"}, "name"),  # the name is the tenant's id
     ({"rmp": 5}, "rmp"),
     ({"allowed_models": ["demo-lama"]}, "allowed_models"),

@@ -19,6 +19,7 @@ import redis
 from store import (
     UNAVAILABLE_ERRORS,
     AdapterRecord,
+    AdapterStorageExceeded,
     AlreadyExists,
     InvalidName,
     InvalidSetting,
@@ -44,7 +45,7 @@ from tests.redis_server import PersistentRedisServer, redis_server, redis_url  #
 pytestmark = pytest.mark.anyio
 
 T0 = datetime(2025, 3, 15, tzinfo=UTC).timestamp()
-DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+DIGEST_A, DIGEST_B, DIGEST_C = "a" * 64, "b" * 64, "c" * 64
 
 
 @pytest.fixture
@@ -186,6 +187,8 @@ def test_invalid_names_are_refused(name: str) -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(StoreError, match="rpm must be positive"):
         Tenant(name="acme", rpm=0)
+    with pytest.raises(InvalidSetting, match="max_adapter_bytes must be positive"):
+        Tenant(name="acme", max_adapter_bytes=0)
     assert Tenant(name="a." + "x" * 62).rpm is None
 
 
@@ -291,6 +294,72 @@ async def test_delete_adapter_returns_versions_and_drops_refs(store: Store) -> N
         await store.delete_adapter("acme", "sql")
     again = await store.put_adapter_record(adapter("acme", "sql"))
     assert again.version == 1
+
+
+async def test_the_adapter_storage_limit_counts_each_set_of_files_once(store: Store) -> None:
+    await make_tenant(store, max_adapter_bytes=3000)  # room for two sets of files of 1234 bytes
+    await make_tenant(store, "beta", max_adapter_bytes=1234)
+    await store.put_adapter_record(adapter("acme", "sql", DIGEST_A))
+    await store.put_adapter_record(adapter("acme", "sql", DIGEST_B))
+    await store.put_adapter_record(adapter("acme", "chat", DIGEST_A))  # files it stores: nothing
+    assert await store.get_adapter_bytes("acme") == 2468
+    with pytest.raises(AdapterStorageExceeded) as refused:
+        await store.put_adapter_record(adapter("acme", "chat", DIGEST_C))
+    error = refused.value
+    assert (error.field, error.tenant, error.stored_bytes, error.size_bytes, error.limit_bytes) == (
+        "max_adapter_bytes", "acme", 2468, 1234, 3000)
+    assert (await store.get_adapter("acme", "chat")).version == 1  # nothing of it was stored
+    assert not await store.is_digest_referenced(DIGEST_C)
+    await store.put_adapter_record(adapter("beta", "own", DIGEST_C))  # each tenant its own limit
+    assert (await store.get_adapter_bytes("beta"), await store.get_adapter_bytes("nobody")) == (1234, 0)
+    await store.delete_adapter("acme", "sql")  # frees B; A stays, chat's
+    assert await store.get_adapter_bytes("acme") == 1234
+    assert (await store.put_adapter_record(adapter("acme", "chat", DIGEST_C))).version == 2
+    # Past a limit lowered below what it stores, files it stores still add nothing; new ones do.
+    await store.update_tenant("acme", {"max_adapter_bytes": 1})
+    assert (await store.put_adapter_record(adapter("acme", "copy", DIGEST_A))).version == 1
+    with pytest.raises(AdapterStorageExceeded, match="'acme' stores 2468 bytes of adapter files"):
+        await store.put_adapter_record(adapter("acme", "copy", DIGEST_B))
+    await store.update_tenant("acme", {"max_adapter_bytes": None})
+    assert (await store.put_adapter_record(adapter("acme", "copy", DIGEST_B))).version == 2
+
+
+async def test_concurrent_uploads_of_a_tenant_never_pass_its_storage_limit(
+        store_url: str, tmp_path: Path) -> None:
+    clients = [await open_store(store_url, tmp_path) for _ in range(2)]  # like two gateways
+    await make_tenant(clients[0], max_adapter_bytes=2 * 1234)
+    # New names and new versions of one name, each with files of its own: room for two of them.
+    records = [adapter("acme", f"n{i % 3}", f"{i + 1:x}" * 64) for i in range(6)]
+    # Connections made ahead: the puts then run side by side, not each behind a connection's setup.
+    await asyncio.gather(*(clients[i % 2].get_tenant("acme") for i in range(len(records))))
+    outcomes = await asyncio.gather(*(clients[i % 2].put_adapter_record(r)
+                                      for i, r in enumerate(records)), return_exceptions=True)
+    stored = [o for o in outcomes if isinstance(o, AdapterRecord)]
+    assert len(stored) == 2, outcomes
+    assert all(isinstance(o, AdapterStorageExceeded) for o in outcomes if o not in stored), outcomes
+    assert await clients[1].get_adapter_bytes("acme") == 2 * 1234
+    for client in clients:
+        await client.close()
+
+
+async def test_a_tenant_stored_before_max_adapter_bytes_existed_stores_without_limit(
+        store: Store, store_url: str) -> None:
+    record = msgspec.json.decode(msgspec.json.encode(Tenant(name="acme", rpm=5, created_at=T0)))
+    del record["max_adapter_bytes"]
+    raw = msgspec.json.encode(record)  # the record as a version without the limit wrote it
+    if store_url.startswith("sqlite"):
+        with sqlite3.connect(store.path) as conn:
+            conn.execute("INSERT INTO tenants VALUES (?, ?)", ("acme", raw))
+    else:
+        client = redis.Redis.from_url(store_url)
+        client.set("sb:tenant:acme", raw)
+        client.sadd("sb:tenants", "acme")
+        client.close()
+    assert (await store.get_tenant("acme")).max_adapter_bytes is None
+    await store.put_adapter_record(adapter("acme", "sql", DIGEST_A))
+    assert (await store.update_tenant("acme", {"max_adapter_bytes": 1234})).rpm == 5
+    with pytest.raises(AdapterStorageExceeded):
+        await store.put_adapter_record(adapter("acme", "sql", DIGEST_B))
 
 
 async def test_delete_tenant_cascades(store: Store) -> None:
