@@ -12,7 +12,8 @@ from gateway.errors import STORE_UNAVAILABLE_MESSAGE, model_not_found
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
-from routing.models import allowed_base_models, allowed_routes, default_route, visible_adapters
+from routing.models import (adapter_model_id, allowed_base_models, allowed_routes, default_route,
+                            taken_names, visible_adapters)
 from routing.routes import AUTO
 from store import UNAVAILABLE_ERRORS
 
@@ -47,16 +48,20 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=state.engines[name].max_model_len)
              for name in allowed_base_models(tenant, state.engines)]
-    for name in allowed_routes(tenant, state.catalog):
-        route = state.routes[default_route(tenant, state.catalog) if name == AUTO else name]
+    catalog = state.catalog
+    for name in allowed_routes(tenant, catalog):
+        route = state.routes[default_route(tenant, catalog) if name == AUTO else name]
         # NOTE: with engine workers, a route's models are served once their workers register.
         # A route runs a call on a tier that can hold it: it takes what its roomiest tier does.
         served = all(m in state.engines for m in route.tiers)
         cards.append(ModelCard(id=name, created=state.started_at, max_model_len=max(
             state.engines[m].max_model_len for m in route.tiers) if served else None))
-    cards += [ModelCard(id=a.name, created=int(a.created_at), owned_by=tenant.name,
-                        max_model_len=state.engines[a.base_model].max_model_len,
-                        parent=a.base_model)
+    # An adapter whose name a route or served model took since its upload is listed as the id
+    # that still reaches it, so that ids stay unique.
+    taken = taken_names(catalog)
+    cards += [ModelCard(id=adapter_model_id(a, taken), created=int(a.created_at),
+                        owned_by=tenant.name, parent=a.base_model,
+                        max_model_len=state.engines[a.base_model].max_model_len)
               for a in await visible_adapters(store, tenant, state.engines)]
     return cards
 

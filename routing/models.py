@@ -3,9 +3,12 @@
 A client writes `model` as a base model's served name, an adapter's name, `base:adapter`, a
 route's name, `auto` (the tenant's default route), or `route:adapter` (the route, whose tier on
 the adapter's base model runs with the adapter).
+Routes and served models come first: an adapter whose name one takes after its upload (uploads
+refuse such names) is reached as `base:adapter` only, so a tenant cannot take an operator's name.
 Adapter names resolve in the caller's tenant only, so another tenant's adapter is as unknown as
 one that never existed. Model, adapter and route names cannot contain ":" (gateway.config,
-store.models.validate_name, routing.routes.parse_routes), so the split of `base:adapter` and `route:adapter` is unambiguous.
+store.models.validate_name, routing.routes.parse_routes), so the split of `base:adapter` and
+`route:adapter` is unambiguous.
 """
 
 from __future__ import annotations
@@ -68,6 +71,17 @@ def allowed_routes(tenant: Tenant, catalog: Catalog) -> list[str]:
     return ([AUTO] if auto in catalog.routes and may_use(tenant, auto) else []) + names
 
 
+def taken_names(catalog: Catalog) -> set[str]:
+    """The names `model` gives routes and served models (and `auto`), before any adapter."""
+    return {AUTO, *catalog.routes, *catalog.models}
+
+
+def adapter_model_id(adapter: AdapterRecord, taken: Collection[str]) -> str:
+    """The `model` that reaches the adapter: its name, or `base:name` while its name is `taken`
+    (see taken_names)."""
+    return f"{adapter.base_model}:{adapter.name}" if adapter.name in taken else adapter.name
+
+
 async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
                         model: str) -> ModelTarget:
     """The target `model` names for `tenant`.
@@ -75,6 +89,7 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
     Raises ModelNotFound for names that mean nothing to this tenant, ModelNotAllowed for served
     models and routes its policy excludes.
     """
+    # NOTE: routes, then served models, then adapters (taken_names, adapter_model_id).
     head, sep, name = model.partition(":")
     route_name = default_route(tenant, catalog) if head == AUTO else head
     if head == AUTO and route_name is None:

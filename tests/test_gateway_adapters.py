@@ -741,3 +741,40 @@ def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, a
     assert reply.status_code == 404, reply.text
     error = reply.json()["error"]
     assert error["code"] == "model_not_found" and f"base model '{DEMO_MODEL}'" in error["message"]
+
+
+def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_colon_name(
+        demo_engine, adapters, tmp_path):
+    """Restarted with a served model and a route named as a tenant's adapters, a gateway runs
+    those for the bare names (the operator's names come first), lists each id once, the adapters
+    as `base:name`, which answer as the adapters did."""
+    from routing.routes import parse_routes
+    from tests.conftest import serve_gateway
+
+    names = {"support": "all-r8", "fast": "attn-r4"}  # adapter name -> its files
+    with serve_gateway({"small": demo_engine}, tmp_path) as before:
+        key = before.new_tenant("early")
+        for name, files in names.items():
+            assert upload(before, key, name, files_of(adapters[files]), base="small").status_code == 201
+        answered = {name: greedy_ids(before, key, name) for name in names}
+    assert answered == {name: adapters["expected"][files] for name, files in names.items()}
+
+    engines = {"small": demo_engine, "support": demo_engine}  # one engine under two names
+    routes = parse_routes({"fast": {"tiers": ["small", "support"], "measure": "min_prob",
+                                    "threshold": 0.0}}, engines)
+    with serve_gateway(engines, tmp_path, routes=routes) as after:
+        cards = httpx.get(after.url + "/v1/models", headers=auth(key)).json()["data"]
+        retrieved = httpx.get(after.url + "/v1/models/small:fast", headers=auth(key))
+        as_adapters = {name: greedy_ids(after, key, f"small:{name}") for name in names}
+        by_name = {name: httpx.post(after.url + "/v1/completions", headers=auth(key), json={
+            "model": name, "prompt": PROMPT, "max_tokens": 2}) for name in names}
+        base = greedy_ids(after, key, "support")
+    assert [(c["id"], c.get("parent")) for c in cards] == [
+        ("small", None), ("support", None), ("fast", None),
+        ("small:fast", "small"), ("small:support", "small")]
+    assert retrieved.status_code == 200 and retrieved.json() == cards[3]
+    assert as_adapters == answered
+    # The bare names run the operator's model and route, as the headers say.
+    assert by_name["support"].headers["x-switchboard-model"] == "support"
+    assert by_name["fast"].headers["x-switchboard-route"] == "fast"
+    assert base == adapters["expected"]["base"]
