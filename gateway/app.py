@@ -30,7 +30,9 @@ from gateway.middleware import AccessLog, InFlight
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics, retrieve_model
 from gateway.remote import DEFAULT_MODEL_TTL_S, WorkerPool
+from gateway.shadowing import ShadowWarnings
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
+from routing.models import taken_names
 from routing.pricing import Price
 from routing.routes import Route as ModelRoute
 from store import open_store
@@ -103,6 +105,9 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     `blob_sweep_s` the gateway drops the files of those from its folder.
     Calls are charged to tenants' spend at `prices` (by model name; unlisted models are free).
     `routes` (routing.routes) are offered as models; `default_route` is what `auto` means.
+    `model` names routes and served models before adapters: the gateway logs a warning for each
+    tenant adapter whose name one has (at startup, or when an engine worker's model is first
+    served), as calls then reach it as `base:adapter` only.
     With `workers_url` (a Redis URL), the models of the engine workers registered there are
     served too (gateway/remote.py), their tokenizers read by `load_tokenizer`, each until
     `worker_model_ttl_s` after the last heartbeat of its workers; routes are then checked once
@@ -119,6 +124,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                            routes=routes, default_route=default_route,
                            metrics_key_hash=hash_key(metrics_key) if metrics_key else None)
     requests: set[asyncio.Task] = set()  # those being handled
+    shadows = ShadowWarnings()  # of adapters whose name a route or served model took
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -134,11 +140,14 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                 sweeping = asyncio.create_task(keep_running(
                     functools.partial(drop_deleted_adapters, blobs, gateway.store), blob_sweep_s,
                     "dropping the files of deleted adapters"))
+            await shadows.check(gateway.store, gateway.catalog, taken_names(gateway.catalog))
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
                                   load_tokenizer, engines, model_ttl_s=worker_model_ttl_s,
                                   ensure_intact_copy=functools.partial(
-                                      ensure_intact_copy, blobs, gateway.store.shared_blobs))
+                                      ensure_intact_copy, blobs, gateway.store.shared_blobs),
+                                  on_serving=lambda model: shadows.check(
+                                      gateway.require_store(), gateway.catalog, {model}))
                 await pool.start()
                 check_routes(engines, routes, default_route, workers=True)
             yield

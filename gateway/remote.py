@@ -77,11 +77,13 @@ class WorkerPool:
     upstream of the same name. `ensure_intact_copy` is called with an adapter's digest when a
     worker refuses this gateway's copy of its files, as they do not hash to it: whether this
     gateway holds an intact copy now, a damaged one replaced (None: it cannot replace its copies).
+    `on_serving` is called with each model the pool starts serving, once it does.
     """
 
     def __init__(self, registry: WorkerRegistry, tokenizer_dir: Path,
                  load_tokenizer: Callable[[Path], Any], models: dict[str, EngineClient], *,
                  ensure_intact_copy: Callable[[str], Awaitable[bool]] | None = None,
+                 on_serving: Callable[[str], Awaitable[None]] | None = None,
                  poll_s: float = DEFAULT_POLL_S, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
                  slack: int = DEFAULT_SLACK, model_ttl_s: float = DEFAULT_MODEL_TTL_S):
         self.registry = registry
@@ -89,6 +91,7 @@ class WorkerPool:
         self._load_tokenizer = load_tokenizer
         self._models = models
         self._ensure_intact_copy = ensure_intact_copy
+        self._on_serving = on_serving
         self._poll_s = poll_s
         self._model_ttl_s = model_ttl_s
         self.slack = slack
@@ -159,6 +162,8 @@ class WorkerPool:
             model, self, await self._tokenizer(tokenizer), tokenizer)
         self._models.setdefault(model, client)
         logger.info("serving %s on the workers registered in Redis", model)
+        if self._on_serving is not None:
+            await self._on_serving(model)
 
     def _stop_serving(self, model: str) -> None:
         client = self.clients.pop(model)

@@ -127,3 +127,9 @@ async def visible_adapters(store: Store, tenant: Tenant,
     """The tenant's adapters (latest versions) on base models it may use."""
     allowed = set(allowed_base_models(tenant, served))
     return [a for a in await store.list_adapters(tenant.name) if a.base_model in allowed]
+
+
+async def adapters_named(store: Store, names: Collection[str]) -> list[AdapterRecord]:
+    """Every tenant's adapters (latest versions) named one of `names`."""
+    return [a for tenant in await store.list_tenants()
+            for a in await store.list_adapters(tenant.name) if a.name in names]

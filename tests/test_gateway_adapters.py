@@ -744,10 +744,10 @@ def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, a
 
 
 def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_colon_name(
-        demo_engine, adapters, tmp_path):
+        demo_engine, adapters, tmp_path, caplog):
     """Restarted with a served model and a route named as a tenant's adapters, a gateway runs
     those for the bare names (the operator's names come first), lists each id once, the adapters
-    as `base:name`, which answer as the adapters did."""
+    as `base:name`, which answer as the adapters did, and warns of each adapter at startup."""
     from routing.routes import parse_routes
     from tests.conftest import serve_gateway
 
@@ -762,13 +762,14 @@ def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_c
     engines = {"small": demo_engine, "support": demo_engine}  # one engine under two names
     routes = parse_routes({"fast": {"tiers": ["small", "support"], "measure": "min_prob",
                                     "threshold": 0.0}}, engines)
-    with serve_gateway(engines, tmp_path, routes=routes) as after:
-        cards = httpx.get(after.url + "/v1/models", headers=auth(key)).json()["data"]
-        retrieved = httpx.get(after.url + "/v1/models/small:fast", headers=auth(key))
-        as_adapters = {name: greedy_ids(after, key, f"small:{name}") for name in names}
-        by_name = {name: httpx.post(after.url + "/v1/completions", headers=auth(key), json={
-            "model": name, "prompt": PROMPT, "max_tokens": 2}) for name in names}
-        base = greedy_ids(after, key, "support")
+    with caplog.at_level(logging.WARNING, logger="gateway.shadowing"):
+        with serve_gateway(engines, tmp_path, routes=routes) as after:
+            cards = httpx.get(after.url + "/v1/models", headers=auth(key)).json()["data"]
+            retrieved = httpx.get(after.url + "/v1/models/small:fast", headers=auth(key))
+            as_adapters = {name: greedy_ids(after, key, f"small:{name}") for name in names}
+            by_name = {name: httpx.post(after.url + "/v1/completions", headers=auth(key), json={
+                "model": name, "prompt": PROMPT, "max_tokens": 2}) for name in names}
+            base = greedy_ids(after, key, "support")
     assert [(c["id"], c.get("parent")) for c in cards] == [
         ("small", None), ("support", None), ("fast", None),
         ("small:fast", "small"), ("small:support", "small")]
@@ -778,3 +779,10 @@ def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_c
     assert by_name["support"].headers["x-switchboard-model"] == "support"
     assert by_name["fast"].headers["x-switchboard-route"] == "fast"
     assert base == adapters["expected"]["base"]
+    warnings = sorted(r.getMessage() for r in caplog.records if r.name == "gateway.shadowing")
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("adapter 'fast' of tenant 'early' (base model 'small') has the "
+                                  "name of the route 'fast'") and "as 'small:fast'" in warnings[0]
+    assert warnings[1].startswith("adapter 'support' of tenant 'early' (base model 'small') has the "
+                                  "name of the served model 'support'")
+    assert "as 'small:support'" in warnings[1]

@@ -26,7 +26,7 @@ import pytest
 
 from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions)
-from gateway.remote import RemoteEngineClient, WorkerPool
+from gateway.remote import DEFAULT_POLL_S, RemoteEngineClient, WorkerPool
 from gateway.worker import Worker, create_worker_app
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
 from routing.placement import home_of
@@ -259,6 +259,26 @@ def test_a_model_whose_workers_cannot_be_reached_answers_503(redis_url, tmp_path
         assert health.status_code == 503 and health.json()["unavailable_models"] == [GHOST]
 
 
+def test_a_worker_model_with_the_name_of_an_adapter_is_warned_of_once_and_lists_it_as_base_name(
+        demo_engine, redis_url, tmp_path, caplog):  # noqa: F811
+    """A model whose first worker registers after a tenant uploaded an adapter of its name takes
+    the name: the gateway warns of the adapter once, however often it reads the registry."""
+    with caplog.at_level(logging.WARNING, logger="gateway.shadowing"), serve_gateway(
+            {DEMO_MODEL: demo_engine}, tmp_path, store_url=redis_url, workers_url=redis_url,
+            load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("early")
+        upload(server, key, GHOST, demo_adapter(tmp_path / "adapter"))
+        _register_unreachable_worker(redis_url)
+        assert eventually(lambda: any(r.name == "gateway.shadowing" for r in caplog.records))
+        time.sleep(4 * DEFAULT_POLL_S)  # read again and again: no other warning
+        cards = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.shadowing"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"adapter {GHOST!r} of tenant 'early' (base model {DEMO_MODEL!r}) "
+                                  f"has the name of the served model {GHOST!r}")
+    assert [c["id"] for c in cards.json()["data"]] == [DEMO_MODEL, GHOST, f"{DEMO_MODEL}:{GHOST}"]
+
+
 def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tmp_path):
     from gateway.remote import WorkerPool
     from routing.placement import place
@@ -281,8 +301,6 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
 
 def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context_outlives_a_restart(
         tmp_path):
-    from gateway.remote import RemoteEngineClient, WorkerPool
-
     registry = _Registry()
     pool = WorkerPool(registry, tmp_path, lambda folder: None, {})
     registry.records = [_record("lora", max_loras=4), _record("plain", max_loras=0)]
