@@ -333,7 +333,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(client, offline):
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     reference = expected.prompt_logprobs + expected.logprobs  # prompt tokens 1.., then the output
     assert logprobs.token_logprobs[1:] == pytest.approx([lp.logprob for lp in reference], abs=1e-4)
-    assert [ids(top) for top in logprobs.top_logprobs[1:]] == [[t for t, _ in lp.top] for lp in reference]
+    # Each top holds the token's own too, after the best ones, as OpenAI's do.
+    chosen = prompt_ids[1:] + expected.output_token_ids
+    best = [[t for t, _ in lp.top] for lp in reference]
+    assert [ids(top) for top in logprobs.top_logprobs[1:]] == [
+        top + ([token] if token not in top else []) for top, token in zip(best, chosen)]
     assert logprobs.text_offset[0] == 0 and len(logprobs.text_offset) == len(logprobs.tokens)
     assert completion.usage.prompt_tokens == len(prompt_ids)
 
