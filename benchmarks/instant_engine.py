@@ -56,6 +56,10 @@ class InstantEngine:
     def supports_adapters(self) -> bool:
         return False
 
+    @property
+    def max_adapter_rank(self) -> int:
+        return 0
+
     def check_options(self, options: SamplingOptions) -> None:
         """Nothing: it ignores the options."""
 

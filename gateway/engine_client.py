@@ -127,6 +127,13 @@ class EngineClient(Protocol):
         """Whether this engine serves LoRA adapters (started with adapter slots)."""
 
     @property
+    def max_adapter_rank(self) -> float:
+        """The highest adapter rank this engine serves while the gateway runs (its
+        --max-lora-rank): 0 when it serves no adapters, inf when it has no fixed limit (engine
+        workers, which come and go with limits of their own). Checked before a call with an
+        adapter is admitted: one of a higher rank could never run."""
+
+    @property
     def counts_text_bytes(self) -> bool:
         """Whether `tokenize` gives the text's bytes, not the model's tokens (an upstream, which
         tokenizes on its side): several bytes make a token, so only the model can tell that a

@@ -46,6 +46,12 @@ class LocalEngineClient(TextCodec):
         return self._engine.engine.config.lora is not None
 
     @property
+    def max_adapter_rank(self) -> int:
+        """Fixed by its config: a call that asks for more is refused until the server restarts."""
+        lora = self._engine.engine.config.lora
+        return 0 if lora is None else lora.max_lora_rank
+
+    @property
     def counts_text_bytes(self) -> bool:
         return False
 
@@ -120,12 +126,6 @@ class LocalEngineClient(TextCodec):
         """Device slots for adapters (0 without LoRA support)."""
         lora = self._engine.engine.config.lora
         return 0 if lora is None else lora.max_gpu_adapters
-
-    @property
-    def max_lora_rank(self) -> int:
-        """The largest adapter rank it serves (0 without LoRA support)."""
-        lora = self._engine.engine.config.lora
-        return 0 if lora is None else lora.max_lora_rank
 
     def resident_adapters(self) -> tuple[list[str], list[str]]:
         """Digests of the adapters in device slots, and of those loaded in host memory."""

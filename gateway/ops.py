@@ -57,12 +57,15 @@ async def _model_cards(request: Request) -> list[ModelCard]:
         cards.append(ModelCard(id=name, created=state.started_at, max_model_len=max(
             state.engines[m].max_model_len for m in route.tiers) if served else None))
     # An adapter whose name a route or served model took since its upload is listed as the id
-    # that still reaches it, so that ids stay unique.
+    # that still reaches it, so that ids stay unique. NOTE: one of a rank its model is not served
+    # with here (since a restart) is left out: its calls get a 503 until the operator restarts
+    # the server with a higher limit.
     taken = taken_names(catalog)
+    max_ranks = {name: engine.max_adapter_rank for name, engine in state.engines.items()}
     cards += [ModelCard(id=adapter_model_id(a, taken), created=int(a.created_at),
                         owned_by=tenant.name, parent=a.base_model,
                         max_model_len=state.engines[a.base_model].max_model_len)
-              for a in await visible_adapters(store, tenant, state.engines)]
+              for a in await visible_adapters(store, tenant, max_ranks)]
     return cards
 
 

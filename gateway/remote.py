@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import shutil
 import tempfile
 import time
@@ -302,6 +303,13 @@ class RemoteEngineClient(TextCodec):
     @property
     def supports_adapters(self) -> bool:
         return any(r.supports_adapters for r in self._records())
+
+    @property
+    def max_adapter_rank(self) -> float:
+        """No fixed limit: the model's workers come and go, each with its own --max-lora-rank.
+        A request is placed on one that serves its adapter's rank (a 503 asking to retry while
+        none does: see _no_worker)."""
+        return math.inf
 
     @property
     def counts_text_bytes(self) -> bool:

@@ -307,6 +307,10 @@ class UpstreamEngineClient:
         return False
 
     @property
+    def max_adapter_rank(self) -> int:
+        return 0
+
+    @property
     def counts_text_bytes(self) -> bool:
         return True
 

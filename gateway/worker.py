@@ -81,7 +81,7 @@ class Worker:
         device, host = self.engine.resident_adapters()
         return WorkerRecord(
             id=self.id, url=self.url, model=self.model, max_model_len=self.engine.max_model_len,
-            max_loras=self.engine.max_loras, max_lora_rank=self.engine.max_lora_rank,
+            max_loras=self.engine.max_loras, max_lora_rank=self.engine.max_adapter_rank,
             tokenizer=tokenizer, num_running=stats.num_running,
             num_waiting=stats.num_waiting, adapters_device=device, adapters_host=host,
             stats=msgspec.json.encode(stats), beat_at=time.time())

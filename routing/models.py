@@ -13,7 +13,7 @@ store.models.validate_name, routing.routes.parse_routes), so the split of `base:
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from routing.routes import AUTO, Route
@@ -123,10 +123,12 @@ async def _tenant_adapter(store: Store, tenant: Tenant, name: str) -> AdapterRec
 
 
 async def visible_adapters(store: Store, tenant: Tenant,
-                           served: Collection[str]) -> list[AdapterRecord]:
-    """The tenant's adapters (latest versions) on base models it may use."""
-    allowed = set(allowed_base_models(tenant, served))
-    return [a for a in await store.list_adapters(tenant.name) if a.base_model in allowed]
+                           max_ranks: Mapping[str, float]) -> list[AdapterRecord]:
+    """The tenant's adapters (latest versions) on base models it may use, of a rank their model
+    serves. `max_ranks`: each served base model's highest adapter rank (0: it serves none)."""
+    allowed = set(allowed_base_models(tenant, max_ranks))
+    return [a for a in await store.list_adapters(tenant.name)
+            if a.base_model in allowed and a.rank <= max_ranks[a.base_model]]
 
 
 async def adapters_named(store: Store, names: Collection[str]) -> list[AdapterRecord]:

@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 DEMO_MODEL = "switchboard-demo"
 ADMIN_KEY = "sb-admin-test-key"
 DEMO_MAX_LORA_RANK = 16
+NARROW_MAX_LORA_RANK = 4  # the largest adapter rank narrow_engine serves
 _START_TIMEOUT_S = 30.0
 
 
@@ -56,6 +57,22 @@ def demo_engine(demo_model_dir: Path) -> Iterator:
     yield engine
     engine.close()
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def narrow_engine(demo_engine, demo_model_dir: Path) -> Iterator:
+    """An engine over the demo model that serves adapters up to rank NARROW_MAX_LORA_RANK only (a
+    worker on a smaller GPU, a server restarted with a lower --max-lora-rank), where demo_engine
+    serves them up to DEMO_MAX_LORA_RANK; built, as demo_engine, with one intra-op thread."""
+    from adapters import AdapterConfig
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    lora = AdapterConfig(max_lora_rank=NARROW_MAX_LORA_RANK, max_gpu_adapters=2, max_cpu_adapters=4)
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512,
+                                                 lora=lora), show_progress=False)
+    yield engine
+    engine.close()
 
 
 @dataclass

@@ -23,7 +23,8 @@ import torch
 
 from store.redis import RedisKeys
 from store.sqlite import SqliteStore
-from tests.conftest import DEMO_MAX_LORA_RANK, DEMO_MODEL, gateway_server, logged_status
+from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
+                            logged_status)
 from tests.helpers import hf_greedy, make_peft_model
 from tests.redis_server import redis_server  # noqa: F401
 
@@ -682,24 +683,87 @@ def test_the_multipart_media_type_is_case_insensitive(server, tenant, adapters):
     assert greedy_ids(server, key, "cased") == adapters["expected"]["attn-r4"]
 
 
-def test_an_engine_without_lora_refuses_uploads(demo_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def plain_engine(demo_model_dir):
+    """An engine over the demo model without adapter slots (--max-loras 0)."""
     from engine.config import EngineConfig
     from gateway.local_engine import LocalEngineClient
 
     engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=16),
                                     show_progress=False)
-    try:
-        with gateway_server(engine, tmp_path) as plain:
-            key = plain.new_tenant("plain")
-            refused = upload(plain, key, "a", {
-                "adapter_config.json": ("adapter_config.json", b"{}"),
-                "adapter_model.safetensors": ("adapter_model.safetensors", b"")})
-            error = refused.json()["error"]
-            assert refused.status_code == 400
-            assert (error["code"], error["param"]) == ("adapters_not_served", "base_model")
-            assert "--max-loras above 0" in error["message"]
-    finally:
-        engine.close()
+    yield engine
+    engine.close()
+
+
+def test_an_engine_without_lora_refuses_uploads(plain_engine, tmp_path):
+    with gateway_server(plain_engine, tmp_path) as plain:
+        key = plain.new_tenant("plain")
+        refused = upload(plain, key, "a", {
+            "adapter_config.json": ("adapter_config.json", b"{}"),
+            "adapter_model.safetensors": ("adapter_model.safetensors", b"")})
+        error = refused.json()["error"]
+        assert refused.status_code == 400
+        assert (error["code"], error["param"]) == ("adapters_not_served", "base_model")
+        assert "--max-loras above 0" in error["message"]
+
+
+class _CountingEngine:
+    """`engine`, counting the requests the gateway sends it."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.num_requests = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate(self, *args, **kwargs):
+        self.num_requests += 1
+        return self._engine.generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("restarted_on, still_listed, why_not", [
+    ("narrow_engine", ["slim"], f"{DEMO_MODEL!r} is served here with --max-lora-rank "
+                                f"{NARROW_MAX_LORA_RANK}, so it cannot run; the operator must restart "
+                                "the server with --max-lora-rank 8 or more"),
+    ("plain_engine", [], f"{DEMO_MODEL!r} is served here without adapter slots (--max-loras 0, or by "
+                         "an upstream), so it cannot run; the operator must restart the server "
+                         "with --max-loras above 0"),
+], ids=["lower-rank", "no-lora"])
+def test_an_adapter_the_restarted_server_cannot_run_is_refused_before_admission(
+        request, demo_engine, adapters, tmp_path, restarted_on, still_listed, why_not):
+    """Restarted with a lower --max-lora-rank than an uploaded adapter's rank, or with --max-loras
+    0, a server can never run the adapter: its calls get a 503 saying what the operator must do,
+    without Retry-After, before admission (no rate limit used, no engine request, so no files
+    read), and /v1/models leaves it out. An adapter within the limit still runs."""
+    engine = _CountingEngine(request.getfixturevalue(restarted_on))
+    with gateway_server(demo_engine, tmp_path) as before:
+        key = before.new_tenant("restarted", rpm=2)
+        assert upload(before, key, "wide", files_of(adapters["all-r8"])).status_code == 201
+        assert upload(before, key, "slim", files_of(adapters["attn-r4"])).status_code == 201
+    with gateway_server(engine, tmp_path) as after:
+        def complete(model: str) -> httpx.Response:
+            return httpx.post(after.url + "/v1/completions", headers=auth(key), timeout=60,
+                              json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+
+        refused = [complete("wide") for _ in range(2)]
+        num_refused_requests = engine.num_requests
+        listed = list(models_of(after, key))
+        retrieved = httpx.get(after.url + "/v1/models/wide", headers=auth(key))
+        # The tenant's rpm of 2, which the refused calls left unused; an adapter within the limit
+        # runs where there is one.
+        answered = [complete(DEMO_MODEL), complete(still_listed[0] if still_listed else DEMO_MODEL)]
+        limited = complete(DEMO_MODEL)
+    for reply in refused:
+        assert reply.status_code == 503 and "retry-after" not in reply.headers, reply.text
+        assert reply.json()["error"] == {
+            "message": f"adapter 'wide' has rank 8, but {why_not}", "type": "server_error",
+            "param": None, "code": "engine_unavailable"}
+    assert num_refused_requests == 0
+    assert listed == [DEMO_MODEL, *still_listed]
+    assert retrieved.status_code == 404
+    assert [reply.status_code for reply in answered] == [200, 200]
+    assert (limited.status_code, engine.num_requests) == (429, 2)
 
 
 def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters, tmp_path):

@@ -40,6 +40,7 @@ class ScriptedEngine(IdleEngineParts):
         return None  # no chat template: the gateway's plain transcript is used
 
     supports_adapters = False
+    max_adapter_rank = 0
 
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("the scripted engine serves no adapters")

@@ -33,7 +33,8 @@ from routing.placement import home_of
 from store import RedisStore
 from store.blobs import ADAPTER_FILES, BlobStore, digest_files, ensure_intact_copy
 from store.workers import ModelSeen, WorkerRecord, WorkerRegistry
-from tests.conftest import DEMO_MODEL, leave_while_sending, run_server, send_partly, serve_gateway
+from tests.conftest import (DEMO_MODEL, NARROW_MAX_LORA_RANK, leave_while_sending, run_server,
+                            send_partly, serve_gateway)
 from tests.helpers import damage_adapter_files
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 from tests.test_gateway_routing import eventually
@@ -41,7 +42,6 @@ from tests.test_scaleout_adapters import demo_adapter, upload
 
 GHOST = "ghost"
 _HEARTBEAT_S = 0.1
-_NARROW_RANK = 4  # the largest adapter rank narrow_engine serves
 _names = itertools.count()
 
 
@@ -192,21 +192,6 @@ def second_engine(demo_engine, demo_model_dir) -> Iterator:
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def narrow_engine(demo_engine, demo_model_dir) -> Iterator:
-    """An engine over the demo model that serves adapters up to rank _NARROW_RANK only (a worker
-    on a smaller GPU), where demo_engine serves them up to DEMO_MAX_LORA_RANK."""
-    from adapters import AdapterConfig
-    from engine.config import EngineConfig
-    from gateway.local_engine import LocalEngineClient
-
-    lora = AdapterConfig(max_lora_rank=_NARROW_RANK, max_gpu_adapters=2, max_cpu_adapters=4)
-    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=512,
-                                                 lora=lora), show_progress=False)
-    yield engine
-    engine.close()
-
-
 def _completion(url: str, key: str, model: str, max_tokens: int) -> httpx.Response:
     """A greedy completion of a fixed prompt of token ids, its tokens named by their ids."""
     return httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
@@ -324,14 +309,14 @@ def test_a_record_written_without_max_lora_rank_is_read_as_a_worker_serving_any_
     with redis.Redis.from_url(redis_url) as client:
         client.set("sb:worker:older", msgspec.json.encode(older))
         client.sadd("sb:workers", "older")
-    _register_unreachable_worker(redis_url, _record("narrow", max_lora_rank=_NARROW_RANK))
+    _register_unreachable_worker(redis_url, _record("narrow", max_lora_rank=NARROW_MAX_LORA_RANK))
 
     async def serving(rank: int) -> list[str]:
         async with _gateway_pool(redis_url, tmp_path) as pool:
             return sorted(c.id for c in pool.candidates(GHOST, set(), adapter_rank=rank))
 
-    assert asyncio.run(serving(_NARROW_RANK)) == ["narrow", "older"]
-    assert asyncio.run(serving(_NARROW_RANK + 1)) == ["older"]
+    assert asyncio.run(serving(NARROW_MAX_LORA_RANK)) == ["narrow", "older"]
+    assert asyncio.run(serving(NARROW_MAX_LORA_RANK + 1)) == ["older"]
 
 
 def test_a_worker_address_that_answers_no_worker_json_is_passed_over(redis_url, tmp_path):  # noqa: F811
@@ -683,7 +668,7 @@ def test_workers_that_refuse_a_damaged_copy_at_once_each_get_the_stores(
 
 def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_rank_fits(
         demo_engine, narrow_engine, redis_url, tmp_path):  # noqa: F811
-    folder = demo_adapter(tmp_path / "adapter", rank=2 * _NARROW_RANK)
+    folder = demo_adapter(tmp_path / "adapter", rank=2 * NARROW_MAX_LORA_RANK)
     adapter = AdapterRef(digest_files(folder), str(folder))
     expected = asyncio.run(_token_ids(demo_engine, "local", 4, adapter))
     # An id by which rendezvous hashing alone sends both the upload's check and the adapter's calls
@@ -704,7 +689,7 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
                                   data={"name": "tuned", "base_model": DEMO_MODEL},
                                   files={n: (n, (folder / n).read_bytes()) for n in ADAPTER_FILES})
             assert uploaded.status_code == 201, uploaded.text
-            assert uploaded.json()["rank"] == 2 * _NARROW_RANK
+            assert uploaded.json()["rank"] == 2 * NARROW_MAX_LORA_RANK
             for _ in range(3):
                 assert _answer_ids(_completion(server.url, key, "tuned", 4)) == expected
             # All on the wide worker (the first call found it without the adapter's files).
@@ -721,7 +706,8 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
     error = refused.json()["error"]
     assert error["code"] == "engine_unavailable"
     assert (f"no engine worker of {DEMO_MODEL!r} that is up serves adapters of rank "
-            f"{2 * _NARROW_RANK} (the highest rank they take is {_NARROW_RANK})") in error["message"]
+            f"{2 * NARROW_MAX_LORA_RANK} (the highest rank they take is "
+            f"{NARROW_MAX_LORA_RANK})") in error["message"]
     assert [p for _, p in narrow_seen.seen] == [GENERATE_PATH]  # the base model's call alone
 
 

@@ -46,6 +46,7 @@ class ScriptedTier(IdleEngineParts):
 
     max_model_len = 256
     supports_adapters = False
+    max_adapter_rank = 0
 
     def __init__(self, name: str):
         self.name = name
