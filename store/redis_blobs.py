@@ -7,21 +7,24 @@ Keys, under the store's prefix (RedisKeys), for the blob whose digest (store.blo
     blob-staged:T:N         chunk N of a write (token T) not committed yet; expires in an hour
 A write stages every chunk, then one MULTI renames them to blob:D:N and writes the manifest, so a
 reader that finds a manifest finds every chunk it names, and a reader that finds none treats the
-blob as absent (whatever chunks there are). The chunks of a write that never commits expire.
-Redis never gets one value of more than `chunk_bytes`.
+blob as absent (whatever chunks there are). A write that fails (Redis out of memory, a lost
+connection, the task cancelled) deletes the chunks it staged; those of a writer that crashed, or
+that Redis could not take back, expire. Redis never gets one value of more than `chunk_bytes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from store.blobs import ADAPTER_FILES
 from store.errors import StoreError
@@ -29,8 +32,13 @@ from store.errors import StoreError
 if TYPE_CHECKING:
     from store.redis import RedisKeys
 
+logger = logging.getLogger(__name__)
+
 CHUNK_BYTES = 4 << 20
 _STAGED_TTL_MS = 3600 * 1000  # a write not committed in an hour has crashed
+# Cleanups of failed writes under way: the event loop keeps only weak references to tasks, and a
+# cleanup outlives the write it follows when that write is cancelled again (see _shielded).
+_cleanups: set[asyncio.Task[None]] = set()
 
 
 class BlobFile(msgspec.Struct, frozen=True):
@@ -63,26 +71,42 @@ class RedisBlobs:
                         names: Sequence[str] = ADAPTER_FILES) -> None:
         if await self._redis.exists(self._keys.blob(digest)):
             return  # NOTE: content-addressed: what is kept under the digest is these very files
-        token, files, num_chunks = secrets.token_hex(8), [], 0
-        for name in names:
-            files.append(await self._stage(folder / name, token, num_chunks))
-            num_chunks += files[-1].num_chunks
-        manifest = BlobManifest(files)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for n in range(manifest.num_chunks):
-                pipe.rename(self._keys.blob_staged(token, n), self._keys.blob_chunk(digest, n))
-                pipe.persist(self._keys.blob_chunk(digest, n))
-            pipe.set(self._keys.blob(digest), msgspec.json.encode(manifest))
-            await pipe.execute()
+        staged = _StagedChunks(self._redis, self._keys)
+        try:
+            manifest = BlobManifest([await self._stage(folder / name, staged) for name in names])
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for n in range(manifest.num_chunks):
+                    pipe.rename(staged.key(n), self._keys.blob_chunk(digest, n))
+                    pipe.persist(self._keys.blob_chunk(digest, n))
+                pipe.set(self._keys.blob(digest), msgspec.json.encode(manifest))
+                await pipe.execute()
+        except BaseException:
+            # NOTE: BaseException and shielded: a write cancelled (its client left, a shutdown's
+            # deadline) must give its chunks back too. Left to expire, they would hold Redis's
+            # memory for an hour: out of its maxmemory, Redis would refuse every write meanwhile.
+            await _shielded(self._give_back(staged))
+            raise
 
-    async def _stage(self, path: Path, token: str, first: int) -> BlobFile:
-        """Write the file at `path` as staged chunks `first`, `first` + 1, ..."""
+    async def _give_back(self, staged: _StagedChunks) -> None:
+        """Free the memory Redis holds for a failed write: the chunks it staged, and the buffers of
+        its connections (the one a refused chunk was read into stays counted against maxmemory
+        until Redis trims it). Best effort: the chunks Redis cannot delete now expire."""
+        try:
+            await staged.discard()
+            # NOTE: the idle connections only: the others carry calls under way.
+            await self._redis.connection_pool.disconnect(inuse_connections=False)
+        except (RedisError, OSError) as error:
+            logger.warning("cannot give back to Redis what a failed write of adapter files took "
+                           "there (at most %d chunks); the chunks expire within the hour: %s",
+                           staged.num_tried, error)
+
+    async def _stage(self, path: Path, staged: _StagedChunks) -> BlobFile:
+        """Write the file at `path` as the next chunks of `staged`."""
         size = num_chunks = 0
         source = await asyncio.to_thread(open, path, "rb")
         try:
             while chunk := await asyncio.to_thread(source.read, self.chunk_bytes):
-                await self._redis.set(self._keys.blob_staged(token, first + num_chunks), chunk,
-                                      px=_STAGED_TTL_MS)
+                await staged.add(chunk)
                 size += len(chunk)
                 num_chunks += 1
         finally:
@@ -141,6 +165,40 @@ class RedisBlobs:
         # NOTE: watching the references: a record written meanwhile retries this, and keeps it.
         watches = (manifest_key,) if refs is None else (manifest_key, refs)
         return await self._redis.transaction(delete, *watches, value_from_callable=True)
+
+
+class _StagedChunks:
+    """The chunks one write stages, under a token of its own, before it commits them."""
+
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys) -> None:
+        self._redis = client
+        self._keys = keys
+        self._token = secrets.token_hex(8)
+        # Those written, and the one being written: a SET whose reply never came may have landed.
+        self.num_tried = 0
+
+    def key(self, index: int) -> str:
+        return self._keys.blob_staged(self._token, index)
+
+    async def add(self, chunk: bytes) -> None:
+        """Stage `chunk` as the next one; it expires unless committed or discarded first."""
+        self.num_tried += 1
+        await self._redis.set(self.key(self.num_tried - 1), chunk, px=_STAGED_TTL_MS)
+
+    async def discard(self) -> None:
+        """Delete every chunk staged."""
+        if self.num_tried > 0:
+            # NOTE: alone, not in a transaction: out of its maxmemory, Redis still takes a DEL,
+            # but no command queued in a MULTI.
+            await self._redis.delete(*(self.key(n) for n in range(self.num_tried)))
+
+
+async def _shielded(cleanup: Coroutine[None, None, None]) -> None:
+    """Await `cleanup`, which runs to its end even if the caller is cancelled meanwhile."""
+    task = asyncio.ensure_future(cleanup)
+    _cleanups.add(task)
+    task.add_done_callback(_cleanups.discard)
+    await asyncio.shield(task)
 
 
 def _decode(raw: bytes, digest: str) -> BlobManifest:

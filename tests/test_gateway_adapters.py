@@ -26,7 +26,7 @@ from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
                             logged_status)
 from tests.helpers import hf_greedy, make_peft_model
-from tests.redis_server import redis_server  # noqa: F401
+from tests.redis_server import redis_server, start_redis_server, stop_redis_server  # noqa: F401
 
 MAX_UPLOAD_BYTES = 2 << 20
 PROMPT = "Adapters change this"
@@ -360,6 +360,32 @@ def _shared_copies(server, request) -> list[bytes]:
         return sorted(client.scan_iter(match=RedisKeys("sb:").blob("*")))
     finally:
         client.close()
+
+
+def test_an_upload_redis_has_no_room_for_keeps_nothing_and_others_go_on(demo_engine, adapters,
+                                                                         tmp_path):
+    """Out of its maxmemory halfway through an upload's files, Redis gets back what the upload
+    staged: kept for the hour it is staged for, it would refuse every tenant's calls."""
+    process, url = start_redis_server()
+    client = redis.Redis.from_url(url)
+    try:
+        with gateway_server(demo_engine, tmp_path, url) as server:
+            key, other = server.new_tenant("uploader"), server.new_tenant("other", rpm=100)
+            # Once before, so what a tenant's first call keeps in Redis (its rate bucket, its
+            # usage, the Lua scripts) is there already.
+            assert greedy_ids(server, other, DEMO_MODEL) == adapters["expected"]["base"]
+            # NOTE: chunks smaller than the weights, so the write fails past its first chunks, as
+            # one of an adapter past 4 MiB does with the store's own.
+            server.app.state.gateway.store.shared_blobs.chunk_bytes = 16 << 10
+            client.config_set("maxmemory", client.info("memory")["used_memory"] + (384 << 10))
+            refused = upload(server, key, "too-big", files_of(adapters["all-r8"]))  # 600 KB
+            assert refused.status_code == 503, refused.text
+            assert list(client.scan_iter(match="sb:blob*")) == []
+            assert greedy_ids(server, other, DEMO_MODEL) == adapters["expected"]["base"]
+            assert _snapshot(server, "uploader") == ([], [])
+    finally:
+        client.close()
+        stop_redis_server(process)
 
 
 def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
