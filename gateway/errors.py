@@ -12,12 +12,16 @@ from starlette.responses import Response
 
 from gateway.engine_client import (EngineStopped, EngineUnavailable, UpstreamFailure,
                                    UpstreamUnavailable)
-from store import UNAVAILABLE_ERRORS
+from store import FULL_ERRORS, UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 
 STORE_UNAVAILABLE_MESSAGE = ("the gateway cannot use its store (tenants, keys, limits) at the "
                              "moment; retry shortly")
+STORE_FULL_MESSAGE = ("the gateway's store has no room left for this call: Redis reached its "
+                      "maxmemory, and refuses what calls must keep there (an upload's adapter "
+                      "files, usage, rate limits); retrying will not help until the operator gives "
+                      "Redis more memory (raises its maxmemory) or deletes adapters no longer used")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _MSGSPEC_MISSING = re.compile(r"(?:missing required|contains unknown) field `(.*)`")
 
@@ -136,12 +140,24 @@ async def handle_client_disconnect(request: Request, error: ClientDisconnect) ->
     return client_closed().response()
 
 
-async def handle_store_unavailable(request: Request, error: Exception) -> Response:
-    """A 503 for a call that needed the store while it could not be used (Redis unreachable, the
-    SQLite file locked by another process); the store recovers by itself once it is back."""
-    logger.warning("%s %s: the store is unavailable: %s", request.method, request.url.path, error)
+def store_unavailable(error: Exception) -> ApiError:
+    """The 503 for a call that needed the store while it could not be used (`error`, one of
+    store.UNAVAILABLE_ERRORS): `store_full` while it has no room left, which only its operator
+    mends, so not to be retried (OpenAI's SDKs read x-should-retry); else `store_unavailable`,
+    to retry shortly (Redis unreachable, the SQLite file locked by another process): the store
+    recovers by itself once it is back."""
+    if isinstance(error, FULL_ERRORS):
+        return ApiError(503, STORE_FULL_MESSAGE, type="server_error", code="store_full",
+                        headers={"x-should-retry": "false"})
     return ApiError(503, STORE_UNAVAILABLE_MESSAGE, type="server_error", code="store_unavailable",
-                    headers={"Retry-After": "2"}).response()
+                    headers={"Retry-After": "2"})
+
+
+async def handle_store_unavailable(request: Request, error: Exception) -> Response:
+    """store_unavailable's answer, logged with what the store said."""
+    refused = store_unavailable(error)
+    logger.warning("%s %s: %s: %s", request.method, request.url.path, refused.body.error.code, error)
+    return refused.response()
 
 
 async def handle_unexpected(request: Request, error: Exception) -> Response:

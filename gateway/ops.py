@@ -8,7 +8,7 @@ from starlette.responses import Response
 
 from gateway.auth import authenticate_tenant, require_metrics_reader
 from gateway.engine_client import EngineUnavailable
-from gateway.errors import STORE_UNAVAILABLE_MESSAGE, model_not_found
+from gateway.errors import model_not_found, store_unavailable
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
@@ -74,18 +74,18 @@ async def health(request: Request) -> Response:
     has an engine that can take requests (no key needed).
 
     Every /v1 and /admin call needs the store, and completions write to it (rate limits, budget
-    holds), so while it cannot take writes (Redis is unreachable, another process holds the
-    SQLite file's write lock) the gateway is not ready: a load balancer should send nothing to
-    it. Nor while every engine worker is gone: each call would get a 503. Use this as a readiness
-    check, not a liveness one: restarting the gateway mends none of these, and the running
-    gateway recovers by itself once they are mended.
+    holds), so while it cannot take writes (Redis is unreachable or full, another process holds
+    the SQLite file's write lock: `error` says which) the gateway is not ready: a load balancer
+    should send nothing to it. Nor while every engine worker is gone: each call would get a 503.
+    Use this as a readiness check, not a liveness one: restarting the gateway mends none of
+    these, and the running gateway recovers by itself once they are mended.
     """
     state = gateway_state(request)
     try:
         await state.require_store().ensure_writable()
-    except UNAVAILABLE_ERRORS:
+    except UNAVAILABLE_ERRORS as error:
         return _health(503, Health(status="unavailable", models=list(state.engines),
-                                   error=STORE_UNAVAILABLE_MESSAGE))
+                                   error=store_unavailable(error).body.error.message))
     unavailable = []
     for name, engine in list(state.engines.items()):
         try:

@@ -53,6 +53,10 @@ REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutEr
                             redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError,
                             redis_errors.ExecAbortError, redis_errors.MasterDownError,
                             PersistenceError)
+# Of those, Redis out of its maxmemory with noeviction ("OOM command not allowed when used memory >
+# 'maxmemory'", from a command, a script or a transaction alike): unlike the others it lasts until
+# someone gives Redis more memory or deletes some of its data, so retrying soon does not help.
+REDIS_FULL_ERRORS = (redis_errors.OutOfMemoryError,)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
 

@@ -21,6 +21,7 @@ import pytest
 import redis
 import torch
 
+from gateway.errors import STORE_FULL_MESSAGE
 from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
@@ -365,7 +366,8 @@ def _shared_copies(server, request) -> list[bytes]:
 def test_an_upload_redis_has_no_room_for_keeps_nothing_and_others_go_on(demo_engine, adapters,
                                                                          tmp_path):
     """Out of its maxmemory halfway through an upload's files, Redis gets back what the upload
-    staged: kept for the hour it is staged for, it would refuse every tenant's calls."""
+    staged: kept for the hour it is staged for, it would refuse every tenant's calls. The upload
+    is told that the store is full, which a retry does not mend."""
     process, url = start_redis_server()
     client = redis.Redis.from_url(url)
     try:
@@ -380,6 +382,10 @@ def test_an_upload_redis_has_no_room_for_keeps_nothing_and_others_go_on(demo_eng
             client.config_set("maxmemory", client.info("memory")["used_memory"] + (384 << 10))
             refused = upload(server, key, "too-big", files_of(adapters["all-r8"]))  # 600 KB
             assert refused.status_code == 503, refused.text
+            assert refused.json() == {"error": {"message": STORE_FULL_MESSAGE, "type": "server_error",
+                                                "param": None, "code": "store_full"}}
+            assert "retry-after" not in refused.headers  # nothing mends it in a few seconds
+            assert refused.headers["x-should-retry"] == "false"
             assert list(client.scan_iter(match="sb:blob*")) == []
             assert greedy_ids(server, other, DEMO_MODEL) == adapters["expected"]["base"]
             assert _snapshot(server, "uploader") == ([], [])

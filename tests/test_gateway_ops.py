@@ -10,12 +10,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import redis
 
 from gateway.app import ROUTES
-from gateway.errors import STORE_UNAVAILABLE_MESSAGE
+from gateway.errors import STORE_FULL_MESSAGE, STORE_UNAVAILABLE_MESSAGE
 from gateway.openapi import openapi_path
 from store.sqlite import LOCK_TIMEOUT_S
-from tests.conftest import DEMO_MODEL, logged_status, serve_gateway
+from tests.conftest import DEMO_MODEL, gateway_server, logged_status, serve_gateway
+from tests.redis_server import start_redis_server, stop_redis_server
 from tests.test_gateway_routing import ScriptedTier, eventually
 
 _SHUTDOWN_TIMEOUT_S = 1.0
@@ -49,6 +51,36 @@ def test_a_sqlite_store_locked_by_another_process_answers_503_to_retry(server):
     answered = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
                           headers={"Authorization": f"Bearer {key}"})
     assert answered.status_code == 200, answered.text
+
+
+def test_a_full_redis_store_answers_503_store_full_until_it_has_room(demo_engine, tmp_path):
+    """Redis out of its maxmemory (noeviction, as README asks) refuses every write until its
+    operator gives it room: calls say so, not "retry shortly", and so does /health."""
+    process, url = start_redis_server()
+    client = redis.Redis.from_url(url)
+    completion = {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1}
+    try:
+        with gateway_server(demo_engine, tmp_path, url) as server:
+            key = server.new_tenant("crowded", rpm=100)  # so each call writes its rate bucket
+            client.config_set("maxmemory", 1)
+            refused = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"})
+            assert refused.status_code == 503, refused.text
+            assert refused.json() == {"error": {"message": STORE_FULL_MESSAGE, "type": "server_error",
+                                                "param": None, "code": "store_full"}}
+            assert "retry-after" not in refused.headers
+            assert refused.headers["x-should-retry"] == "false"
+            health = httpx.get(server.url + "/health", timeout=60)
+            assert (health.status_code, health.json()["error"]) == (503, STORE_FULL_MESSAGE)
+
+            client.config_set("maxmemory", 0)
+            assert httpx.get(server.url + "/health").status_code == 200
+            answered = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                                  headers={"Authorization": f"Bearer {key}"})
+            assert answered.status_code == 200, answered.text
+    finally:
+        client.close()
+        stop_redis_server(process)
 
 
 def test_openapi_lists_every_route_and_method(server):
