@@ -151,11 +151,8 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     try:
         if not engine.supports_adapters:
             await engine.ensure_available()  # no worker up at all: a 503, retried later
-            raise invalid_request(
-                f"{uploaded.base_model!r} is served without adapter slots here (its engines run "
-                "with --max-loras 0), so it takes no adapters; ask the operator to start its "
-                "engine (or a worker of it) with --max-loras above 0", param="base_model",
-                code="adapters_not_served")
+            raise invalid_request(f"{uploaded.base_model!r} {engine.why_no_adapters}",
+                                  param="base_model", code="adapters_not_served")
         info = await engine.check_adapter(str(uploaded.folder))
     except AdapterRejected as error:
         raise invalid_request(f"the adapter is not valid for {uploaded.base_model!r}: {error}",

@@ -127,6 +127,12 @@ class EngineClient(Protocol):
         """Whether this engine serves LoRA adapters (started with adapter slots)."""
 
     @property
+    def why_no_adapters(self) -> str:
+        """While `supports_adapters` is False: why, and who can change it, as the rest of a
+        sentence that starts with the model's name ("'demo' is served here without adapter
+        slots ..."), for the errors of an upload or of a call with an adapter."""
+
+    @property
     def max_adapter_rank(self) -> float:
         """The highest adapter rank this engine serves while the gateway runs (its
         --max-lora-rank): 0 when it serves no adapters, inf when it has no fixed limit (engine

@@ -46,6 +46,11 @@ class LocalEngineClient(TextCodec):
         return self._engine.engine.config.lora is not None
 
     @property
+    def why_no_adapters(self) -> str:
+        return ("is served here without adapter slots (--max-loras 0), so it runs no adapters: "
+                "the operator must restart the server with --max-loras above 0")
+
+    @property
     def max_adapter_rank(self) -> int:
         """Fixed by its config: a call that asks for more is refused until the server restarts."""
         lora = self._engine.engine.config.lora

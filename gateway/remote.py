@@ -305,6 +305,12 @@ class RemoteEngineClient(TextCodec):
         return any(r.supports_adapters for r in self._records())
 
     @property
+    def why_no_adapters(self) -> str:
+        return ("is served by engine workers all started without adapter slots (--max-loras 0), so "
+                "it runs no adapters: the operator must start a worker of it with --max-loras "
+                "above 0")
+
+    @property
     def max_adapter_rank(self) -> float:
         """No fixed limit: the model's workers come and go, each with its own --max-lora-rank.
         A request is placed on one that serves its adapter's rank (a 503 asking to retry while

@@ -173,7 +173,7 @@ async def _adapter_tier(state: GatewayState, adapter: AdapterRecord) -> Tier:
     """The adapter's base model, run with this gateway's copy of its files."""
     engine = state.engines[adapter.base_model]
     if adapter.rank > engine.max_adapter_rank:
-        raise _adapter_not_served(adapter, engine.max_adapter_rank)
+        raise _adapter_not_served(adapter, engine)
     folder = await adapter_folder(state, adapter)
     return Tier(adapter.base_model, engine,
                 AdapterRef(adapter.digest, str(folder), adapter.rank), functools.partial(
@@ -181,21 +181,20 @@ async def _adapter_tier(state: GatewayState, adapter: AdapterRecord) -> Tier:
                     adapter.digest))
 
 
-def _adapter_not_served(adapter: AdapterRecord, max_rank: float) -> ApiError:
+def _adapter_not_served(adapter: AdapterRecord, engine: EngineClient) -> ApiError:
     """503 for an adapter whose base model is served here (since a restart) with a lower
-    --max-lora-rank than its rank, or without adapter slots: it can never run until the operator
-    restarts the server. Refused before anything is read or admitted, and without Retry-After,
-    as retrying cannot help (where it can, with engine workers, their 503 has one)."""
+    --max-lora-rank than its rank, without adapter slots, or by an upstream: it can never run
+    until the operator changes that. Refused before anything is read or admitted, and without
+    Retry-After, as retrying cannot help (where it can, with engine workers, their 503 has one)."""
     model = adapter.base_model
-    if max_rank == 0:
-        reason = f"{model!r} is served here without adapter slots (--max-loras 0, or by an upstream)"
-        remedy = "restart the server with --max-loras above 0"
+    if engine.supports_adapters:
+        why = (f"{model!r} is served here with --max-lora-rank {engine.max_adapter_rank:.0f}, so "
+               f"it cannot run: the operator must restart the server with --max-lora-rank "
+               f"{adapter.rank} or more")
     else:
-        reason = f"{model!r} is served here with --max-lora-rank {max_rank:.0f}"
-        remedy = f"restart the server with --max-lora-rank {adapter.rank} or more"
-    return ApiError(503, f"adapter {adapter.name!r} has rank {adapter.rank}, but {reason}, so it "
-                    f"cannot run; the operator must {remedy}", type="server_error",
-                    code="engine_unavailable")
+        why = f"{model!r} {engine.why_no_adapters}"
+    return ApiError(503, f"adapter {adapter.name!r} has rank {adapter.rank}, but {why}",
+                    type="server_error", code="engine_unavailable")
 
 
 async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:

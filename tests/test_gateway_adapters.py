@@ -736,7 +736,9 @@ def test_an_engine_without_lora_refuses_uploads(plain_engine, tmp_path):
         error = refused.json()["error"]
         assert refused.status_code == 400
         assert (error["code"], error["param"]) == ("adapters_not_served", "base_model")
-        assert "--max-loras above 0" in error["message"]
+        assert error["message"] == (
+            f"{DEMO_MODEL!r} is served here without adapter slots (--max-loras 0), so it runs no "
+            "adapters: the operator must restart the server with --max-loras above 0")
 
 
 class _CountingEngine:
@@ -756,11 +758,11 @@ class _CountingEngine:
 
 @pytest.mark.parametrize("restarted_on, still_listed, why_not", [
     ("narrow_engine", ["slim"], f"{DEMO_MODEL!r} is served here with --max-lora-rank "
-                                f"{NARROW_MAX_LORA_RANK}, so it cannot run; the operator must restart "
+                                f"{NARROW_MAX_LORA_RANK}, so it cannot run: the operator must restart "
                                 "the server with --max-lora-rank 8 or more"),
-    ("plain_engine", [], f"{DEMO_MODEL!r} is served here without adapter slots (--max-loras 0, or by "
-                         "an upstream), so it cannot run; the operator must restart the server "
-                         "with --max-loras above 0"),
+    ("plain_engine", [], f"{DEMO_MODEL!r} is served here without adapter slots (--max-loras 0), so "
+                         "it runs no adapters: the operator must restart the server with "
+                         "--max-loras above 0"),
 ], ids=["lower-rank", "no-lora"])
 def test_an_adapter_the_restarted_server_cannot_run_is_refused_before_admission(
         request, demo_engine, adapters, tmp_path, restarted_on, still_listed, why_not):

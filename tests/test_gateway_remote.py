@@ -284,6 +284,23 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     asyncio.run(pool.http.aclose())
 
 
+def test_an_upload_for_a_model_whose_workers_run_no_adapter_slots_says_to_start_one_that_does(
+        redis_url, tmp_path):  # noqa: F811
+    _register_unreachable_worker(redis_url, _record("plain", max_loras=0))
+    with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("acme")
+        refused = httpx.post(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {key}"},
+                             data={"name": "a", "base_model": GHOST}, timeout=10,
+                             files={"adapter_config.json": b"{}", "adapter_model.safetensors": b"x"})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"] == {
+        "message": f"{GHOST!r} is served by engine workers all started without adapter slots "
+                   "(--max-loras 0), so it runs no adapters: the operator must start a worker of "
+                   "it with --max-loras above 0",
+        "type": "invalid_request_error", "param": "base_model", "code": "adapters_not_served"}
+
+
 def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context_outlives_a_restart(
         tmp_path):
     registry = _Registry()
