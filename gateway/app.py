@@ -65,10 +65,10 @@ def _log_admin_key(key: str) -> None:
 
 def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute],
                  default_route: str | None, *, workers: bool = False) -> None:
-    """ValueError unless the default route is declared and every route's tiers are served (any
-    mix of local models and upstreams: each tier reads a prompt with its own tokenizer). With
-    `workers`, a tier no worker serves yet is only logged: workers may start after the gateway
-    (its calls answer 503 `engine_unavailable` until one does)."""
+    """ValueError unless the default route is declared, no route has the name of one of `engines`
+    (the local models and upstreams), and every route's tiers are served (any mix of local
+    models and upstreams: each tier reads a prompt with its own tokenizer). With `workers`, the
+    tiers are left to log_tiers_no_worker_serves, once the registry has been read."""
     if default_route is not None and default_route not in routes:
         raise ValueError(f"the default route {default_route!r} is not declared; routes: "
                          f"{', '.join(routes) or 'none'}")
@@ -76,12 +76,20 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
         if route.name in engines:
             raise ValueError(f"route {route.name!r} has the name of a served model; rename one of them")
         missing = [m for m in route.tiers if m not in engines]
-        if missing and workers:
-            logger.warning("route %r names models no engine worker serves yet: %s", route.name,
-                           ", ".join(missing))
-        elif missing:
+        if missing and not workers:
             raise ValueError(f"route {route.name!r} names models that are not served: "
                              f"{', '.join(missing)}")
+
+
+def log_tiers_no_worker_serves(engines: dict[str, EngineClient],
+                               routes: dict[str, ModelRoute]) -> None:
+    """Only a warning: workers may start after the gateway (the route's calls answer 503
+    `engine_unavailable` until one does)."""
+    for route in routes.values():
+        missing = [m for m in route.tiers if m not in engines]
+        if missing:
+            logger.warning("route %r names models no engine worker serves yet: %s", route.name,
+                           ", ".join(missing))
 
 
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
@@ -112,12 +120,12 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     served too (gateway/remote.py), their tokenizers read by `load_tokenizer`, each until
     `worker_model_ttl_s` after the last heartbeat of its workers; routes are then checked once
     the registry has been read, so their models may be served by workers (even workers that
-    start later).
+    start later). A worker's model named like a route is reached by no call (the route is) and
+    not listed: the gateway logs a warning when it is first served.
     """
     routes = routes or {}
     engines = dict(engines)  # NOTE: the worker pool adds (and removes) the models of its workers
-    if workers_url is None:
-        check_routes(engines, routes, default_route)
+    check_routes(engines, routes, default_route, workers=workers_url is not None)
     blobs = BlobStore(adapter_dir if adapter_dir is not None else data_dir / "adapters")
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
                            max_upload_bytes=max_upload_bytes, prices=prices or {},
@@ -146,10 +154,10 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                                   load_tokenizer, engines, model_ttl_s=worker_model_ttl_s,
                                   ensure_intact_copy=functools.partial(
                                       ensure_intact_copy, blobs, gateway.store.shared_blobs),
-                                  on_serving=lambda model: shadows.check(
-                                      gateway.require_store(), gateway.catalog, {model}))
+                                  on_serving=lambda model: shadows.check_served(
+                                      gateway.require_store(), gateway.catalog, model))
                 await pool.start()
-                check_routes(engines, routes, default_route, workers=True)
+                log_tiers_no_worker_serves(engines, routes)
             yield
         finally:
             # NOTE: a server's shutdown cancels the requests still running at its deadline; they

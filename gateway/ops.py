@@ -12,7 +12,7 @@ from gateway.errors import model_not_found, store_unavailable
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
-from routing.models import (adapter_model_id, allowed_base_models, allowed_routes, default_route,
+from routing.models import (adapter_model_id, allowed_routes, default_route, reachable_base_models,
                             taken_names, visible_adapters)
 from routing.routes import AUTO
 from store import UNAVAILABLE_ERRORS
@@ -45,10 +45,10 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     state = gateway_state(request)
     store = state.require_store()
     tenant = await authenticate_tenant(request, store, state.metrics_key_hash)
+    catalog = state.catalog
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=state.engines[name].max_model_len)
-             for name in allowed_base_models(tenant, state.engines)]
-    catalog = state.catalog
+             for name in reachable_base_models(tenant, catalog)]
     for name in allowed_routes(tenant, catalog):
         route = state.routes[default_route(tenant, catalog) if name == AUTO else name]
         # NOTE: with engine workers, a route's models are served once their workers register.

@@ -1,4 +1,5 @@
-"""Warnings for tenants' adapters whose name a route or served model took after their upload.
+"""Warnings for tenants' adapters whose name a route or served model took after their upload,
+and for engine workers' models whose name a route took.
 
 Uploads refuse the names of routes and served models, but the operator may add one later (a
 restart with another config, an engine worker of a new model): `model` then names it, not the
@@ -44,6 +45,19 @@ class ShadowWarnings:
                 "/v1/models lists it), or can upload it again under another name", adapter.name,
                 adapter.tenant, adapter.base_model, _taker(catalog, adapter.name), adapter.name,
                 adapter_model_id(adapter, names))
+
+
+    async def check_served(self, store: Store, catalog: Catalog, model: str) -> None:
+        """Warn if an engine worker's `model`, which the gateway just started serving, has a
+        route's name (which no config check could refuse: workers come after the gateway's
+        start), then of the adapters named `model`."""
+        if model == AUTO or model in catalog.routes:
+            logger.warning(
+                "engine workers serve a model named %r, which is the name of %s: calls naming %r "
+                "run the route, never the model, and /v1/models leaves the model out; start the "
+                "workers with another name for it (--model NAME=PATH), or rename the route",
+                model, _taker(catalog, model), model)
+        await self.check(store, catalog, {model})
 
 
 def _taker(catalog: Catalog, name: str) -> str:

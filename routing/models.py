@@ -58,6 +58,13 @@ def allowed_base_models(tenant: Tenant, served: Collection[str]) -> list[str]:
     return [m for m in served if may_use(tenant, m)]
 
 
+def reachable_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
+    """The base models this tenant may use that `model` reaches by their own name: not one whose
+    name a route (or `auto`) took, as an engine worker's model may (resolve_model runs the route)."""
+    taken = {AUTO, *catalog.routes}
+    return [m for m in allowed_base_models(tenant, catalog.models) if m not in taken]
+
+
 def default_route(tenant: Tenant, catalog: Catalog) -> str | None:
     """The route `auto` means for this tenant: its own default, else the server's."""
     return tenant.default_route or catalog.default_route

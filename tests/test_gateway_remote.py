@@ -264,6 +264,36 @@ def test_a_worker_model_with_the_name_of_an_adapter_is_warned_of_once_and_lists_
     assert [c["id"] for c in cards.json()["data"]] == [DEMO_MODEL, GHOST, f"{DEMO_MODEL}:{GHOST}"]
 
 
+def test_a_worker_model_with_the_name_of_a_route_leaves_the_route_as_it_is_with_a_warning(
+        demo_engine, redis_url, tmp_path, caplog):  # noqa: F811
+    """A route's name a worker's model takes (a worker registered before the gateway starts, or
+    after) keeps meaning the route: the gateway starts (it once refused to), logs a warning that
+    says what to change, and lists the name once, as the route (it once listed it twice)."""
+    from routing.routes import parse_routes
+
+    routes = parse_routes({"fast": {"tiers": [DEMO_MODEL, GHOST], "threshold": 0.0}}, None)
+    _register_unreachable_worker(redis_url)
+    _register_unreachable_worker(redis_url, _record("clashing", model="fast"))
+    with caplog.at_level(logging.WARNING, logger="gateway.shadowing"), serve_gateway(
+            {DEMO_MODEL: demo_engine}, tmp_path, store_url=redis_url, workers_url=redis_url,
+            routes=routes, load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("acme")
+        headers = {"Authorization": f"Bearer {key}"}
+        cards = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+        card = httpx.get(server.url + "/v1/models/fast", headers=headers).json()
+        reply = httpx.post(server.url + "/v1/completions", headers=headers, timeout=60,
+                           json={"model": "fast", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert [c["id"] for c in cards] == [DEMO_MODEL, GHOST, "fast"]
+    assert card["max_model_len"] == demo_engine.max_model_len  # the route's, from its tier
+    # The route's answer (its tiers read prompts differently), not the unreachable worker's 503.
+    assert reply.status_code == 400 and "route 'fast'" in reply.json()["error"]["message"], reply.text
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.shadowing"]
+    assert warnings == [
+        "engine workers serve a model named 'fast', which is the name of the route 'fast': calls "
+        "naming 'fast' run the route, never the model, and /v1/models leaves the model out; start "
+        "the workers with another name for it (--model NAME=PATH), or rename the route"]
+
+
 def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tmp_path):
     from gateway.remote import WorkerPool
     from routing.placement import place
