@@ -26,8 +26,7 @@ async def create_chat_completion(request: Request) -> Response:
     state = gateway_state(request)
     tenant = await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
     body = await decode_body(request, ChatCompletionRequest)
-    target = await resolve_target(state, tenant, body.model)
-    request.state.model = body.model
+    target = await resolve_target(request, tenant, body.model)
     refuse_unsupported(body, target)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")

@@ -29,8 +29,7 @@ async def create_completion(request: Request) -> Response:
     state = gateway_state(request)
     tenant = await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
     body = await decode_body(request, CompletionRequest)
-    target = await resolve_target(state, tenant, body.model)
-    request.state.model = body.model
+    target = await resolve_target(request, tenant, body.model)
     refuse_unsupported(body, target)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if max_tokens == 0 and not body.echo:

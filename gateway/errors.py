@@ -140,6 +140,15 @@ async def handle_client_disconnect(request: Request, error: ClientDisconnect) ->
     return client_closed().response()
 
 
+def unavailable_until_mended(message: str, code: str) -> ApiError:
+    """A 503 that lasts until someone acts (the operator, or the tenant uploading an adapter
+    again), as `message` says: x-should-retry false and no Retry-After, so that OpenAI's SDKs do
+    not send the call again (each try would cost the client a round trip, and the gateway a log
+    line and a request in its metrics)."""
+    return ApiError(503, message, type="server_error", code=code,
+                    headers={"x-should-retry": "false"})
+
+
 def store_unavailable(error: Exception) -> ApiError:
     """The 503 for a call that needed the store while it could not be used (`error`, one of
     store.UNAVAILABLE_ERRORS): `store_full` while it has no room left, which only its operator
@@ -147,8 +156,7 @@ def store_unavailable(error: Exception) -> ApiError:
     to retry shortly (Redis unreachable, the SQLite file locked by another process): the store
     recovers by itself once it is back."""
     if isinstance(error, FULL_ERRORS):
-        return ApiError(503, STORE_FULL_MESSAGE, type="server_error", code="store_full",
-                        headers={"x-should-retry": "false"})
+        return unavailable_until_mended(STORE_FULL_MESSAGE, code="store_full")
     return ApiError(503, STORE_UNAVAILABLE_MESSAGE, type="server_error", code="store_unavailable",
                     headers={"Retry-After": "2"})
 

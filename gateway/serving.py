@@ -26,7 +26,8 @@ from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
-                           invalid_request, model_not_found, quoted, server_shutdown, too_deep_message)
+                           invalid_request, model_not_found, quoted, server_shutdown, too_deep_message,
+                           unavailable_until_mended)
 from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import DONE, EventStreamResponse, event
@@ -143,9 +144,11 @@ class Target:
         return len({tokenizer_key(t.engine) for t in self.tiers}) == 1
 
 
-async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Target:
+async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target:
     """What `model` names for this tenant: 404 for nothing it knows, 403 for what its policy
-    excludes."""
+    excludes. A name that resolves labels the call (its access log line and request metrics),
+    even if it is then refused: a client's names that mean nothing are not labels."""
+    state = gateway_state(request)
     try:
         target = await resolve_model(state.require_store(), tenant, state.catalog, model)
     except ModelNotFound:
@@ -154,6 +157,7 @@ async def resolve_target(state: GatewayState, tenant: Tenant, model: str) -> Tar
         raise ApiError(403, f"your tenant's policy does not allow the model {quoted(model)}; GET "
                        "/v1/models lists the models and routes you can use", param="model",
                        type="permission_error", code="model_not_allowed") from None
+    request.state.model = model
     models = target.route.tiers if target.route is not None else (target.base_model,)
     if missing := [m for m in models if m not in state.engines]:
         if target.route is None:  # an adapter of a base model this server no longer serves
@@ -193,8 +197,8 @@ def _adapter_not_served(adapter: AdapterRecord, engine: EngineClient) -> ApiErro
                f"{adapter.rank} or more")
     else:
         why = f"{model!r} {engine.why_no_adapters}"
-    return ApiError(503, f"adapter {adapter.name!r} has rank {adapter.rank}, but {why}",
-                    type="server_error", code="engine_unavailable")
+    return unavailable_until_mended(f"adapter {adapter.name!r} has rank {adapter.rank}, but {why}",
+                                    code="engine_unavailable")
 
 
 async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
@@ -211,14 +215,14 @@ async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
                 folder = (state.blobs.path(adapter.digest)
                           or await fetch_blob(state.blobs, shared, adapter.digest))
         except StoreError as error:
-            raise ApiError(503, f"the files of adapter {adapter.name!r} are damaged in the store "
-                           f"and were not used ({error}); upload the adapter again",
-                           type="server_error", code="adapter_files_damaged") from None
+            raise unavailable_until_mended(
+                f"the files of adapter {adapter.name!r} are damaged in the store and were not "
+                f"used ({error}); upload the adapter again", code="adapter_files_damaged") from None
     if folder is None:
         where = "this server's adapter folder" + (" and the store" if shared is not None else "")
-        raise ApiError(503, f"the files of adapter {adapter.name!r} are missing from {where}; "
-                       "upload the adapter again", type="server_error",
-                       code="adapter_files_missing")
+        raise unavailable_until_mended(f"the files of adapter {adapter.name!r} are missing from "
+                                       f"{where}; upload the adapter again",
+                                       code="adapter_files_missing")
     return folder
 
 

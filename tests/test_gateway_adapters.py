@@ -27,6 +27,7 @@ from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
                             logged_status)
 from tests.helpers import hf_greedy, make_peft_model
+from tests.test_gateway_metrics import sample
 from tests.redis_server import redis_server, start_redis_server, stop_redis_server  # noqa: F401
 
 MAX_UPLOAD_BYTES = 2 << 20
@@ -790,8 +791,10 @@ def test_an_adapter_the_restarted_server_cannot_run_is_refused_before_admission(
         # runs where there is one.
         answered = [complete(DEMO_MODEL), complete(still_listed[0] if still_listed else DEMO_MODEL)]
         limited = complete(DEMO_MODEL)
+        metrics = after.admin("GET", "/metrics").text
     for reply in refused:
         assert reply.status_code == 503 and "retry-after" not in reply.headers, reply.text
+        assert reply.headers["x-should-retry"] == "false"  # only the operator mends it
         assert reply.json()["error"] == {
             "message": f"adapter 'wide' has rank 8, but {why_not}", "type": "server_error",
             "param": None, "code": "engine_unavailable"}
@@ -800,6 +803,9 @@ def test_an_adapter_the_restarted_server_cannot_run_is_refused_before_admission(
     assert retrieved.status_code == 404
     assert [reply.status_code for reply in answered] == [200, 200]
     assert (limited.status_code, engine.num_requests) == (429, 2)
+    # Labelled with the model the calls named, which resolved (they were labelled "-").
+    assert sample(metrics, "switchboard_requests_total", tenant="restarted", model="wide",
+                  status=503) == 2
 
 
 def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters, tmp_path):

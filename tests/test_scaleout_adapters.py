@@ -316,6 +316,8 @@ def test_a_damaged_redis_copy_is_refused(gateways, tenant_key, adapter, client, 
 
     reply = completion(b, tenant_key, "tuned")
     assert reply.status_code == 503, reply.text
+    # Only uploading again mends it: OpenAI's SDKs are told not to send the call again.
+    assert reply.headers["x-should-retry"] == "false" and "retry-after" not in reply.headers
     error = reply.json()["error"]
     assert (error["type"], error["code"]) == ("server_error", "adapter_files_damaged")
     assert error["message"].startswith("the files of adapter 'tuned' are damaged in the store "
@@ -336,6 +338,7 @@ def test_a_copy_without_its_manifest_is_missing(gateways, tenant_key, adapter, c
 
     reply = completion(b, tenant_key, "tuned")
     assert reply.status_code == 503, reply.text
+    assert reply.headers["x-should-retry"] == "false" and "retry-after" not in reply.headers
     assert reply.json()["error"] == {
         "message": "the files of adapter 'tuned' are missing from this server's adapter folder "
                    "and the store; upload the adapter again",
