@@ -30,7 +30,7 @@ from gateway.middleware import AccessLog, InFlight
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics, retrieve_model
 from gateway.remote import DEFAULT_MODEL_TTL_S, WorkerPool
-from gateway.shadowing import ShadowWarnings
+from gateway.shadowing import ShadowWarnings, warn_of_undeclared_default_routes
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.models import taken_names
 from routing.pricing import Price
@@ -149,6 +149,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                     functools.partial(drop_deleted_adapters, blobs, gateway.store), blob_sweep_s,
                     "dropping the files of deleted adapters"))
             await shadows.check(gateway.store, gateway.catalog, taken_names(gateway.catalog))
+            await warn_of_undeclared_default_routes(gateway.store, gateway.catalog)
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
                                   load_tokenizer, engines, model_ttl_s=worker_model_ttl_s,

@@ -1,5 +1,6 @@
 """Warnings for tenants' adapters whose name a route or served model took after their upload,
-and for engine workers' models whose name a route took.
+for engine workers' models whose name a route took, and for tenants' default routes the
+server no longer declares.
 
 Uploads refuse the names of routes and served models, but the operator may add one later (a
 restart with another config, an engine worker of a new model): `model` then names it, not the
@@ -58,6 +59,26 @@ class ShadowWarnings:
                 "workers with another name for it (--model NAME=PATH), or rename the route",
                 model, _taker(catalog, model), model)
         await self.check(store, catalog, {model})
+
+
+async def warn_of_undeclared_default_routes(store: Store, catalog: Catalog) -> None:
+    """Warn of each tenant whose own default route this server does not declare (a restart with
+    another config dropped it): its `auto` means the server's default route meanwhile."""
+    try:
+        tenants = await store.list_tenants()
+    except UNAVAILABLE_ERRORS as error:
+        logger.warning("could not check the tenants' default routes (the store is unavailable: "
+                       "%s)", error)
+        return
+    for tenant in tenants:
+        if tenant.default_route is not None and tenant.default_route not in catalog.routes:
+            instead = (f"the server's default route {catalog.default_route!r}"
+                       if catalog.default_route is not None else "nothing (a 404)")
+            logger.warning(
+                "tenant %r has the default route %r, which this server does not declare: its "
+                "calls to %r get %s instead; declare the route again, or set the tenant's "
+                "default_route (PATCH /admin/tenants/%s)", tenant.name, tenant.default_route,
+                AUTO, instead, tenant.name)
 
 
 def _taker(catalog: Catalog, name: str) -> str:

@@ -66,8 +66,11 @@ def reachable_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
 
 
 def default_route(tenant: Tenant, catalog: Catalog) -> str | None:
-    """The route `auto` means for this tenant: its own default, else the server's."""
-    return tenant.default_route or catalog.default_route
+    """The route `auto` means for this tenant: its own default, else the server's. Its own one
+    counts only while the server declares it: a restart with another config may have dropped it
+    (the gateway then logs a warning at startup: gateway/shadowing.py)."""
+    own = tenant.default_route
+    return own if own in catalog.routes else catalog.default_route
 
 
 def allowed_routes(tenant: Tenant, catalog: Catalog) -> list[str]:

@@ -11,6 +11,7 @@ import asyncio
 import http.client
 import itertools
 import json
+import logging
 import math
 import random
 import threading
@@ -361,6 +362,31 @@ def test_policies_limit_routes_and_pick_the_default(routed):
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     two = complete(routed, three, ["easy one", "easy two"])
     assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
+
+
+def test_a_tenant_s_default_route_the_server_no_longer_declares_gives_way_to_the_server_s(
+        engines, tmp_path, caplog):
+    """Restarted without the route a tenant's `auto` meant, the server gives the tenant its own
+    default route (the tenant's `auto` was a 404 and left out of /v1/models), and logs a warning
+    saying what to change."""
+    declared = {"auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5},
+                "three": {"tiers": ["small", "medium", "large"], "threshold": 0.5}}
+    with serve_gateway(engines, tmp_path, routes=parse_routes(declared, engines),
+                       default_route="auto") as before:
+        _, key = new_tenant(before, default_route="three")
+        assert complete(before, key, "hard one").headers["x-switchboard-route"] == "three"
+    del declared["three"]
+    with caplog.at_level(logging.WARNING, logger="gateway.shadowing"), serve_gateway(
+            engines, tmp_path, routes=parse_routes(declared, engines),
+            default_route="auto") as after:
+        answer = complete(after, key, "hard one")
+        listed = httpx.get(after.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-switchboard-route"] == "auto"
+    assert "auto" in [m["id"] for m in listed.json()["data"]]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.shadowing"]
+    assert len(warnings) == 1 and "has the default route 'three', which this server does not " \
+        "declare: its calls to 'auto' get the server's default route 'auto' instead" in warnings[0]
 
 
 def test_a_tenant_s_default_route_is_one_its_allowed_models_hold(routed):
