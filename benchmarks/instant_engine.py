@@ -57,6 +57,10 @@ class InstantEngine:
         return False
 
     @property
+    def why_no_adapters(self) -> str:
+        return "is a benchmark's stand-in for an engine, which runs no adapters"
+
+    @property
     def max_adapter_rank(self) -> int:
         return 0
 
