@@ -29,26 +29,29 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
+        # Characters of the tokens after the read offset already in `text`: those before an
+        # incomplete character at the end, which holds the read offset back.
+        self.num_unread_chars_taken = 0
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
 
-    def add_tokens(self, new_token_ids: list[int], check_stop: bool = True) -> None:
+    def add_tokens(self, new_token_ids: list[int], check_stop: bool = True, is_last: bool = False) -> None:
         """Decode new tokens into `self.text`; sets `stop_reason` when a stop string appears.
 
         With `check_stop` False (before min_tokens) their text is never searched for stop strings,
-        now or later: only a stop string that ends in text decoded while checking counts."""
-        for token_id in new_token_ids:
+        now or later: only a stop string that ends in text decoded while checking counts.
+        `is_last`: the output ends with these tokens, so bytes at the end that never formed a
+        character are shown as U+FFFD. Without it (the output ended on a stop token that is left
+        out of the text, maybe the very byte that would have finished them, as vLLM) they are
+        dropped."""
+        for i, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)
             if self.stop_reason is None:
-                self._decode_next(check_stop)
+                self._decode_next(check_stop, is_last and i == len(new_token_ids) - 1)
 
-    def take_delta(self, finished: bool, keep_partial: bool = True) -> str:
+    def take_delta(self, finished: bool) -> str:
         """Text not yet returned. Unless finished, the last characters that could still grow into a
-        stop string stay back. Once finished, bytes at the end that never formed a character are
-        shown as U+FFFD if `keep_partial`, else dropped: the output ended on a stop token that is
-        left out of the text, maybe the very byte that would have finished them (as vLLM)."""
-        if finished and self.stop_reason is None and keep_partial:
-            self._flush()
+        stop string stay back."""
         end = len(self.text) if finished or self.stop_reason else len(self.text) - self.holdback
         if end <= self.num_emitted_chars:
             return ""
@@ -56,27 +59,22 @@ class IncrementalDetokenizer:
         self.num_emitted_chars = end
         return delta
 
-    def _decode_next(self, check_stop: bool) -> None:
+    def _decode_next(self, check_stop: bool, is_last: bool) -> None:
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return  # an incomplete character: wait for the bytes that finish it
-        new_text = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        unread_text = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)[len(prefix):]
+        is_incomplete = unread_text.endswith("\ufffd") and not is_last
+        # A trailing U+FFFD is a character whose bytes may still come: the whole characters before
+        # it are final (and may end a stop string), it is not.
+        final_text = unread_text.rstrip("\ufffd") if is_incomplete else unread_text
         num_old_chars = len(self.text)
-        self.text += new_text
-        if check_stop:
+        self.text += final_text[self.num_unread_chars_taken:]
+        self.num_unread_chars_taken = max(self.num_unread_chars_taken, len(final_text))
+        if unread_text and not is_incomplete:
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.num_unread_chars_taken = 0
+        if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
-
-    def _flush(self) -> None:
-        """At the end, bytes that never formed a character are shown as U+FFFD."""
-        if self.read_offset < len(self.token_ids):
-            decode = self.tokenizer.decode
-            prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-            full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
-            self.text += full[len(prefix):]
-            self.read_offset = len(self.token_ids)
 
     def _check_stop(self, num_old_chars: int) -> None:
         """Find the earliest stop string that ends in the text after `num_old_chars`.

@@ -200,7 +200,8 @@ class LLMEngine:
         stop_reason = last if stopped_by_token and last in params.stop_token_ids else None
         shows_last_token = not stopped_by_token or params.include_stop_str_in_output
         if detokenizer is not None and shows_last_token:
-            detokenizer.add_tokens([last], check_stop=request.can_stop and not stopped_by_token)
+            detokenizer.add_tokens([last], check_stop=request.can_stop and not stopped_by_token,
+                                   is_last=request.is_finished)
             if detokenizer.stop_reason is not None:
                 stop_reason = detokenizer.stop_reason
                 if not request.is_finished:
@@ -219,7 +220,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[last],
-            new_text=detokenizer.take_delta(finished, keep_partial=shows_last_token) if detokenizer else "",
+            new_text=detokenizer.take_delta(finished) if detokenizer else "",
             new_logprobs=new_logprobs,
             finished=finished,
             finish_reason=request.status.value if finished else None,

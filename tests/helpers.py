@@ -49,15 +49,36 @@ def save_hf_model(model, folder: Path) -> Path:
     return folder
 
 
-def save_successor_model(successors: dict[int, int], folder: Path) -> Path:
-    """A one-layer Llama with the demo model's byte-level tokenizer whose greedy next token is
-    `successors[current token]`: a hand-written output. The attention and MLP add nothing, the
-    embeddings are one-hot, and the LM head maps each token to its successor."""
+def byte_tokenizer_with_token(token_bytes: bytes):
+    """The demo model's byte-level tokenizer plus one token of `token_bytes`, id 258 (after <s> and
+    </s>), which may end partway into a character as BPE merges do. Text never encodes to it."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.demo import build_byte_tokenizer
+    from engine.tokenizer import byte_to_unicode
+
+    demo = build_byte_tokenizer()
+    spec = json.loads(demo.backend_tokenizer.to_str())
+    chars = byte_to_unicode()
+    spec["model"]["vocab"]["".join(chars[byte] for byte in token_bytes)] = len(demo)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                        bos_token=demo.bos_token, eos_token=demo.eos_token)
+    tokenizer.chat_template = demo.chat_template
+    return tokenizer
+
+
+def save_successor_model(successors: dict[int, int], folder: Path, tokenizer=None) -> Path:
+    """A one-layer Llama with `tokenizer` (by default the demo model's byte-level one) whose greedy
+    next token is `successors[current token]`: a hand-written output. The attention and MLP add
+    nothing, the embeddings are one-hot, and the LM head maps each token to its successor."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.demo import build_byte_tokenizer
 
-    tokenizer = build_byte_tokenizer()
+    tokenizer = tokenizer or build_byte_tokenizer()
     vocab_size = len(tokenizer)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=264, intermediate_size=16,
                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -4,6 +4,7 @@ import pytest
 
 from engine.demo import build_byte_tokenizer
 from engine.detokenizer import IncrementalDetokenizer
+from tests.helpers import byte_tokenizer_with_token
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,9 @@ def test_a_stop_string_completed_at_min_tokens_is_cut_from_held_back_text(tokeni
 
 def test_invalid_bytes_are_flushed_at_the_end(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))
-    detok.add_tokens([ord("o"), ord("k"), 0xE6])  # a lone lead byte of a 3-byte character
+    detok.add_tokens([ord("o"), ord("k"), 0xE6])  # the lead byte of a 3-byte character
     assert detok.take_delta(finished=False) == "ok"
+    detok.add_tokens([0x97], is_last=True)  # its second byte, and the output ends without a third
     assert detok.take_delta(finished=True) == "\ufffd"
 
 
@@ -77,4 +79,39 @@ def test_bytes_a_left_out_stop_token_would_have_finished_are_dropped(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("x"))
     detok.add_tokens([ord("o"), ord("k"), 0xC3])  # the stop token 0xA9 would make it "é"
     assert detok.take_delta(finished=False) == "ok"
-    assert detok.take_delta(finished=True, keep_partial=False) == ""
+    assert detok.take_delta(finished=True) == ""
+
+
+@pytest.fixture(scope="module")
+def mixed_tokenizer():
+    return byte_tokenizer_with_token(b"c\xc3")
+
+
+MIXED = 258  # "c" then the lead byte of a 2-byte character ("é" with 0xA9)
+
+
+def test_whole_characters_before_a_partial_one_are_not_held_back(mixed_tokenizer):
+    detok = IncrementalDetokenizer(mixed_tokenizer, mixed_tokenizer.encode("x"))
+    detok.add_tokens([ord("a"), MIXED])
+    assert detok.take_delta(finished=False) == "ac"
+    detok.add_tokens([0xA9])
+    assert detok.take_delta(finished=False) == "\u00e9"
+
+
+@pytest.mark.parametrize("stop, text", [("ac", ""), ("c", "a")])
+@pytest.mark.parametrize("is_last", [False, True])
+def test_a_stop_string_can_end_in_the_characters_before_a_partial_one(mixed_tokenizer, stop, text,
+                                                                      is_last):
+    detok = IncrementalDetokenizer(mixed_tokenizer, mixed_tokenizer.encode("x"), stop=(stop,))
+    detok.add_tokens([ord("a"), MIXED], is_last=is_last)
+    assert (detok.stop_reason, detok.take_delta(finished=True)) == (stop, text)
+
+
+def test_bytes_shown_as_u_fffd_at_the_end_can_end_a_stop_string(mixed_tokenizer):
+    def run(is_last: bool) -> tuple[str | None, str]:
+        detok = IncrementalDetokenizer(mixed_tokenizer, mixed_tokenizer.encode("x"), stop=("c\ufffd",))
+        detok.add_tokens([ord("a"), MIXED], is_last=is_last)
+        return detok.stop_reason, detok.take_delta(finished=is_last)
+
+    assert run(is_last=False) == (None, "a")  # the lead byte may still become "é"; "c" held back
+    assert run(is_last=True) == ("c\ufffd", "a")

@@ -14,7 +14,8 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import InvalidParameter, SamplingParams
-from tests.helpers import make_hf_model, random_prompts, save_hf_model, save_successor_model
+from tests.helpers import (byte_tokenizer_with_token, make_hf_model, random_prompts, save_hf_model,
+                           save_successor_model)
 
 PROMPT = "World"
 NUM_TOKENS = 16
@@ -131,6 +132,37 @@ def test_a_left_out_stop_token_takes_the_bytes_it_would_finish_with_it(tmp_path,
     # Cut by length instead, the lone lead byte shows as U+FFFD, as transformers' decode does.
     cut = run(engine, {"cut": ([ord("Q")], greedy(max_tokens=2))})["cut"]
     assert cut.text == "a\ufffd"
+
+
+MIXED = 258  # byte_tokenizer_with_token's token: "c" then the lead byte of a 2-byte character
+
+
+@pytest.fixture(scope="module")
+def mixed_engine(tmp_path_factory) -> LLMEngine:
+    """Answers "Q" with "a", "b", MIXED, then EOS."""
+    written = [ord("Q"), ord("a"), ord("b"), MIXED, EOS]
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path_factory.mktemp("mixed"),
+                                  byte_tokenizer_with_token(b"c\xc3"))
+    return LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+
+
+@pytest.mark.parametrize("params, deltas, finish_reason, stop_reason", [
+    # "c" comes with its token; the lead byte after it is dropped with the EOS that ends the text.
+    # A stop string of two characters holds one back.
+    (dict(), ["a", "b", "c", ""], "stop", None),
+    (dict(max_tokens=3), ["a", "b", "c\ufffd"], "length", None),
+    (dict(stop=["bc"]), ["", "a", ""], "stop", "bc"),
+    (dict(stop=["bc"], max_tokens=3), ["", "a", ""], "stop", "bc"),
+    (dict(stop=["c"], max_tokens=3), ["a", "b", ""], "stop", "c"),
+    (dict(stop=["bc"], include_stop_str_in_output=True), ["", "a", "bc"], "stop", "bc"),
+    # The U+FFFD that the lead byte shows as once the output ends is searched for stop strings too.
+    (dict(stop=["c\ufffd"], max_tokens=3), ["", "a", "b"], "stop", "c\ufffd"),
+])
+def test_a_stop_string_can_end_before_a_partial_character_in_the_same_token(
+        mixed_engine, params, deltas, finish_reason, stop_reason):
+    result = run(mixed_engine, {"r": ([ord("Q")], SamplingParams(temperature=0, **params))})["r"]
+    assert result.tokens == [ord("a"), ord("b"), MIXED, EOS][:len(deltas)]
+    assert (result.deltas, result.finish_reason, result.stop_reason) == (deltas, finish_reason, stop_reason)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import pytest
 from engine.demo import demo_config
 from engine.llm import LLM
 from engine.request import SamplingParams
-from tests.conftest import ADMIN_KEY, DEMO_MODEL, logged_status
+from tests.conftest import ADMIN_KEY, DEMO_MODEL, gateway_server, logged_status
+from tests.helpers import byte_tokenizer_with_token, save_successor_model
 
 PROMPT = "The quick brown fox"
 CHAT_PROMPT = "<|system|>\nBe brief.\n<|user|>\nhello\n<|assistant|>\n"  # the demo's template
@@ -210,6 +211,31 @@ def test_stop_string_ends_the_completion_without_it(client, offline):
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.text == full[:full.index(stop)]
+
+
+def test_a_stop_string_before_a_partial_character_in_a_token_ends_the_text(tmp_path):
+    """A token of "c" and the lead byte of a 2-byte character, generated last (max_tokens): the
+    stop string "bc" that it completes is left out, streamed or not, and the call stops."""
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    mixed_token, eos = 258, 257
+    written = [ord("Q"), ord("a"), ord("b"), mixed_token, eos]
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path / "model",
+                                  byte_tokenizer_with_token(b"c\xc3"))
+    engine = LocalEngineClient.load(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+    try:
+        with gateway_server(engine, tmp_path / "gateway") as mixed:
+            client = openai.OpenAI(base_url=mixed.url + "/v1", api_key=mixed.new_tenant("mixed"),
+                                   max_retries=0)
+            kwargs = dict(model=DEMO_MODEL, prompt=[ord("Q")], max_tokens=3, temperature=0, stop=["bc"])
+            whole = client.completions.create(**kwargs).choices[0]
+            chunks = list(client.completions.create(stream=True, **kwargs))
+    finally:
+        engine.close()
+    assert (whole.text, whole.finish_reason) == ("a", "stop")
+    assert "".join(c.choices[0].text for c in chunks) == "a"
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_token_id_prompts_and_prompt_lists(client, offline, demo_engine):
