@@ -261,6 +261,7 @@ class Choice:
 
 class Generation:
     """Runs `streams` (choice i comes from prompt `prompt_indices[i]`) and merges their chunks.
+    `same_prompt_as[p]`: the first prompt of the call with prompt p's tokens (by default, p).
 
     Latencies are observed as chunks arrive, once per call however many choices it has: the
     first token is the first of any choice, the last token the last of all; the time between
@@ -268,8 +269,9 @@ class Generation:
     """
 
     def __init__(self, streams: list[AsyncIterator[GenerationChunk]], prompt_indices: list[int],
-                 latency: LatencyMetrics, arrived_at: float):
+                 latency: LatencyMetrics, arrived_at: float, same_prompt_as: list[int] | None = None):
         self.choices = [Choice(i, p) for i, p in enumerate(prompt_indices)]
+        self._same_prompt_as = same_prompt_as or sorted(set(prompt_indices))  # prompts 0, 1, ...
         self._prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         self._latency = latency
         self._arrived_at = arrived_at  # time.monotonic() when the HTTP request came in
@@ -339,14 +341,17 @@ class Generation:
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens read from the prefix cache as earlier calls left it, each prompt once.
-        Of a prompt's choices, the fewest: one computes it, and the others read its blocks from
-        the cache (the engine shares them), which saved this call nothing."""
+        Of the choices of a prompt and of the prompts the call repeats, the fewest: one computes
+        it, and the others read its blocks from the cache (the engine shares them), which saved
+        this call nothing. NOTE: prompts that share only a prefix still count the blocks of it
+        that one of them computed: which blocks they share depends on the engine's block size."""
         fewest: dict[int, int] = {}
         for c in self.choices:
             if c.num_prompt_tokens:
-                fewest[c.prompt_index] = min(c.num_cached_tokens,
-                                             fewest.get(c.prompt_index, c.num_cached_tokens))
-        return sum(fewest.values())
+                key = self._same_prompt_as[c.prompt_index]
+                fewest[key] = min(c.num_cached_tokens, fewest.get(key, c.num_cached_tokens))
+        return sum(fewest[self._same_prompt_as[c.prompt_index]]
+                   for c in self._one_started_choice_per_prompt())
 
     def _one_started_choice_per_prompt(self) -> list[Choice]:
         """A choice of each prompt that got a chunk (the last), if any did: one still waiting when

@@ -412,7 +412,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 request_id=call_id, tenant=tenant.incarnation,
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
-            streams, prompt_indices = [outcome.stream], [0]
+            streams, prompt_indices, same_prompt_as = [outcome.stream], [0], None
             # An earlier tier ran and was passed over. One left out, as it cannot serve the
             # call, was not: the call went straight to the tier that answers.
             escalated = any(a.model != tier.model for a in attempts)
@@ -429,11 +429,12 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 [t for t in (picked, other) if t in serving], ask, attempts, request_id=call_id,
                 tenant=tenant.incarnation, guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
-            streams, prompt_indices = [outcome.stream], [0]
+            streams, prompt_indices, same_prompt_as = [outcome.stream], [0], None
             escalated = tier.model != target.tiers[0].model  # the strong model answers
         else:
             tier = target.tiers[0]
-            streams, prompt_indices = _engine_streams(tier, ask, n, call_id, tenant.incarnation)
+            streams, prompt_indices, same_prompt_as = _engine_streams(tier, ask, n, call_id,
+                                                                      tenant.incarnation)
             escalated = False
     except BaseException:  # only a route's tiers have used tokens yet; bill those
         if target.route is not None:
@@ -444,7 +445,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     if target.route is not None:
         model = answered_by  # a route's replies name the model that answered
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
-    generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at)
+    generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at,
+                            same_prompt_as)
     call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
                 admission, state, attempts, escalated)
     try:
@@ -570,9 +572,14 @@ def _estimate(reading: list[Reading], n: int) -> tuple[int, int]:
 
 
 def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):
-    """`n` engine requests per prompt on one tier, and the prompt each choice answers."""
+    """`n` engine requests per prompt on one tier, the prompt each choice answers, and for each
+    prompt the first one with the same tokens (Generation's `same_prompt_as`)."""
+    readings = ask.read(tier)
+    first_with_tokens: dict[tuple[int, ...], int] = {}
+    same_prompt_as = [first_with_tokens.setdefault(tuple(prompt), p)
+                      for p, (prompt, _) in enumerate(readings)]
     streams, prompt_indices = [], []
-    for p, (prompt, options) in enumerate(ask.read(tier)):
+    for p, (prompt, options) in enumerate(readings):
         for j in range(n):
             # Seeded choices differ from each other but stay reproducible (vLLM does the same).
             seed = None if options.seed is None else _wrap_int64(options.seed + j)
@@ -583,7 +590,7 @@ def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):
                 options, seed=seed, prompt_logprobs=prompt_logprobs),
                 request_id=f"{call_id}-{len(streams)}", tenant=tenant))
             prompt_indices.append(p)
-    return streams, prompt_indices
+    return streams, prompt_indices, same_prompt_as
 
 
 def _wrap_int64(value: int) -> int:

@@ -684,6 +684,21 @@ def test_cached_tokens_count_only_what_earlier_calls_left_in_the_cache(client):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_cached_tokens_leave_out_what_a_prompt_repeated_in_the_same_call_computed(client):
+    """A prompt sent several times in one call's list is computed once, and its repeats read its
+    blocks: that saved the call nothing (three copies of a fresh prompt once said two were cached)."""
+    prompt = "Another prompt no call has sent before, long enough for several KV blocks. " * 3
+
+    def cached(prompts: str | list[str]) -> int:
+        completion = client.completions.create(model=DEMO_MODEL, prompt=prompts, max_tokens=1)
+        return completion.usage.prompt_tokens_details.cached_tokens
+
+    assert cached([prompt, prompt, prompt]) == 0
+    once = cached(prompt)
+    assert once > 0
+    assert cached(["Other text first. " + prompt, prompt, prompt]) == 2 * once
+
+
 def test_tenants_never_hit_each_others_cached_prompts(server):
     """`cached_tokens` (and a faster first token) would tell one tenant what another had sent."""
     secret = "The board meets on Friday to approve the merger with Acme. " * 2  # several KV blocks
