@@ -40,6 +40,10 @@ class InstantEngine:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
+    @property
+    def tokenizer_key(self) -> str:
+        return "bytes"
+
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         return None
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +79,33 @@ def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], by
         return b"" if token is None else piece(token)
 
     return read
+
+
+def reading_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A digest of everything by which `tokenizer` turns text into ids: two tokenizers with the
+    same digest give every text the same ids.
+
+    A fast tokenizer's: its class, normalizer, pre-tokenizer, model (vocabulary, merges), post-
+    processor (the special tokens it adds, as a BOS), added tokens (and which are special) and
+    whether it splits special tokens; not its decoder, padding or truncation, which change no
+    text's ids, nor its chat template (the text it renders is told apart by itself). A Python
+    tokenizer's rules are its code's: no two are taken to read alike, so each gets a digest of
+    its own.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return f"python-tokenizer-{uuid.uuid4().hex}"
+    added = [[i, t.content, t.special, t.single_word, t.lstrip, t.rstrip, t.normalized]
+             for i, t in sorted(backend.get_added_tokens_decoder().items())]
+    parts = [type(tokenizer).__name__.encode(), json.dumps(tokenizer.split_special_tokens).encode(),
+             json.dumps(added).encode()]
+    parts += [b"null" if step is None else step.__getstate__()
+              for step in (backend.normalizer, backend.pre_tokenizer, backend.model,
+                           backend.post_processor)]
+    digest = hashlib.sha256()
+    for part in parts:  # NOTE: each sized, so no two lists of parts hash alike
+        digest.update(len(part).to_bytes(8, "big") + part)
+    return digest.hexdigest()
 
 
 def _decoder_steps(tokenizer: PreTrainedTokenizerBase) -> list[dict]:

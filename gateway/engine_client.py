@@ -106,6 +106,12 @@ class EngineClient(Protocol):
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; RequestRejected if the model has no tokenizer."""
 
+    @property
+    def tokenizer_key(self) -> str | None:
+        """What tells tokenizers apart: engines with the same key give every text the same ids,
+        so a route over them reads a prompt once and takes token ids; None when the model has no
+        tokenizer (it reads token ids only)."""
+
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         """The prompt text of a chat through the model's chat template; None if it has none."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -25,23 +24,6 @@ from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, Dam
                                    GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
-
-_TOKENIZER_PROBE = "Route probe: 12+345=357, naïve café? <|user|>\n"
-_tokenizer_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def tokenizer_key(engine: EngineClient) -> tuple[int, ...] | None:
-    """What tells tokenizers apart: `engine`'s ids for a probe text; None if it has no tokenizer.
-
-    NOTE: engines that agree on the probe are taken to read every text alike.
-    """
-    if engine not in _tokenizer_keys:
-        try:
-            _tokenizer_keys[engine] = tuple(engine.tokenize(_TOKENIZER_PROBE))
-        except RequestRejected:  # no tokenizer: it reads token ids only
-            _tokenizer_keys[engine] = None
-    return _tokenizer_keys[engine]
-
 
 @dataclass
 class Prompt:
@@ -68,7 +50,7 @@ class Prompt:
             return self.token_ids
         if engine not in self._by_engine:
             text, add_special_tokens = self.render(engine)
-            key = (tokenizer_key(engine), text, add_special_tokens)
+            key = (engine.tokenizer_key, text, add_special_tokens)
             if key not in self._by_text:
                 self._by_text[key] = engine.tokenize(text, add_special_tokens=add_special_tokens)
             self._by_engine[engine] = self._by_text[key]

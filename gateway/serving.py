@@ -28,7 +28,7 @@ from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, Engine
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
                            invalid_request, model_not_found, quoted, server_shutdown, too_deep_message,
                            unavailable_until_mended)
-from gateway.generation import Ask, Generation, Prompt, Reading, Tier, tokenizer_key
+from gateway.generation import Ask, Generation, Prompt, Reading, Tier
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import DONE, EventStreamResponse, event
 from gateway.state import GatewayState, gateway_state
@@ -141,7 +141,7 @@ class Target:
     @property
     def shares_tokenizer(self) -> bool:
         """Whether every tier reads text as the same token ids (so token ids mean one thing)."""
-        return len({tokenizer_key(t.engine) for t in self.tiers}) == 1
+        return len({t.engine.tokenizer_key for t in self.tiers}) == 1
 
 
 async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target:

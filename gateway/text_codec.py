@@ -76,6 +76,15 @@ class TextCodec:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     @functools.cached_property
+    def tokenizer_key(self) -> str | None:
+        """A digest of how the tokenizer reads text (engine.tokenizer.reading_digest)."""
+        if self._tokenizer is None:
+            return None
+        from engine.tokenizer import reading_digest  # NOTE: as in use_tokenizer
+
+        return reading_digest(self._tokenizer)
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of text one token of the vocabulary stands for."""
         return max(map(len, map(self.token_bytes, range(len(self._tokenizer)))), default=1)

@@ -284,6 +284,10 @@ class UpstreamEngineClient:
         fields (see the module docstring)."""
         return _chat_ids(text.messages) if isinstance(text, RenderedChat) else list(text.encode())
 
+    @property
+    def tokenizer_key(self) -> str:
+        return "utf-8 bytes"  # as `tokenize` reads a text, whatever the upstream's model
+
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         """The messages whole for the chat API; None for the completions API, which cannot
         reach the upstream's template (the gateway's transcript is sent)."""

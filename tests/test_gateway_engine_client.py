@@ -32,6 +32,8 @@ class ScriptedEngine(IdleEngineParts):
         self.refuse: str | None = None
         self.tokenize_s = 0.0  # how long tokenizing takes (a long prompt's seconds, GIL released)
 
+    tokenizer_key = "1, then bytes"
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         time.sleep(self.tokenize_s)
         return ([1] if add_special_tokens else []) + list(text.encode())

@@ -16,7 +16,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -29,8 +29,8 @@ from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, Eng
 from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
-from tests.conftest import GatewayServer, serve_gateway
-from tests.helpers import IdleEngineParts
+from tests.conftest import DEMO_MODEL, GatewayServer, serve_gateway
+from tests.helpers import IdleEngineParts, make_hf_model, save_hf_model
 
 PRICES = {"small": Price(1.0, 2.0), "medium": Price(3.0, 6.0), "large": Price(10.0, 20.0)}
 # The probability each model gives every token of its answer, by the prompt's first word.
@@ -61,6 +61,8 @@ class ScriptedTier(IdleEngineParts):
 
     def stats(self) -> EngineStats:
         return msgspec.structs.replace(super().stats(), num_running=len(self.running))
+
+    tokenizer_key = "bytes"
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
@@ -103,6 +105,8 @@ class ScriptedTier(IdleEngineParts):
 
 class SpacedTier(ScriptedTier):
     """A scripted engine whose tokenizer reads text differently: with a space token first."""
+
+    tokenizer_key = "a space, then bytes"
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(" ")] + super().tokenize(text)
@@ -150,6 +154,36 @@ def routed(engines, router_dir, tmp_path_factory):
     }, engines)
     with serve_gateway(engines, tmp_path_factory.mktemp("routed"), prices=PRICES, routes=routes,
                        default_route="auto") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def chatml_engine(demo_engine, tmp_path_factory) -> Iterator:
+    """A real engine whose tokenizer is the demo model's plus the special token "<|im_start|>"
+    (id 258), as ChatML finetunes add: the demo model reads that text as its 12 bytes."""
+    from engine.config import EngineConfig
+    from engine.demo import build_byte_tokenizer
+    from gateway.local_engine import LocalEngineClient
+
+    folder = tmp_path_factory.mktemp("chatml")
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.save_pretrained(folder)
+    save_hf_model(make_hf_model(vocab_size=259, bos_token_id=256, eos_token_id=257), folder)
+    engine = LocalEngineClient.load(EngineConfig(model=str(folder), num_kv_blocks=64),
+                                    show_progress=False)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def chatml_routed(demo_engine, chatml_engine, tmp_path_factory) -> Iterator[GatewayServer]:
+    """Route "casc" from the demo model to the ChatML one, escalating every call (no answer is
+    sure of all its tokens)."""
+    engines = {DEMO_MODEL: demo_engine, "chatml": chatml_engine}
+    routes = parse_routes({"casc": {"tiers": [DEMO_MODEL, "chatml"], "measure": "min_prob",
+                                    "threshold": 1.0}}, engines)
+    with serve_gateway(engines, tmp_path_factory.mktemp("chatml-routed"), routes=routes) as server:
         yield server
 
 
@@ -585,6 +619,24 @@ def test_a_learned_route_runs_its_pick_on_that_model_s_own_tokens(routed):
     assert as_ids.status_code == 400 and as_ids.json()["error"]["param"] == "prompt"
     assert "send the prompt as text" in as_ids.json()["error"]["message"]
     assert complete(routed, key, list(b"easy 1000"), model="learned").json()["model"] == "small"
+
+
+def test_a_route_over_tokenizers_that_differ_on_a_special_token_reads_the_prompt_with_each(
+        chatml_routed):
+    """Tokenizers that read most texts alike, but not a special token one of them adds, are
+    different tokenizers: the model the route escalates to reads the prompt as it does when
+    called by name, and the route refuses token ids, which would mean different tokens to its
+    models."""
+    _, key = new_tenant(chatml_routed)
+    direct = complete(chatml_routed, key, "<|im_start|>hi", model="chatml")
+    routed = complete(chatml_routed, key, "<|im_start|>hi", model="casc")
+    assert routed.status_code == 200, routed.text
+    assert routed.headers["x-switchboard-model"] == "chatml"
+    # <s>, <|im_start|>, h, i (the demo model's reading has 15: <s> and 14 bytes)
+    assert direct.json()["usage"]["prompt_tokens"] == routed.json()["usage"]["prompt_tokens"] == 4
+    as_ids = complete(chatml_routed, key, [256, 258, 104, 105], model="casc")
+    assert as_ids.status_code == 400 and as_ids.json()["error"]["param"] == "prompt"
+    assert complete(chatml_routed, key, [256, 258, 104, 105], model="chatml").status_code == 200
 
 
 def test_a_tenant_share_recalibrates_the_threshold_on_its_own_traffic(routed):
