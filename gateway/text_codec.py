@@ -48,7 +48,10 @@ class TextCodec:
 
     def use_tokenizer(self, tokenizer: Any | None) -> None:
         """Read text with `tokenizer` from now on (a model's workers were upgraded)."""
-        self.__dict__.pop("max_token_bytes", None)  # NOTE: the cached_property's value
+        # NOTE: the cached_properties' values; a route whose models read alike with the old
+        # tokenizer may read differently now.
+        self.__dict__.pop("max_token_bytes", None)
+        self.__dict__.pop("tokenizer_key", None)
         self._tokenizer = tokenizer
         self._token_bytes = None
         self._special_ids: frozenset[int] = frozenset()

@@ -441,6 +441,38 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
     asyncio.run(pool.http.aclose())
 
 
+def test_a_route_reads_prompts_with_the_tokenizer_a_models_workers_rolled_out(
+        demo_engine, demo_model_dir, tmp_path):
+    """Workers of GHOST move from the demo model's tokenizer to one that adds no BOS: a route over
+    the demo model and GHOST, which read alike before, reads each prompt with each tokenizer
+    after, and no longer takes token ids (it once kept reading GHOST's prompts as the old
+    tokenizer had, with the demo model's BOS)."""
+    import shutil
+
+    from engine.tokenizer import load_tokenizer
+    from gateway.generation import Prompt, Tier
+    from gateway.serving import Target
+
+    for digest in ("old", "new"):
+        shutil.copytree(demo_model_dir, tmp_path / digest, ignore=shutil.ignore_patterns("*.safetensors"))
+    without_bos = json.loads((tmp_path / "new" / "tokenizer.json").read_text()) | {"post_processor": None}
+    (tmp_path / "new" / "tokenizer.json").write_text(json.dumps(without_bos))
+    registry, models = _Registry(), {}
+    pool = WorkerPool(registry, tmp_path, load_tokenizer, models)
+    registry.records = [_record("a", tokenizer="old")]
+    asyncio.run(pool.refresh())
+    route = Target((Tier(DEMO_MODEL, demo_engine), Tier(GHOST, models[GHOST])))
+    before = Prompt.of_text("hi")
+    assert [before.tokens(tier.engine) for tier in route.tiers] == [[256, 104, 105]] * 2
+    assert route.shares_tokenizer
+    registry.records = [_record("a", tokenizer="new")]
+    asyncio.run(pool.refresh())
+    after = Prompt.of_text("hi")
+    assert [after.tokens(tier.engine) for tier in route.tiers] == [[256, 104, 105], [104, 105]]
+    assert not route.shares_tokenizer
+    asyncio.run(pool.http.aclose())
+
+
 def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own(
         demo_engine, redis_url, tmp_path):  # noqa: F811
     num_held = 100  # httpx's default limit on one client's connections
