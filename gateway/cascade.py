@@ -36,11 +36,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Attempt:
-    """A tier that ran: how sure it was, the bar it had to clear, and the tokens it used."""
+    """A tier that ran: how sure it was, the bar it had to clear, and the tokens it used (none for
+    the tier that answers: its Generation counts them). A learned route's pick has the router's
+    score of the prompt and threshold instead."""
 
     model: str
     score: float | None  # None when it was not judged: its engine failed, or the call ended
-    threshold: float | None  # None for the last tier, which answers whatever its score
+    threshold: float | None  # None for a tier that answers whatever its score, or not judged
     tokens_in: int
     tokens_out: int
 
@@ -78,7 +80,8 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
             return CascadeOutcome(tier, stream)
         limit = route.prefix_tokens if streamed else None
         chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
-        if not await _first_chunks(tier, stream, limit, chunks, attempts, threshold, guard):
+        if not await _first_chunks(tier, stream, limit, chunks, attempts, None, threshold,
+                                  guard):
             continue  # the next tier is the fallback
         logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
         score = None
@@ -99,36 +102,39 @@ async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts
 
 
 async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
-                            request_id: str, tenant: str | None,
+                            score: float | None, threshold: float | None, request_id: str,
+                            tenant: str | None,
                             guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
     """Run the one prompt of `ask` on the first of `tiers` (those that can serve it),
     unless its engine fails or refuses before the first token: then on the next (a learned
-    route's other tier). Tiers that failed go into `attempts`, unjudged; the one that answers
-    does not."""
+    route's other tier). Each tier run goes into `attempts`, the one that answers too; the first
+    with `score` and `threshold`, what the router judged of the prompt to pick it (None when
+    the pick cannot serve the call: it was left out, so the first tier is not the one judged)."""
     for step, tier in enumerate(tiers):
+        judged = (score, threshold) if step == 0 else (None, None)
         [(prompt, options)] = ask.read(tier)
         stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
                               tenant=tenant)
-        if step == len(tiers) - 1:
-            return CascadeOutcome(tier, stream)
         chunks: list[GenerationChunk] = []
-        if await _first_chunks(tier, stream, 1, chunks, attempts, None, guard):
+        if step == len(tiers) - 1 or await _first_chunks(tier, stream, 1, chunks, attempts,
+                                                         *judged, guard):
+            attempts.append(Attempt(tier.model, *judged, 0, 0))  # counted when it finishes
             return CascadeOutcome(tier, _replay(chunks, stream))
     raise AssertionError("the last tier always answers")  # pragma: no cover
 
 
 async def _first_chunks(tier: Tier, stream: AsyncIterator[GenerationChunk], num_tokens: int | None,
-                        chunks: list[GenerationChunk], attempts: list[Attempt],
+                        chunks: list[GenerationChunk], attempts: list[Attempt], score: float | None,
                         threshold: float | None, guard: Callable[[Awaitable], Awaitable]) -> bool:
     """Collect the first `num_tokens` tokens of `tier`'s answer (all when None) into `chunks`;
-    False, with the tier added to `attempts` and its request aborted, if its engine failed or
-    refused the request (the next tier takes over). Raises what else ended the wait (the client
-    left), after the same."""
+    False, with the tier added to `attempts` (with `score` and `threshold`) and its request
+    aborted, if its engine failed or refused the request (the next tier takes over). Raises what
+    else ended the wait (the client left), after the same."""
     try:
         await guard(_collect(stream, num_tokens, chunks))
         return True
     except BaseException as error:
-        attempts.append(Attempt(tier.model, None, threshold, *_used(chunks)))
+        attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
         await stream.aclose()  # aborts the engine request
         if isinstance(error, (EngineFailure, RequestRejected)):
             return False

@@ -422,12 +422,13 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                                                                              serving[0].engine)
             decision = state.learned.decide(target.route, tenant, text)
             picked, other = target.tiers[decision.tier], target.tiers[1 - decision.tier]
-            attempts.append(Attempt(picked.model, decision.score, decision.threshold, 0, 0))
-            # The other tier answers if the picked one cannot serve the call, or fails before
-            # its first token.
+            # The other tier answers if the picked one cannot serve the call (left out, it is
+            # not the tier judged: the call has no score), or fails before its first token.
+            judged = (decision.score, decision.threshold) if picked in serving else (None, None)
             outcome = await run_with_fallback(
-                [t for t in (picked, other) if t in serving], ask, attempts, request_id=call_id,
-                tenant=tenant.incarnation, guard=functools.partial(_unless_disconnected, request))
+                [t for t in (picked, other) if t in serving], ask, attempts, score=judged[0],
+                threshold=judged[1], request_id=call_id, tenant=tenant.incarnation,
+                guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices, same_prompt_as = [outcome.stream], [0], None
             escalated = tier.model != target.tiers[0].model  # the strong model answers

@@ -576,6 +576,44 @@ def test_a_learned_route_runs_a_prompt_its_pick_cannot_hold_on_its_other_tier(ro
     assert len(engines["cramped"].started) == before + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_learned_route_counts_each_tier_it_ran_once_and_reports_a_pick_only_where_it_ran(
+        routed, engines, stream):
+    """The route's tier calls count a pick that failed and the tier that answered once each (the
+    pick was counted twice, the answering tier never), and its score and threshold headers are
+    the router's only where its pick ran: a pick left out was never judged (as a cascade's)."""
+    _, key = new_tenant(routed)
+    metrics = routed.app.state.gateway.metrics
+
+    def tier_calls(route: str) -> dict[str, float]:
+        return {m: metrics.route_attempts.value(route=route, model=m)
+                for m in ("small", "large", "cramped")}
+
+    def call(route: str, prompt: str, counted: dict[str, int]) -> httpx.Response:
+        """The call's response, once the tier calls it counted are `counted`."""
+        before = tier_calls(route)
+        response = complete(routed, key, prompt, model=route, stream=stream)
+        assert response.status_code == 200, response.text
+        expected = {m: before[m] + counted.get(m, 0) for m in before}
+        assert eventually(lambda: tier_calls(route) == expected), (tier_calls(route), expected)
+        return response
+
+    def judged(response: httpx.Response) -> tuple[str, str]:
+        return response.headers["x-switchboard-score"], response.headers["x-switchboard-threshold"]
+
+    picked = call("learned", "hard 1000", {"large": 1})
+    score, threshold = map(float, judged(picked))
+    assert score >= threshold and picked.headers["x-switchboard-model"] == "large"
+    engines["large"].fail = True  # the pick runs and fails before its first token
+    failed_over = call("learned", "hard 1000", {"large": 1, "small": 1})
+    assert failed_over.headers["x-switchboard-model"] == "small"
+    assert judged(failed_over) == judged(picked)  # what the router judged to pick large
+    engines["large"].fail = False
+    # The pick (cramped, for easy prompts) cannot hold this call: it never runs.
+    left_out = call("learned-cramped", "easy 1000 " + "1" * 20, {"large": 1})
+    assert (left_out.headers["x-switchboard-model"], judged(left_out)) == ("large", ("", ""))
+
+
 def test_routes_are_checked_at_startup(tmp_path):
     engines = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
     routes = parse_routes({"auto": {"tiers": ["small", "large"], "threshold": 0.5}}, engines)
