@@ -6,12 +6,15 @@ a streamed one on its first `prefix_tokens`, before any byte reaches the client,
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
 refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
-fallback; only the last tier's failure reaches the client. Tiers that cannot serve the call are
-left out (their context cannot hold the prompt and its answer, or they do not serve its options,
-as an upstream asked for the prompt's logprobs): the last tier that can is the one that answers
-whatever its score; so does the first that can when the call only scores its prompt (echo with
-max_tokens 0), as there is no answer to judge. Each tier reads the prompt with its own tokenizer
-(gateway/generation.py Ask), so a route may mix local models and upstreams.
+fallback. If the last tier fails too before its first token, the tier escalated past that was
+surest of its answer answers after all: that one is aborted only once a later tier answers.
+Tiers that cannot serve the call are left out (their context cannot hold the prompt and its
+answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
+are those whose engine cannot take it now (no worker of their model is up): the last tier that
+can is the one that answers whatever its score; so does the first that can when the call only
+scores its prompt (echo with max_tokens 0), as there is no answer to judge. Each tier reads the
+prompt with its own tokenizer (gateway/generation.py Ask), so a route may mix local models and
+upstreams.
 
 Every token a tier generated is billed, however the call ends: each tier goes into the caller's
 list of attempts as soon as it is done with (kept, escalated, failed, or cut short because the
@@ -20,7 +23,9 @@ counts its prompt once its first chunk came, and its output so far."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -55,50 +60,100 @@ class CascadeOutcome:
     stream: AsyncIterator[GenerationChunk]
 
 
-async def run_cascade(route: CascadeRoute, tiers: list[Tier], ask: Ask, attempts: list[Attempt],
-                      *, streamed: bool, request_id: str, tenant: str | None,
-                      guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
-    """Run `route` over `tiers` (cheapest first) for the one prompt of `ask`, adding each tier
-    run to `attempts` (also when this raises); see the module docstring.
+async def run_cascade(route: CascadeRoute, steps: list[tuple[int, Tier]], ask: Ask,
+                      attempts: list[Attempt], *, streamed: bool, request_id: str,
+                      tenant: str | None, guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
+    """Run `route` for the one prompt of `ask` over `steps`: its tiers that can run the call
+    (cheapest first), each with its index in the route's tiers. Each tier run goes into
+    `attempts` (also when this raises); see the module docstring.
 
     `guard` wraps each wait on a judged tier (the caller cancels it when the client leaves).
     """
-    steps = _serving_steps(tiers, ask)
-    for step, tier in steps:
-        # The last tier that can serve the call answers: escalating into one that cannot would
-        # end a call that an earlier tier could answer with a 400, after billing that tier.
-        # A call that only scores its prompt has no answer to judge: the first tier gives it.
-        answers_whatever = step == steps[-1][0] or ask.scores_prompt_only
-        threshold = None if answers_whatever else route.threshold(step)
-        [(prompt, options)] = ask.read(tier)
-        if threshold is not None:  # judged on its logprobs
-            options = msgspec.structs.replace(options, logprobs=options.logprobs or 0)
-        stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
-                              tenant=tenant)
-        if threshold is None:
-            attempts.append(Attempt(tier.model, None, None, 0, 0))  # counted when it finishes
-            return CascadeOutcome(tier, stream)
-        limit = route.prefix_tokens if streamed else None
-        chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
-        if not await _first_chunks(tier, stream, limit, chunks, attempts, None, threshold,
-                                  guard):
-            continue  # the next tier is the fallback
-        logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
-        score = None
-        if len(logprobs) < sum(len(chunk.token_ids) for chunk in chunks):
-            # An answer without its logprobs (an upstream that sends none) cannot be judged: it
-            # is escalated, not taken as sure.
-            logger.warning("route %s: %s answered without logprobs, so it cannot be judged; "
-                           "escalating", route.name, tier.model)
-        else:
-            score = confidence(logprobs[:limit] if limit else logprobs, route.measure,
-                               route.quantile)
-        if score is not None and score >= threshold:
-            attempts.append(Attempt(tier.model, score, threshold, 0, 0))  # counted when it finishes
-            return CascadeOutcome(tier, _replay(chunks, stream))
-        attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
-        await stream.aclose()  # aborts the engine request
-    raise AssertionError("the last tier always answers")  # pragma: no cover
+    fallback: _PassedOver | None = None
+    try:
+        for step, tier in steps:
+            # The last tier that can serve the call answers: escalating into one that cannot
+            # would end a call that an earlier tier could answer with a 400, after billing that
+            # tier. A call that only scores its prompt has no answer to judge: the first tier
+            # gives it.
+            answers_whatever = step == steps[-1][0] or ask.scores_prompt_only
+            threshold = None if answers_whatever else route.threshold(step)
+            [(prompt, options)] = ask.read(tier)
+            if threshold is not None:  # judged on its logprobs
+                options = msgspec.structs.replace(options, logprobs=options.logprobs or 0)
+            stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
+                                  tenant=tenant)
+            chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
+            if threshold is None:
+                # With a tier passed over to fall back on, this one must start first: if it
+                # fails before its first token (its model's last worker just went down), the
+                # call is that tier's, rather than an error after billing it.
+                if fallback is None or await _first_chunks(tier, stream, 1, chunks, attempts,
+                                                           None, None, guard):
+                    attempts.append(Attempt(tier.model, None, None, 0, 0))  # counted when it finishes
+                    return CascadeOutcome(tier, _replay(chunks, stream))
+                outcome, fallback = fallback.answer(attempts), None
+                return outcome
+            limit = route.prefix_tokens if streamed else None
+            if not await _first_chunks(tier, stream, limit, chunks, attempts, None, threshold,
+                                      guard):
+                continue  # the next tier is the fallback
+            score = _score(route, tier, chunks, limit)
+            if score is not None and score >= threshold:
+                attempts.append(Attempt(tier.model, score, threshold, 0, 0))  # counted when it finishes
+                return CascadeOutcome(tier, _replay(chunks, stream))
+            attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
+            fallback, dropped = _surer(fallback, _PassedOver(tier, stream, chunks, score,
+                                                             len(attempts) - 1))
+            if dropped is not None:
+                await dropped.stream.aclose()  # aborts the engine request
+        raise AssertionError("the last tier always answers")  # pragma: no cover
+    finally:
+        if fallback is not None:  # a later tier answers, or the call ended
+            await fallback.stream.aclose()  # aborts the engine request
+
+
+@dataclass(frozen=True)
+class _PassedOver:
+    """A tier escalated past for its score, its answer left running: it answers instead if the
+    last tier fails before its first token."""
+
+    tier: Tier
+    stream: AsyncIterator[GenerationChunk]
+    chunks: list[GenerationChunk]  # what judging it consumed
+    score: float | None
+    attempt: int  # its index in the call's attempts
+
+    def answer(self, attempts: list[Attempt]) -> CascadeOutcome:
+        # NOTE: its tokens so far are its answer's now, counted when that finishes.
+        attempts[self.attempt] = dataclasses.replace(attempts[self.attempt], tokens_in=0,
+                                                     tokens_out=0)
+        return CascadeOutcome(self.tier, _replay(self.chunks, self.stream))
+
+
+def _surer(held: _PassedOver | None, new: _PassedOver) -> tuple[_PassedOver, _PassedOver | None]:
+    """Of the tier held to fall back on and one just passed over, the one to hold and the one to
+    drop: the surer of its answer (one that could not be judged is the least sure; on a tie the
+    later tier, a stronger model)."""
+    def sureness(tier: _PassedOver) -> float:
+        return -math.inf if tier.score is None else tier.score
+
+    if held is None:
+        return new, None
+    return (new, held) if sureness(new) >= sureness(held) else (held, new)
+
+
+def _score(route: CascadeRoute, tier: Tier, chunks: list[GenerationChunk],
+           limit: int | None) -> float | None:
+    """How sure `tier` is of the answer in `chunks` (by its first `limit` tokens when set); None
+    for an answer without its logprobs (an upstream that sends none), which cannot be judged:
+    it is escalated, not taken as sure."""
+    logprobs = [lp.logprob for chunk in chunks for lp in chunk.logprobs]
+    if len(logprobs) < sum(len(chunk.token_ids) for chunk in chunks):
+        logger.warning("route %s: %s answered without logprobs, so it cannot be judged; "
+                       "escalating", route.name, tier.model)
+        return None
+    return confidence(logprobs[:limit] if limit else logprobs, route.measure, route.quantile)
 
 
 async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
@@ -139,13 +194,6 @@ async def _first_chunks(tier: Tier, stream: AsyncIterator[GenerationChunk], num_
         if isinstance(error, (EngineFailure, RequestRejected)):
             return False
         raise
-
-
-def _serving_steps(tiers: list[Tier], ask: Ask) -> list[tuple[int, Tier]]:
-    """The route's steps whose tier can serve the call (Ask.can_serve).
-
-    NOTE: never none: a call that no tier can serve is refused before it runs (serving)."""
-    return [(step, tier) for step, tier in enumerate(tiers) if ask.can_serve(tier)]
 
 
 async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | None,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, CannotServe, ContextExceeded, DamagedAdapterCopy,
+from gateway.engine_client import (AdapterRef, ContextExceeded, DamagedAdapterCopy,
                                    EngineClient, EngineFailure, EngineStopped, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
 from gateway.metrics import LatencyMetrics
@@ -118,16 +118,6 @@ class Ask:
                 self.options, max_tokens=max_tokens, fills_context=fills_context)))
         return readings
 
-    def can_serve(self, tier: Tier) -> bool:
-        """Whether `tier` serves the options and its context can hold every prompt and its
-        answer (`read` raises no CannotServe); cheap once `read` has run, as prompts keep their
-        tokens."""
-        try:
-            self.read(tier)
-        except CannotServe:
-            return False
-        return True
-
     def check_logprobs(self, tier: Tier, reading: list[Reading], n: int) -> None:
         """RequestRejected if the answers to `reading` (`n` choices per prompt) could carry more
         logprob entries than one full context of `tier`'s model at the most logprobs.
@@ -158,7 +148,7 @@ class Ask:
         fit `engine`'s context.
 
         NOTE: a context of 0 is not known yet (no engine worker of the model has registered): the
-        call gets a 503 instead (serving._ensure_some_tier_available). A prompt of more bytes than
+        call gets a 503 instead (serving._leave_out_unavailable). A prompt of more bytes than
         an upstream's context may still fit its tokens: the upstream judges it."""
         max_model_len = engine.max_model_len
         if max_model_len == 0 or (engine.counts_text_bytes and num_prompt_tokens >= max_model_len):

@@ -397,7 +397,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 ask.check_logprobs(tier, reading, n)
     except RequestRejected as error:
         raise invalid_request(str(error), param=ask.param_of(error) or ask.prompt_param) from None
-    await _ensure_some_tier_available(target)
+    readings = await _leave_out_unavailable(target, readings)
     if ask.max_tokens is None:
         limits = await _call_limits(state, tenant)
         if limits is not None:
@@ -407,14 +407,17 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     attempts: list[Attempt] = []
     try:
         if isinstance(target.route, CascadeRoute):
+            steps = [(step, tier) for step, (tier, reading) in enumerate(zip(target.tiers, readings))
+                     if reading is not None]
             outcome = await run_cascade(
-                target.route, list(target.tiers), ask, attempts, streamed=streamed,
+                target.route, steps, ask, attempts, streamed=streamed,
                 request_id=call_id, tenant=tenant.incarnation,
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices, same_prompt_as = [outcome.stream], [0], None
-            # An earlier tier ran and was passed over. One left out, as it cannot serve the
-            # call, was not: the call went straight to the tier that answers.
+            # Another tier ran: passed over, or failed. One left out, as it cannot serve the
+            # call or its engine is unavailable, was not: the call went straight to the tier
+            # that answers.
             escalated = any(a.model != tier.model for a in attempts)
         elif isinstance(target.route, LearnedRoute):
             serving = [t for t, reading in zip(target.tiers, readings) if reading is not None]
@@ -474,17 +477,25 @@ def _router_text(prompt: Prompt, engine: EngineClient) -> str:
     return engine.detokenize(prompt.token_ids, skip_special_tokens=True)
 
 
-async def _ensure_some_tier_available(target: Target) -> None:
-    """A 503 before admission when no tier's engine could take the call now, which then does
-    not cost its tenant rate limit (a route needs one tier: it runs the others' calls there)."""
+async def _leave_out_unavailable(target: Target, readings: list[list[Reading] | None]
+                                 ) -> list[list[Reading] | None]:
+    """`readings` with None, as for a tier that cannot serve the call, for each tier whose
+    engine could not take it now (no engine worker of its model is up): a route runs the call
+    on its other tiers, rather than run and bill tiers before one that could only fail it. A 503
+    before admission when no tier that can serve the call is available, which then costs its
+    tenant nothing, rate limit included."""
     refusal = None
-    for tier in target.tiers:
-        try:
-            await tier.engine.ensure_available()
-            return
-        except EngineUnavailable as error:
-            refusal = refusal or error
-    raise engine_failed(refusal)
+    available: list[list[Reading] | None] = []
+    for tier, reading in zip(target.tiers, readings):
+        if reading is not None:
+            try:
+                await tier.engine.ensure_available()
+            except EngineUnavailable as error:
+                refusal, reading = refusal or error, None
+        available.append(reading)
+    if all(reading is None for reading in available):
+        raise engine_failed(refusal)  # NOTE: set: some tier can serve the call (_read_tiers)
+    return available
 
 
 def _read_tiers(ask: Ask, tiers: tuple[Tier, ...]) -> list[list[Reading] | None]:

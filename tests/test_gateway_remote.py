@@ -416,6 +416,29 @@ def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(
     assert one.json() == listed.json()["data"][0]
 
 
+def test_a_cascade_into_a_model_whose_workers_are_down_answers_from_the_tier_it_ran(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A cascade whose last tier's only worker cannot be reached answers from its first tier,
+    billed once: the call that finds the worker down, after its first tier ran (it once got a
+    503 that clients retry, billing that tier again each time), and the calls after, which leave
+    the tier out before running any."""
+    from routing.routes import parse_routes
+
+    routes = parse_routes({"escalating": {"tiers": [DEMO_MODEL, GHOST], "measure": "min_prob",
+                                          "threshold": 1.0}}, None)
+    _register_unreachable_worker(redis_url)
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "up"), serve_gateway(
+            {}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url, routes=routes,
+            load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("acme")
+        replies = [_completion(server.url, key, "escalating", 2) for _ in range(2)]
+        usage = server.admin("GET", "/admin/tenants/acme").json()["usage"]
+    assert [len(_answer_ids(r)) for r in replies] == [2, 2]
+    assert [(r.headers["x-switchboard-model"], r.headers["x-switchboard-escalated"])
+            for r in replies] == [(DEMO_MODEL, "true"), (DEMO_MODEL, "false")]
+    assert (usage["requests"], usage["tokens_in"], usage["tokens_out"]) == (2, 6, 4)
+
+
 def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_model_dir, tmp_path):
     import shutil
 

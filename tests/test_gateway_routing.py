@@ -25,7 +25,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
-                                   EngineStats, GenerationChunk, SamplingOptions, TokenLogprob)
+                                   EngineStats, EngineUnavailable, GenerationChunk,
+                                   SamplingOptions, TokenLogprob)
 from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
@@ -53,6 +54,7 @@ class ScriptedTier(IdleEngineParts):
         self.name = name
         self.letter = name[0]
         self.fail = False
+        self.down = False  # no engine up, as a model none of whose workers is up
         self.stall_after: int | None = None  # tokens after which answers wait to be aborted
         self.stalled = threading.Event()  # set once an answer waits there
         self.started: list[str] = []  # request ids, in order
@@ -73,10 +75,15 @@ class ScriptedTier(IdleEngineParts):
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("no adapters here")
 
+    async def ensure_available(self) -> None:
+        if self.down:
+            raise EngineUnavailable(f"no engine serving {self.name!r} is up")
+
     async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, *,
                        request_id: str, tenant: str | None = None,
                        adapter: AdapterRef | None = None) -> AsyncIterator[GenerationChunk]:
         self.started.append(request_id)
+        await self.ensure_available()
         if self.fail:
             raise EngineFailure(f"{self.name} is down")
         words = bytes(prompt_token_ids).decode().split()
@@ -190,7 +197,7 @@ def chatml_routed(demo_engine, chatml_engine, tmp_path_factory) -> Iterator[Gate
 @pytest.fixture(autouse=True)
 def healthy(engines):
     for engine in engines.values():
-        engine.fail, engine.stall_after = False, None
+        engine.fail, engine.down, engine.stall_after = False, False, None
         engine.stalled.clear()
 
 
@@ -349,6 +356,86 @@ def test_a_failing_tier_falls_back_to_the_next_and_the_last_fails_cleanly(routed
     engines["large"].fail = True
     failed = complete(routed, key, "easy one")
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failure"
+
+
+def answer_text(response: httpx.Response) -> str:
+    """The text of a completion, whole or streamed."""
+    if response.headers["content-type"].startswith("application/json"):
+        return response.json()["choices"][0]["text"]
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in response.text.splitlines()
+                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_route_leaves_out_a_tier_whose_engine_is_unavailable_before_running_any(
+        routed, engines, stream):
+    """A tier no engine could take the call on now (no worker of its model up) is left out, as
+    one that cannot serve the call: the call runs on the others and is billed once (a cascade
+    ran its first tier, then answered a 503 that clients retry, billed again each time)."""
+    name, key = new_tenant(routed)
+    engines["large"].down = True
+    started = {model: len(engine.started) for model, engine in engines.items()}
+    # (route, prompt): the model that answers, whether escalated, how many tiers were judged
+    cases = {("auto", "hard one"): ("small", "false", 0), ("three", "harder x"): ("medium", "true", 1),
+             ("learned", "hard 1000"): ("small", "false", 0)}  # the router's pick is large
+    for (route, prompt), (model, escalated, num_judged) in cases.items():
+        response = complete(routed, key, prompt, model=route, stream=stream)
+        assert response.status_code == 200, response.text
+        headers = response.headers
+        assert (headers["x-switchboard-model"], headers["x-switchboard-escalated"]) == \
+            (model, escalated), route
+        assert len([s for s in headers["x-switchboard-score"].split(",") if s]) == num_judged
+        assert answer_text(response) == model[0] * 4
+    assert len(engines["large"].started) == started["large"]
+    usage = spend(routed, name)
+    expected = cost("small", 8, 4) + cost("small", 8, 4) + cost("medium", 8, 4) + cost("small", 9, 4)
+    assert (usage["requests"], usage["tokens_in"], usage["tokens_out"]) == (3, 33, 16)
+    assert usage["spend_usd"] == pytest.approx(expected)
+    # No tier that can hold the call is up (cramped's context cannot): a 503 before it runs.
+    refused = complete(routed, key, "easy one", model="from-cramped", max_tokens=20, stream=stream)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (503, "engine_unavailable")
+    assert refused.headers["retry-after"] == "2"
+    assert {model: len(engine.started) for model, engine in engines.items()} == {
+        **started, "small": started["small"] + 3, "medium": started["medium"] + 1}
+    assert spend(routed, name)["requests"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cascade_whose_last_tier_fails_before_answering_answers_from_a_tier_it_passed_over(
+        routed, engines, stream):
+    """The tier surest of its answer among those escalated past answers, billed once (the call
+    once failed after billing them); each tier ran counts once."""
+    name, key = new_tenant(routed)
+    metrics = routed.app.state.gateway.metrics
+    engines["large"].fail = True  # up, as far as the gateway knows, until the call reaches it
+
+    def tier_calls() -> dict[tuple[str, str], float]:
+        return {(route, model): metrics.route_attempts.value(route=route, model=model)
+                for route in ("auto", "three") for model in ("small", "medium", "large")}
+
+    def logs(*probs: float) -> str:
+        """A header of mean_logprob values (those of "three")."""
+        return ",".join(f"{math.log(p):.6g}" for p in probs)
+
+    before = tier_calls()
+    auto = complete(routed, key, "hard one", stream=stream)
+    # Both small (0.1) and medium (0.3) are escalated past: medium, the surer, answers.
+    three = complete(routed, key, "harder x", model="three", stream=stream)
+    for response, model, score, threshold in [(auto, "small", "0.2", "0.5"),
+                                              (three, "medium", logs(0.1, 0.3), logs(0.5, 0.5))]:
+        assert response.status_code == 200, response.text
+        assert answer_text(response) == model[0] * 4
+        headers = response.headers
+        assert (headers["x-switchboard-model"], headers["x-switchboard-escalated"],
+                headers["x-switchboard-score"], headers["x-switchboard-threshold"]) == \
+            (model, "true", score, threshold)
+    usage = spend(routed, name)
+    assert (usage["requests"], usage["tokens_in"], usage["tokens_out"]) == (2, 24, 12)
+    assert usage["spend_usd"] == pytest.approx(2 * cost("small", 8, 4) + cost("medium", 8, 4))
+    counted = {("auto", "small"): 1, ("auto", "large"): 1, ("three", "small"): 1,
+               ("three", "medium"): 1, ("three", "large"): 1}
+    assert eventually(lambda: tier_calls() == {k: v + counted.get(k, 0) for k, v in before.items()})
+    assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
 
 
 @pytest.mark.parametrize("stream", [False, True])
