@@ -44,6 +44,9 @@ class InstantEngine:
     def tokenizer_key(self) -> str:
         return "bytes"
 
+    def max_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        return len(prompt_token_ids)
+
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         return None
 

@@ -1,7 +1,8 @@
 """Admission: a tenant's rate limits and monthly budget, checked before any engine work.
 
 The rate check pays the request's estimated tokens (prompt + max_tokens for every choice) into
-the tenant's tpm bucket up front, and the call gives back what it did not use when it settles;
+the tenant's tpm bucket up front, and the call gives back what it did not use when it settles
+(and pays what it used beyond them: an upstream may count the prompt as more tokens);
 the budget holds the same estimate until the call settles with the tokens it really used
 (streamed ones included, also when the client went away). A call refused after admission (the
 budget, or the engine, said no) costs nothing. An adapter upload with a tenant's key uses no
@@ -52,9 +53,10 @@ class Admission:
                                exc_info=True)
 
     async def settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
-        """Bill the real counts, release the hold and give the tpm bucket back the tokens held
-        for but not used. Runs as its own task, so a cancelled caller (a client that
-        disconnected) still bills what was generated."""
+        """Bill the real counts, release the hold and leave the tpm bucket paid the tokens used:
+        give it back those held for but not used, or pay those used beyond the hold. Runs as its
+        own task, so a cancelled caller (a client that disconnected) still bills what was
+        generated."""
         await self._finally(self._settle(tokens_in, tokens_out, spend_usd))
 
     async def withdraw(self, *, refund_requests: bool) -> None:
@@ -74,8 +76,8 @@ class Admission:
         try:
             await self._store.settle(self._reservation, tokens_in=tokens_in,
                                      tokens_out=tokens_out, spend_usd=spend_usd)
-            unused = self._reservation.tokens - tokens_in - tokens_out
-            if unused > 0:
+            unused = self._reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
+            if unused != 0:
                 await refund_rate(self._store, self._tenant, requests=0, tokens=unused)
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle usage of tenant %s", self._reservation.tenant)

@@ -70,7 +70,8 @@ class UpstreamSource:
     fewer than its tokens), so its context check may refuse a prompt that would just fit. A chat
     sent to the chat API counts as the bytes of its messages' roles, names and contents plus one
     per field: no fewer than the tokens of those, but the upstream's chat template adds tokens of
-    its own (a few a message), so a chat that only just fits may be refused by the upstream."""
+    its own (a few a message), so a chat that only just fits may be refused by the upstream (a
+    call's hold counts those: see upstream._PromptOverhead)."""
     api: Literal["completions", "chat"] = "completions"
     """The OpenAI API it is reached by: "completions" (the legacy API; a chat arrives as the
     gateway's plain transcript) or "chat" (Chat Completions: a chat arrives as its messages, a

@@ -112,6 +112,11 @@ class EngineClient(Protocol):
         so a route over them reads a prompt once and takes token ids; None when the model has no
         tokenizer (it reads token ids only)."""
 
+    def max_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        """The most tokens the model may count a prompt of these ids as, which a call holds of
+        its tenant's budgets and tpm: their number, or more where the model reads the prompt's
+        text its own way (an upstream adds its special tokens and chat template)."""
+
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         """The prompt text of a chat through the model's chat template; None if it has none."""
 

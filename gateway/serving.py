@@ -529,7 +529,7 @@ def _hold(state: GatewayState, target: Target, readings: list[list[Reading] | No
     holds = []
     for tier, reading in zip(target.tiers, readings):
         if reading is not None:
-            tokens = _estimate(reading, n)
+            tokens = _estimate(tier.engine, reading, n)
             holds.append((sum(tokens), state.price_of(tier.model).cost(*tokens)))
     tokens, spend = zip(*holds)
     if isinstance(target.route, CascadeRoute):
@@ -578,9 +578,11 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
     return dataclasses.replace(ask, implicit_max_tokens=low), capped(low)
 
 
-def _estimate(reading: list[Reading], n: int) -> tuple[int, int]:
-    """The prompt tokens of one tier's reading of a call, and the most its answers may use."""
-    return sum(len(p) for p, _ in reading), n * sum(o.max_tokens for _, o in reading)
+def _estimate(engine: EngineClient, reading: list[Reading], n: int) -> tuple[int, int]:
+    """The most prompt tokens one tier's reading of a call may be billed, and the most its
+    answers may use."""
+    return (sum(engine.max_prompt_tokens(p) for p, _ in reading),
+            n * sum(o.max_tokens for _, o in reading))
 
 
 def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):

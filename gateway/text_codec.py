@@ -78,6 +78,9 @@ class TextCodec:
                 f"{self.max_model_len} tokens can hold; shorten the prompt", "prompt")
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def max_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        return len(prompt_token_ids)  # the engine runs the ids as they are
+
     @functools.cached_property
     def tokenizer_key(self) -> str | None:
         """A digest of how the tokenizer reads text (engine.tokenizer.reading_digest)."""

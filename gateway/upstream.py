@@ -12,7 +12,8 @@ to it, make the mapping lossless:
   ROLE_ID as a chat and any other as a text: no prompt text can pass for a chat, whatever it holds.
   Only `render_chat` makes a chat: a RenderedChat, a str holding the messages, which `tokenize`
   turns into these ids (user text is a plain str, so it is always read as bytes). A chat counts as
-  the bytes of its fields plus one per field (see UpstreamSource.max_model_len);
+  the bytes of its fields plus one per field (see UpstreamSource.max_model_len), and a call holds
+  what the upstream adds to each message besides (`max_prompt_tokens`, _PromptOverhead);
 - output ids stand for the upstream's tokens: FIRST_TOKEN_ID + the index of each token's text in a
   table this client fills as tokens arrive (`token_text` reads it back). The upstream is always
   asked for logprobs (`logprobs: 0`, or the chat API's `logprobs: true`, gives just the chosen
@@ -86,6 +87,10 @@ _API_PATHS = {"completions": "/completions", "chat": "/chat/completions"}
 # The special tokens an upstream may add to a prompt it reads as text (a BOS, and some add more),
 # which the prompt's bytes do not count.
 _SPECIAL_TOKENS_ROOM = 8
+# What a chat template may add to each message of a chat beyond its role's and content's bytes:
+# the tokens around each message, and those it adds once (a BOS, a default system message, the
+# assistant's opening), which in a chat of one message come to some 30 tokens in common templates.
+_CHAT_TEMPLATE_ROOM = 32
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}  # others read as "stop"
 _REJECTED_STATUSES = (400, 413, 422)  # the request itself was wrong: the caller can fix it
 _UNAVAILABLE_STATUSES = (429, 503, 504)  # overloaded, or too slow behind its own proxy: retry later
@@ -244,6 +249,31 @@ class _PromptRatio:
         return max(1, round(num_prompt_bytes * self._num_tokens / self._num_bytes))
 
 
+class _PromptOverhead:
+    """The most tokens an upstream adds to a prompt per message beyond the prompt's ids here (a
+    text is one message): its special tokens, and the chat API's template. A call holds that much
+    of its tenant's budgets and tpm besides the ids (which count a text's bytes, never fewer than
+    its tokens), so that the usage the upstream bills fits what the call held.
+
+    Learnt from the usage of the answers the upstream finished, as the most any of them showed
+    per message: an average would hold too little for chats of few messages, where what a template
+    adds once weighs most. Before any finished, `default_per_message`.
+    NOTE: learnt on the client's loop, read on the gateway's: one int, replaced whole.
+    """
+
+    def __init__(self, default_per_message: int):
+        self._default_per_message = default_per_message
+        self._per_message: int | None = None
+
+    def learn(self, num_prompt_ids: int, num_messages: int, num_prompt_tokens: int) -> None:
+        per_message = max(0, -(-(num_prompt_tokens - num_prompt_ids) // num_messages))
+        self._per_message = max(per_message, self._per_message or 0)
+
+    def estimate(self, num_messages: int) -> int:
+        per_message = self._per_message
+        return num_messages * (self._default_per_message if per_message is None else per_message)
+
+
 class UpstreamEngineClient:
     """Serves one model of a remote OpenAI-compatible server; see the module docstring."""
 
@@ -261,6 +291,8 @@ class UpstreamEngineClient:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._prompt_ratio = _PromptRatio()  # NOTE: used only on the client's loop
+        self._prompt_overhead = _PromptOverhead(
+            _CHAT_TEMPLATE_ROOM if source.api == "chat" else _SPECIAL_TOKENS_ROOM)
         self._is_closed = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # NOTE: no cap on connections: each running request holds one, and the gateway's
@@ -287,6 +319,10 @@ class UpstreamEngineClient:
     @property
     def tokenizer_key(self) -> str:
         return "utf-8 bytes"  # as `tokenize` reads a text, whatever the upstream's model
+
+    def max_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        """The ids, and what the upstream may add to each message of the prompt (_PromptOverhead)."""
+        return len(prompt_token_ids) + self._prompt_overhead.estimate(_num_messages(prompt_token_ids))
 
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         """The messages whole for the chat API; None for the completions API, which cannot
@@ -347,7 +383,7 @@ class UpstreamEngineClient:
         caller = asyncio.get_running_loop()
         chunks: asyncio.Queue[GenerationChunk | Exception | None] = asyncio.Queue()
         relay = asyncio.run_coroutine_threadsafe(
-            self._relay(body, request_id, len(prompt_token_ids), options.logprobs is not None,
+            self._relay(body, request_id, prompt_token_ids, options.logprobs is not None,
                         functools.partial(caller.call_soon_threadsafe, chunks.put_nowait)),
             self._loop)
         try:
@@ -425,7 +461,7 @@ class UpstreamEngineClient:
             return None
         return max(1, options.max_tokens - _SPECIAL_TOKENS_ROOM)
 
-    async def _relay(self, body: bytes, request_id: str, num_prompt_bytes: int,
+    async def _relay(self, body: bytes, request_id: str, prompt_token_ids: list[int],
                      with_logprobs: bool, put: Callable[[object], object]) -> None:
         """Run one upstream request on the client's loop, handing each chunk to `put`, then None
         or the error: the caller waits on what `put` delivers, so every outcome must reach it."""
@@ -435,7 +471,7 @@ class UpstreamEngineClient:
             async with self._client.stream("POST", self._url, content=body,
                                            headers=headers) as response:
                 await self._check_status(response)
-                async for chunk in self._chunks(sse_lines(response.aiter_bytes()), num_prompt_bytes,
+                async for chunk in self._chunks(sse_lines(response.aiter_bytes()), prompt_token_ids,
                                                 with_logprobs):
                     put(chunk)
             put(None)
@@ -487,10 +523,11 @@ class UpstreamEngineClient:
         raise _UpstreamError(f"{self._where} answered {status}: {message}",
                              is_unavailable=status in _UNAVAILABLE_STATUSES)
 
-    async def _chunks(self, lines: AsyncIterator[str], num_prompt_bytes: int,
+    async def _chunks(self, lines: AsyncIterator[str], prompt_token_ids: list[int],
                       with_logprobs: bool) -> AsyncIterator[GenerationChunk]:
         """The answer's chunks; the finished one is held back until the stream ends, since the
         upstream sends its usage after it."""
+        num_prompt_bytes = len(prompt_token_ids)
         counts = _Counts(self._prompt_ratio.estimate(num_prompt_bytes))
         ending: _Choice | None = None
         async for event in self._events(lines):
@@ -505,6 +542,8 @@ class UpstreamEngineClient:
             raise _UpstreamError(f"{self._where} ended its stream before the answer finished")
         if counts.usage is not None:  # once an answer: some upstreams send usage with each event
             self._prompt_ratio.learn(num_prompt_bytes, counts.usage.prompt_tokens)
+            self._prompt_overhead.learn(num_prompt_bytes, _num_messages(prompt_token_ids),
+                                        counts.usage.prompt_tokens)
         self._num_prompt_tokens += counts.num_prompt_tokens
         yield self._chunk(ending, counts, with_logprobs,
                           _FINISH_REASONS.get(ending.finish_reason, "stop"))
@@ -611,6 +650,11 @@ def _chat_ids(messages: list[dict[str, str]]) -> list[int]:
     """A chat's ids: each field of each message as its mark, then its UTF-8 bytes."""
     return [token_id for message in messages for key, mark in _FIELD_MARKS.items()
             if key in message for token_id in (mark, *message[key].encode())]
+
+
+def _num_messages(token_ids: list[int]) -> int:
+    """The messages of a prompt: a chat's (marked ids), or 1 for a text."""
+    return max(1, token_ids.count(ROLE_ID))
 
 
 def _messages(token_ids: list[int]) -> list[dict[str, str]]:

@@ -121,10 +121,17 @@ class Store(Protocol):
     # Rate limits, budgets and usage.
 
     async def check_and_consume_rate(
-        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+        self,
+        tenant: Tenant,
+        *,
+        requests: int = 1,
+        tokens: int = 0,
+        now: float | None = None,
+        overdraw: bool = False,
     ) -> RateDecision:
         """Atomically check the tenant's rpm and tpm buckets; if both allow, pay into both.
-        Negative counts give back (see refund_rate)."""
+        Negative counts give back (see refund_rate). With `overdraw`, pay whatever the buckets
+        hold: one that lacks the cost goes below empty, and refills from there."""
 
     async def reserve_tokens(
         self,
@@ -164,11 +171,14 @@ async def refund_rate(
 ) -> None:
     """Give back what a call of `tenant` paid into the rate buckets (it was refused after paying,
     or used less than it paid for): a payment of the negative counts, always allowed, after which
-    a bucket never holds more than its limit.
+    a bucket never holds more than its limit. Negative counts pay what the call used beyond what
+    it paid (an upstream counted its prompt as more tokens than the call held), also what the
+    buckets lack: they go below empty, so that the tenant's next calls wait until they refill.
 
     At the limits the tenant has now: a PATCH since the call paid must not have the bucket refill
     and cap at the old ones. Nothing for a tenant deleted since, or made anew under its name."""
     current = await store.get_tenant(tenant.name)
     if current is None or current.incarnation != tenant.incarnation:
         return
-    await store.check_and_consume_rate(current, requests=-requests, tokens=-tokens, now=now)
+    await store.check_and_consume_rate(current, requests=-requests, tokens=-tokens, now=now,
+                                       overdraw=True)

@@ -53,13 +53,17 @@ def rate_costs(tenant: Tenant, requests: int, tokens: int) -> dict[str, tuple[in
 
 
 def take(
-    costs: dict[str, tuple[int, int]], buckets: dict[str, tuple[float, float]], now: float
+    costs: dict[str, tuple[int, int]],
+    buckets: dict[str, tuple[float, float]],
+    now: float,
+    overdraw: bool = False,
 ) -> tuple[RateDecision, dict[str, tuple[float, float]]]:
     """Try to pay `costs` from `buckets` ({kind: (level, updated_at)}, missing = full).
 
     Returns the decision and, when allowed, the buckets to store. A cost above its limit is never
     allowed; its retry_after is then one window (the gateway should reject such a request as too
-    large by comparing with the tenant's limit).
+    large by comparing with the tenant's limit). With `overdraw`, every cost is paid, a bucket
+    that lacks it going below empty (it then refills from there).
     """
     new_buckets = {}
     retry_after, limited_by = 0.0, None
@@ -67,7 +71,7 @@ def take(
         level, updated_at = buckets.get(kind, (float(limit), now))
         # NOTE: a clock behind the stored one (another gateway process) refills nothing.
         level = min(float(limit), level + max(0.0, now - updated_at) * limit / WINDOW_S)
-        if level < cost:
+        if level < cost and not overdraw:
             wait = WINDOW_S if cost > limit else (cost - level) * WINDOW_S / limit
             if wait > retry_after:
                 retry_after, limited_by = wait, kind

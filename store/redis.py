@@ -419,12 +419,18 @@ class RedisStore:
     # Rate limits, budgets and usage.
 
     async def check_and_consume_rate(
-        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+        self,
+        tenant: Tenant,
+        *,
+        requests: int = 1,
+        tokens: int = 0,
+        now: float | None = None,
+        overdraw: bool = False,
     ) -> RateDecision:
         costs = rate_costs(tenant, requests, tokens)
         if not costs:
             return RateDecision(True)
-        args = [repr(now_or(now)), repr(WINDOW_S)]
+        args = [repr(now_or(now)), repr(WINDOW_S), int(overdraw)]
         for kind, (limit, cost) in costs.items():
             args += [kind, limit, cost]
         allowed, retry_after, limited_by = await self._rate_script(

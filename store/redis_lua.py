@@ -6,33 +6,40 @@ check and the write. They mirror store.limits (take, budget_allows); numbers cro
 """
 
 # KEYS[1]: the tenant's bucket hash ("<kind>:level", "<kind>:ts" fields; missing = full bucket).
-# ARGV: now, window_s, then one (kind, limit, cost) triple per bucket to pay (a negative cost is
-# a refund, never refused).
+# ARGV: now, window_s, overdraw (1: pay every cost, a bucket that lacks it going below empty),
+# then one (kind, limit, cost) triple per bucket to pay (a negative cost is a refund, never
+# refused).
 # Returns {allowed (0/1), retry_after, limited_by}.
 RATE = """
-local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now, window, overdraw = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3] == '1'
 local paid, retry_after, limited_by = {}, 0, ''
-for i = 3, #ARGV, 3 do
+for i = 4, #ARGV, 3 do
   local kind, limit, cost = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local state = redis.call('HMGET', KEYS[1], kind .. ':level', kind .. ':ts')
   local level, ts = tonumber(state[1]) or limit, tonumber(state[2]) or now
   level = math.min(limit, level + math.max(0, now - ts) * limit / window)
-  if level < cost then
+  if level < cost and not overdraw then
     local wait = window
     if cost <= limit then wait = (cost - level) * window / limit end
     if wait > retry_after then retry_after, limited_by = wait, kind end
   end
-  paid[#paid + 1] = {kind, math.min(limit, level - cost), math.max(ts, now)}
+  paid[#paid + 1] = {kind, math.min(limit, level - cost), math.max(ts, now), limit}
 end
 if limited_by ~= '' then
   return {0, string.format('%.17g', retry_after), limited_by}
 end
+-- A missing bucket means a full one: the hash lapses a window after every bucket is full again
+-- (two windows at most, longer for one an overdraw left below empty), and never sooner for a
+-- payment into its other buckets.
+local ttl = 2 * window
 for _, b in ipairs(paid) do
   redis.call('HSET', KEYS[1], b[1] .. ':level', string.format('%.17g', b[2]),
              b[1] .. ':ts', string.format('%.17g', b[3]))
+  ttl = math.max(ttl, window + (b[4] - b[2]) * window / b[4])
 end
--- An idle bucket is full again after one window, which is what a missing bucket means.
-redis.call('EXPIRE', KEYS[1], math.ceil(2 * window))
+if redis.call('TTL', KEYS[1]) < ttl then
+  redis.call('EXPIRE', KEYS[1], math.ceil(ttl))
+end
 return {1, '0', ''}
 """
 

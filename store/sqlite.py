@@ -443,7 +443,13 @@ class SqliteStore:
     # Rate limits, budgets and usage.
 
     async def check_and_consume_rate(
-        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None
+        self,
+        tenant: Tenant,
+        *,
+        requests: int = 1,
+        tokens: int = 0,
+        now: float | None = None,
+        overdraw: bool = False,
     ) -> RateDecision:
         costs = rate_costs(tenant, requests, tokens)
         if not costs:
@@ -454,7 +460,8 @@ class SqliteStore:
             rows = conn.execute(
                 "SELECT kind, level, updated_at FROM rate_buckets WHERE tenant = ?", (tenant.name,)
             )
-            decision, buckets = take(costs, {kind: (lvl, ts) for kind, lvl, ts in rows}, now)
+            levels = {kind: (lvl, ts) for kind, lvl, ts in rows}
+            decision, buckets = take(costs, levels, now, overdraw)
             # An upsert updates the row in place; REPLACE would delete it and rewrite its index.
             conn.executemany(
                 "INSERT INTO rate_buckets VALUES (?, ?, ?, ?) ON CONFLICT (tenant, kind)"

@@ -216,6 +216,9 @@ class IdleEngineParts:
     def check_options(self, options) -> None:
         pass
 
+    def max_prompt_tokens(self, prompt_token_ids: list[int]) -> int:
+        return len(prompt_token_ids)
+
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 

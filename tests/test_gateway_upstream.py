@@ -906,6 +906,88 @@ def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_c
     assert (usage["tokens_in"], usage["tokens_out"]) == (18, 20)
 
 
+SHORT_CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+def test_an_upstream_call_holds_what_the_upstream_adds_to_its_prompt(upstream):
+    """A prompt's bytes cover its text's tokens, not what the upstream adds: its BOS, and the
+    chat API's template around each message (the demo's: some 20 tokens for one message, 30 for
+    four). A call holds a safe amount per message until answers show it, then the most per
+    message any answer showed."""
+    url = upstream.server.url + "/v1"
+    chat_api = UpstreamEngineClient("chat", UpstreamSource(url, DEMO_MODEL, api="chat"),
+                                    upstream.key)
+    completions_api = UpstreamEngineClient("legacy", UpstreamSource(url, DEMO_MODEL), upstream.key)
+
+    async def prompt_tokens(engine: UpstreamEngineClient, ids: list[int]) -> int:
+        stream = engine.generate(ids, SamplingOptions(max_tokens=1), request_id="r")
+        return [chunk async for chunk in stream][-1].num_prompt_tokens
+
+    four = chat_api.tokenize(chat_api.render_chat(SHORT_CHAT))
+    one = chat_api.tokenize(chat_api.render_chat(SHORT_CHAT[1:2]))
+    text = completions_api.tokenize("hello")
+    try:
+        held = [chat_api.max_prompt_tokens(four), chat_api.max_prompt_tokens(one),
+                completions_api.max_prompt_tokens(text)]
+        used_four = asyncio.run(prompt_tokens(chat_api, four))
+        # Learnt from four messages: too little for one, whose answer it learns from in turn.
+        assert chat_api.max_prompt_tokens(one) == len(one) + math.ceil((used_four - len(four)) / 4)
+        used = [used_four, asyncio.run(prompt_tokens(chat_api, one)),
+                asyncio.run(prompt_tokens(completions_api, text))]
+        assert all(h >= u > n for h, u, n in zip(held, used, map(len, (four, one, text))))
+        assert chat_api.max_prompt_tokens(one) == used[1]
+        assert chat_api.max_prompt_tokens(four) == len(four) + 4 * (used[1] - len(one))
+        assert completions_api.max_prompt_tokens(text) == used[2] == len(text) + 1  # its BOS
+    finally:
+        chat_api.close()
+        completions_api.close()
+
+
+def test_calls_in_flight_to_a_chat_upstream_stay_within_the_tenant_s_budget(upstream, tmp_path):
+    """Calls held the bytes of their messages alone (40 tokens for calls the upstream bills 70), so
+    that calls in flight together went far past the monthly budget their holds fitted in."""
+    engine = UpstreamEngineClient("demo-chat", UpstreamSource(
+        upstream.server.url + "/v1", DEMO_MODEL, api="chat"), upstream.key)
+    try:
+        with serve_gateway({"demo-chat": engine}, tmp_path) as server:
+            key = server.new_tenant("tight", monthly_token_budget=300)
+            for _ in range(2):  # before any answer showed the template, then after
+                with ThreadPoolExecutor(8) as pool:
+                    answers = list(pool.map(lambda _: chat(
+                        server.url, key, model="demo-chat", messages=SHORT_CHAT, max_tokens=4,
+                        ignore_eos=True), range(8)))
+                usage = server.admin("GET", "/admin/tenants/tight").json()["usage"]
+                assert usage["tokens_in"] + usage["tokens_out"] <= 300, usage
+                assert {a.status_code for a in answers} <= {200, 429}
+                assert any(a.status_code == 200 for a in answers)
+    finally:
+        engine.close()
+
+
+def test_tokens_an_upstream_bills_beyond_the_hold_are_paid_into_tpm(stalling, hosted, demo_engine,
+                                                                 tmp_path):
+    """A call pays its hold into tpm, and settles at what it used: the tokens the upstream bills
+    beyond the hold (a hidden system prompt of the hosted API's) are paid too, not left free."""
+    engine = UpstreamEngineClient("hosted", UpstreamSource(stalling + "/hosted/v1", "chat-model",
+                                                           api="chat"))
+    hosted.events = [*HOSTED_EVENTS[:-1], {"choices": [], "usage": {
+        "prompt_tokens": 898, "completion_tokens": 2, "total_tokens": 900}}]
+    try:
+        with serve_gateway({"hosted": engine, "local": demo_engine}, tmp_path) as server:
+            key = server.new_tenant("metered", tpm=1000)
+            answer = chat(server.url, key, model="hosted", messages=SHORT_CHAT[1:2], max_tokens=2)
+            assert answer.json()["usage"]["total_tokens"] == 900, answer.text
+            # 100 tokens left (and some 17 a second refilled): not the 400 this call holds
+            refused = post(server.url, key, model="local", prompt="x" * 399, max_tokens=1)
+    finally:
+        hosted.events = HOSTED_EVENTS
+        engine.close()
+    assert refused.status_code == 429, refused.text
+    assert "(tpm)" in refused.json()["error"]["message"]
+    assert int(refused.headers["retry-after"]) >= 10
+
+
 def test_a_judged_tier_that_sends_no_logprobs_is_escalated_not_taken_as_sure(front, hosted):
     server, _ = front
     name = "unjudged"

@@ -451,6 +451,28 @@ async def test_refunds_use_the_tenant_s_limits_as_they_are_now(store: Store) -> 
     assert not (await store.check_and_consume_rate(anew, tokens=1, now=T0 + 2)).allowed
 
 
+async def test_tokens_used_beyond_what_was_paid_are_paid_past_empty(
+    store: Store, store_url: str
+) -> None:
+    """A call that used more tokens than it paid at admission pays the rest when it settles, even
+    what the bucket lacks: the tenant waits until the bucket has refilled from below empty."""
+    acme = await make_tenant(store, tpm=100)
+    assert (await store.check_and_consume_rate(acme, tokens=90, now=T0)).allowed
+    await refund_rate(store, acme, requests=0, tokens=-40, now=T0)  # it used 130: 30 below empty
+    refused = await store.check_and_consume_rate(acme, requests=0, tokens=10, now=T0 + 12)
+    assert refused == RateDecision(False, 12.0, "tpm")  # 20 refilled: at -10, 20 short of 10
+    assert (await store.check_and_consume_rate(acme, requests=0, tokens=10, now=T0 + 24)).allowed
+
+    await refund_rate(store, acme, requests=0, tokens=-240, now=T0 + 24)  # 2.4 windows below
+    if isinstance(store, RedisStore):  # and Redis keeps the bucket until it is full again
+        client = redis.Redis.from_url(store_url)
+        [bucket] = [k for k in client.scan_iter() if k.endswith(b"rate:acme")]
+        assert client.ttl(bucket) >= 60 + 60 * 3.4 - 1
+        client.close()
+    assert not (await store.check_and_consume_rate(acme, requests=0, tokens=1, now=T0 + 168)).allowed
+    assert (await store.check_and_consume_rate(acme, requests=0, tokens=1, now=T0 + 170)).allowed
+
+
 async def test_a_released_hold_bills_and_counts_nothing(store: Store) -> None:
     acme = await make_tenant(store, monthly_token_budget=100)
     held = await store.reserve_tokens(acme, 100, now=T0)
