@@ -8,6 +8,8 @@ Times (`now`) are unix seconds; None means the wall clock.
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 
 
@@ -175,10 +177,14 @@ async def refund_rate(
     it paid (an upstream counted its prompt as more tokens than the call held), also what the
     buckets lack: they go below empty, so that the tenant's next calls wait until they refill.
 
-    At the limits the tenant has now: a PATCH since the call paid must not have the bucket refill
-    and cap at the old ones. Nothing for a tenant deleted since, or made anew under its name."""
+    Only the buckets the call paid into (those `tenant`, as it was admitted, had), at the limits
+    the tenant has now: a PATCH since the call paid must not have the bucket refill and cap at the
+    old ones, nor fill a bucket it set up, which the call never paid into. Nothing for a tenant
+    deleted since, or made anew under its name."""
     current = await store.get_tenant(tenant.name)
     if current is None or current.incarnation != tenant.incarnation:
         return
-    await store.check_and_consume_rate(current, requests=-requests, tokens=-tokens, now=now,
+    paid_into = msgspec.structs.replace(current, rpm=None if tenant.rpm is None else current.rpm,
+                                        tpm=None if tenant.tpm is None else current.tpm)
+    await store.check_and_consume_rate(paid_into, requests=-requests, tokens=-tokens, now=now,
                                        overdraw=True)

@@ -451,6 +451,22 @@ async def test_refunds_use_the_tenant_s_limits_as_they_are_now(store: Store) -> 
     assert not (await store.check_and_consume_rate(anew, tokens=1, now=T0 + 2)).allowed
 
 
+async def test_refunds_go_only_into_the_buckets_the_call_paid_into(store: Store) -> None:
+    """A call admitted while its tenant had no rpm nor tpm paid into no bucket: what it gives back
+    (refused, or settling below its hold) or pays (past its hold) must not touch the buckets a
+    PATCH has set up since, which would let the tenant past its new limits."""
+    acme = await make_tenant(store)
+    assert (await store.check_and_consume_rate(acme, tokens=500, now=T0)).allowed  # no buckets
+    patched = await store.update_tenant("acme", {"rpm": 2, "tpm": 100})
+    assert (await store.check_and_consume_rate(patched, tokens=96, now=T0)).allowed
+    await refund_rate(store, acme, requests=1, tokens=400, now=T0)  # the call admitted before
+    await refund_rate(store, acme, requests=0, tokens=-50, now=T0)  # another, billed past its hold
+    assert not (await store.check_and_consume_rate(patched, requests=0, tokens=5, now=T0)).allowed
+    assert (await store.check_and_consume_rate(patched, tokens=4, now=T0)).allowed
+    assert await store.check_and_consume_rate(patched, tokens=0, now=T0) == \
+        RateDecision(False, 30.0, "rpm")
+
+
 async def test_tokens_used_beyond_what_was_paid_are_paid_past_empty(
     store: Store, store_url: str
 ) -> None:
