@@ -13,12 +13,16 @@ evicting it from the host tier in between cannot send `acquire` to storage on th
 `prefetch` warms both tiers for waiting requests without evicting anything, and `drop_load` forgets
 a load that no waiting request needs any more.
 
+Adapters loaded (or loading) for waiting requests are staged: the host tier keeps them until they
+are paged in, and at most `max_cpu_adapters` are staged at once, the most urgent first. Loading
+more would have the host tier evict loaded ones for them, and read those from storage again.
+
 On CUDA, page-ins run on a side stream. A page-in into a slot that held another adapter first
 waits for the compute already queued (it may still read that slot); the runner calls
 `wait_page_ins()` before a forward so the compute stream waits for the copies.
 
 NOTE: every method runs on the engine thread; only `_load` runs on loader threads, and it touches
-nothing but the host tier and its counters, under `_lock`.
+nothing but the host tier and its counters, and reads which adapters are staged, under `_lock`.
 """
 
 from __future__ import annotations
@@ -68,10 +72,11 @@ class AdapterCache:
         self._unused_slots = list(range(config.max_gpu_adapters - 1, -1, -1))
         self._host: OrderedDict[str, PackedAdapter] = OrderedDict()  # least recent first
         self._lock = threading.Lock()
-        # Loads started by can_acquire / prefetch for adapters that waiting requests need: running
-        # ones, and failed ones until a poll reports the error (or `drop_load`). A load that finished
-        # well leaves at the next prefetch: its adapter is in the host tier, which alone bounds it.
-        self._loading: dict[str, Future[PackedAdapter]] = {}
+        # Staged adapters: loads that can_acquire / prefetch started (or host-tier entries they kept)
+        # for waiting requests, until paged in, unstaged for more urgent ones, or `drop_load`; a
+        # failed load until can_acquire or acquire reports its error. At most max_cpu_adapters.
+        # NOTE: changed under `_lock` only: loader threads read it to evict none of them.
+        self._staged: dict[str, Future[PackedAdapter]] = {}
         # What can_acquire found for the adapters it said True for, until their acquire, the next
         # prefetch (admission is over by then) or drop_load.
         self._promised: dict[str, PackedAdapter] = {}
@@ -91,13 +96,14 @@ class AdapterCache:
     def can_acquire(self, adapter_id: str) -> bool:
         """Whether `acquire(adapter_id)` would succeed now without waiting for storage.
 
-        Starts loading the adapter if it is not in the host tier. Raises the load's error
-        (AdapterValidationError for a bad adapter) once, if its load failed. After True, `acquire`
-        pages in the packed adapter found here, whatever the host tier has dropped since.
+        Stages the adapter if fewer than max_cpu_adapters are (starting its load if it is not in
+        the host tier). Raises the load's error (AdapterValidationError for a bad adapter) once, if
+        its load failed. After True, `acquire` pages in the packed adapter found here, whatever the
+        host tier has dropped since.
         """
         if adapter_id in self._resident:
             return True
-        packed = self._promised.get(adapter_id) or self._poll(adapter_id)
+        packed = self._promised.get(adapter_id) or self._loaded_or_staged(adapter_id)
         if packed is None:
             self._raise_if_failed(adapter_id)
             return False
@@ -106,10 +112,10 @@ class AdapterCache:
         self._promised[adapter_id] = packed
         return True
 
-    def is_loading(self, adapter_id: str) -> bool:
-        """Whether the adapter's load from storage is under way (on a loader thread)."""
-        future = self._loading.get(adapter_id)
-        return future is not None and not future.done()
+    def is_loaded(self, adapter_id: str) -> bool:
+        """Whether the adapter is in host memory, ready to page in: a request for it that cannot
+        be admitted waits for a device slot, not for storage."""
+        return adapter_id in self._promised or self._loaded(adapter_id) is not None
 
     def acquire(self, adapter_id: str) -> int:
         """Pin the adapter in a device slot (paging it in if needed) and return the slot.
@@ -141,24 +147,22 @@ class AdapterCache:
             self._refcounts[adapter_id] = count - 1
 
     def prefetch(self, adapter_ids: Iterable[str]) -> None:
-        """Warm the tiers for adapters that waiting requests need, most urgent first: start loading
-        those not in the host tier, page those that are into unused slots. Never evicts a device
-        slot and never blocks on storage; load errors surface later in can_acquire or acquire.
+        """Warm the tiers for adapters that waiting requests need, most urgent first: stage them
+        (loading those not in the host tier), page those loaded into unused slots. Never evicts a
+        device slot and never blocks on storage; load errors surface later in can_acquire or acquire.
 
-        Only as many adapters as the host tier holds are warmed, and those already in it are made
-        the most recent (the most urgent last): loading more would evict the first ones for the
-        last ones, and reload them the next step, every step, while the queue stands still.
+        Only as many adapters as the host tier holds are staged, the most urgent ones: staged
+        adapters less urgent than them are unstaged to make room, except loads still running,
+        which keep theirs until they finish.
         """
         self._promised.clear()  # NOTE: prefetch follows admission: no acquire is coming for them
-        self._forget_finished_loads()
-        wanted = [a for a in adapter_ids if a not in self._resident][:self.config.max_cpu_adapters]
-        with self._lock:
-            for adapter_id in reversed(wanted):
-                if adapter_id in self._host:
-                    self._host.move_to_end(adapter_id)
-        for adapter_id in wanted:
-            packed = self._poll(adapter_id)
+        waiting = [a for a in adapter_ids if a not in self._resident]
+        urgent = waiting[:self.config.max_cpu_adapters]
+        self._make_room_to_stage(urgent, waiting)
+        for adapter_id in urgent:
+            packed = self._loaded_or_staged(adapter_id)
             if packed is not None and self._unused_slots:
+                self._unstage(adapter_id)
                 self._page_in(adapter_id, self._unused_slots.pop(), packed, wait_for_compute=False)
 
     def wait_page_ins(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -177,17 +181,17 @@ class AdapterCache:
         NOTE: an engine with nothing to run but requests waiting on loads calls this instead of
         spinning: a spinning step loop holds the GIL and starves the loader thread (seconds per load).
         """
-        # NOTE: only loads still running: a finished one, not yet polled, would end the wait at once.
-        running = [future for future in self._loading.values() if not future.done()]
+        # NOTE: only loads still running: a finished one would end the wait at once.
+        running = [future for future in self._staged.values() if not future.done()]
         if running:
             wait(running, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def drop_load(self, adapter_id: str) -> None:
-        """No waiting request needs the adapter any more: forget its load. One still queued never
+        """No waiting request needs the adapter any more: unstage it. A load still queued never
         runs, one running finishes into the host tier, and a failed one is never reported (a later
         request loads the adapter again)."""
         self._promised.pop(adapter_id, None)
-        future = self._loading.pop(adapter_id, None)
+        future = self._unstage(adapter_id)
         if future is not None:
             future.cancel()
 
@@ -241,38 +245,63 @@ class AdapterCache:
         self._resident[adapter_id] = slot
         self.stats.num_page_ins += 1
 
-    def _poll(self, adapter_id: str) -> PackedAdapter | None:
-        """The packed adapter if it is loaded; otherwise start loading it (once) and return None."""
-        future = self._loading.get(adapter_id)
-        if future is None:
-            with self._lock:
-                packed = self._host.get(adapter_id)
-            if packed is not None:
-                return packed
-            future = self._loading[adapter_id] = self._submit(adapter_id)
-        if not future.done() or future.exception() is not None:
-            return None  # a failed load stays until can_acquire or acquire raises its error
-        del self._loading[adapter_id]
-        return future.result()
+    def _loaded_or_staged(self, adapter_id: str) -> PackedAdapter | None:
+        """The packed adapter if it is loaded; otherwise None, after staging the adapter (starting
+        its load) if fewer than max_cpu_adapters are staged."""
+        if adapter_id not in self._staged and len(self._staged) < self.config.max_cpu_adapters:
+            self._stage(adapter_id)
+        return self._loaded(adapter_id)
 
-    def _forget_finished_loads(self) -> None:
-        """Drop the futures of loads that finished well: each holds its packed adapter, and the
-        request waiting for it may not poll for many steps, while the host tier evicts it for others."""
-        for adapter_id, future in list(self._loading.items()):
-            if future.done() and not future.cancelled() and future.exception() is None:
-                del self._loading[adapter_id]
+    def _loaded(self, adapter_id: str) -> PackedAdapter | None:
+        """The packed adapter if its staged load finished well or the host tier holds it."""
+        future = self._staged.get(adapter_id)
+        if future is not None and future.done() and future.exception() is None:
+            return future.result()
+        with self._lock:
+            return self._host.get(adapter_id)
+
+    def _stage(self, adapter_id: str) -> None:
+        """Keep the adapter's host-tier entry for a waiting request, or start loading it."""
+        with self._lock:
+            packed = self._host.get(adapter_id)
+            if packed is not None:
+                self._staged[adapter_id] = _finished(packed)
+                return
+        future = self._submit(adapter_id)
+        with self._lock:
+            self._staged[adapter_id] = future
+
+    def _unstage(self, adapter_id: str) -> Future[PackedAdapter] | None:
+        with self._lock:
+            return self._staged.pop(adapter_id, None)
+
+    def _make_room_to_stage(self, urgent: list[str], waiting: list[str]) -> None:
+        """Unstage adapters outside `urgent` until all of `urgent` can be staged, the least urgent
+        first: those not in `waiting` (in queue order), then the latest in it. A running load
+        keeps its room until it finishes: unstaged, the read under way would be wasted, its adapter
+        dropped at once from a host tier full of staged ones."""
+        num_over = len(self._staged.keys() | set(urgent)) - self.config.max_cpu_adapters
+        if num_over <= 0:
+            return
+        position = {adapter_id: i for i, adapter_id in enumerate(waiting)}
+        spare = sorted(self._staged.keys() - set(urgent), key=lambda a: -position.get(a, len(waiting)))
+        for adapter_id in spare:
+            future = self._staged[adapter_id]
+            if num_over > 0 and (future.done() or future.cancel()):
+                self._unstage(adapter_id)
+                num_over -= 1
 
     def _raise_if_failed(self, adapter_id: str) -> None:
-        future = self._loading.get(adapter_id)
+        future = self._staged.get(adapter_id)
         if future is not None and future.done() and (error := future.exception()) is not None:
-            del self._loading[adapter_id]
+            self._unstage(adapter_id)
             raise error
 
     def _packed(self, adapter_id: str) -> PackedAdapter:
-        """The packed adapter: the one can_acquire promised, else the host tier's, else waiting for
-        its load if one is running, else loading it here."""
+        """The packed adapter, unstaged: the one can_acquire promised, else the host tier's, else
+        waiting for its staged load, else loading it here."""
         packed = self._promised.pop(adapter_id, None)
-        future = self._loading.pop(adapter_id, None)
+        future = self._unstage(adapter_id)
         with self._lock:
             if adapter_id in self._host:
                 self._host.move_to_end(adapter_id)
@@ -305,6 +334,15 @@ class AdapterCache:
             self._host[adapter_id] = packed
             self.stats.num_loads += 1
             while len(self._host) > self.config.max_cpu_adapters:
-                self._host.popitem(last=False)
+                # NOTE: staged adapters are kept, and as at most max_cpu_adapters are staged, one
+                # that is not always remains here to drop.
+                del self._host[next(a for a in self._host if a not in self._staged)]
                 self.stats.num_host_evictions += 1
         return packed
+
+
+def _finished(packed: PackedAdapter) -> Future[PackedAdapter]:
+    """A load that is already done: a staged host-tier entry."""
+    future: Future[PackedAdapter] = Future()
+    future.set_result(packed)
+    return future

@@ -152,7 +152,8 @@ class Scheduler:
         requests of the base model behind it, and preempts nothing. NOTE: once one adapter request
         is blocked for want of a slot, later adapter requests wait too, so the busy adapters drain
         and free a slot for it; otherwise a steady stream for resident adapters could starve it
-        forever. One whose adapter is still loading blocks no one: storage may take seconds.
+        forever. One whose adapter is not loaded yet blocks no one: storage may take seconds, and
+        the cache loads only as many adapters ahead as its host tier holds.
         """
         in_flight = self._blocks_in_flight(scheduled)
         slot_blocked = False
@@ -166,8 +167,8 @@ class Scheduler:
                 if request.is_finished:  # its adapter failed to load: its requests left the queue
                     index = self._index_after(request)
                     continue
-                # A request whose adapter is still on its way from storage needs no slot yet.
-                slot_blocked = slot_blocked or not self.adapter_slots.is_loading(request.adapter_id)
+                # A request whose adapter is not in host memory yet needs no slot yet.
+                slot_blocked = slot_blocked or self.adapter_slots.is_loaded(request.adapter_id)
                 index += 1
                 continue
             # Cached blocks would skip the positions whose logits prompt logprobs come from.

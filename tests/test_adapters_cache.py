@@ -165,9 +165,59 @@ def test_prefetch_warms_no_more_adapters_than_the_host_tier_holds(blobs):
     waiting = [c, d, e, f]  # most urgent first
     for _ in range(5):  # the queue does not move for five steps
         cache.prefetch(waiting)
-    assert cache.host_ids() == [e, d, c]  # a and b made room; c is evicted last
+    assert cache.host_ids() == [c, d, e]  # a and b made room
     assert cache.stats.num_loads == 2 + 3
     assert cache.can_acquire(c) and cache.acquire(c) == 0 and cache.stats.num_loads == 5
+
+
+def test_adapters_loaded_for_waiting_requests_stay_within_the_host_tier_until_paged_in(blobs):
+    """can_acquire and prefetch load no more adapters ahead than the host tier holds, the most
+    urgent first, and the host tier keeps each until it is paged in: loading more would drop
+    loaded ones, to be read from storage again."""
+    store, (a, b, c, d, *_) = blobs
+    cache = make_cache(store, max_gpu_adapters=1, max_cpu_adapters=2)
+    num_packed_before = num_live_packed_adapters()
+    cache.acquire(d)  # the only slot is in use: waiting requests wait for it
+    for adapter_id in (a, b, c):  # admission looks at the waiting requests in queue order
+        assert not cache.can_acquire(adapter_id)
+    cache.prefetch([a, b, c])
+    assert cache.host_ids() == [a, b] and cache.stats.num_loads == 3  # c waits for room
+    cache.prefetch([c, a, b])  # a request for c, more urgent, arrived: b makes room for c
+    assert cache.host_ids() == [a, c] and cache.stats.num_loads == 4
+    assert num_live_packed_adapters() - num_packed_before == 2
+    cache.release(d)
+    for adapter_id in (c, a, b):
+        assert cache.can_acquire(adapter_id)
+        use(cache, adapter_id)
+    assert cache.stats.num_loads == 5  # b again, as it made room for c
+
+
+def test_a_load_under_way_keeps_its_room_until_it_finishes(blobs):
+    """A request for another adapter, more urgent, arrives while a waiting request's adapter loads
+    into a host tier of one: its load starts once that one finishes (whose read would be wasted,
+    dropped from the host tier for it, were it given up at once)."""
+    store, (a, b, c, *_) = blobs
+    loads = []
+    a_files = threading.Event()
+
+    def loader(adapter_id):
+        loads.append(adapter_id)
+        assert adapter_id != a or a_files.wait(10)
+        return store.path(adapter_id)
+
+    cache = make_cache(store, loader=loader, max_gpu_adapters=1, max_cpu_adapters=1, num_load_threads=1)
+    try:
+        cache.acquire(c)  # the only slot is in use
+        assert not cache.can_acquire(a)  # starts its load
+        cache.prefetch([b, a])
+        a_files.set()
+        cache.wait_for_loads(timeout=10)
+        assert loads == [c, a] and cache.host_ids() == [a]
+        cache.prefetch([b, a])  # a is loaded: it makes room for b
+        cache.wait_for_loads(timeout=10)
+        assert loads == [c, a, b] and cache.host_ids() == [b]
+    finally:
+        cache.close()
 
 
 def test_prefetch_loads_in_background(blobs):
@@ -194,26 +244,6 @@ def test_prefetch_loads_in_background(blobs):
         cache.close()
 
 
-def test_finished_loads_are_held_by_the_host_tier_alone(blobs):
-    """A finished load that no request polled yet keeps no adapter alive past the host tier's limit."""
-    store, (a, b, c, *_) = blobs
-    cache = make_cache(store, max_gpu_adapters=1, max_cpu_adapters=1, num_load_threads=1)
-    try:
-        num_packed_before = num_live_packed_adapters()
-        cache.acquire(c)  # the only slot is in use: waiting requests poll their loads, nothing more
-        for adapter_id in (a, b):
-            assert not cache.can_acquire(adapter_id)  # starts its load
-            deadline = time.monotonic() + 10
-            while adapter_id not in cache.host_ids():
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-        cache.prefetch([b])  # the request for a sits deeper in the queue
-        assert cache.host_ids() == [b] and cache.stats.num_host_evictions == 2
-        assert num_live_packed_adapters() - num_packed_before == 1
-    finally:
-        cache.close()
-
-
 def test_failed_prefetch_surfaces_in_can_acquire(blobs, tmp_path):
     store, _ = blobs
     bad = "f" * 64
@@ -229,27 +259,28 @@ def test_config_is_validated():
         AdapterConfig(max_gpu_adapters=0)
 
 
-@pytest.mark.parametrize("was_polled", [False, True])
-def test_acquire_after_can_acquire_never_reads_storage(blobs, was_polled):
+def test_acquire_after_can_acquire_never_reads_storage(blobs):
     """A loader thread can drop an adapter from the host tier between can_acquire saying True and
-    the acquire that follows: acquire still pages in the adapter can_acquire found, and storage is
-    read on loader threads only. `was_polled`: can_acquire took it from its finished load, else
-    (the load forgotten by a prefetch) from the host tier."""
+    the acquire that follows (when it found the adapter in the host tier, no longer staged):
+    acquire still pages in the adapter can_acquire found, and storage is read on loader threads
+    only."""
     store, (a, b, *_) = blobs
     loads = []  # (adapter, thread) of each read from storage
+    b_files = threading.Event()
 
     def loader(adapter_id):
         loads.append((adapter_id, threading.current_thread().name))
+        assert adapter_id != b or b_files.wait(10)
         return store.path(adapter_id)
 
     cache = make_cache(store, loader=loader, max_cpu_adapters=1, num_load_threads=1)
     try:
         cache.can_acquire(a)  # starts its load
         cache.wait_for_loads(timeout=10)
-        if not was_polled:
-            cache.prefetch([])
-        assert cache.can_acquire(a)
+        cache.drop_load(a)  # its request left: a is a host entry like any other
         cache.can_acquire(b)  # another waiting request's adapter starts loading
+        assert cache.can_acquire(a)
+        b_files.set()
         cache.wait_for_loads(timeout=10)
         assert cache.host_ids() == [b]  # a was dropped for b
         assert cache.acquire(a) == 0

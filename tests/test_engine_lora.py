@@ -1,5 +1,6 @@
 """Multi-LoRA in one continuous batch, against PEFT's own greedy output for each adapter."""
 
+import collections
 import random
 import shutil
 import threading
@@ -245,6 +246,69 @@ def _hold_loads(engine: LLMEngine, only: str | None = None) -> threading.Event:
     return gate
 
 
+def _count_loads(engine: LLMEngine) -> collections.Counter:
+    """A counter of the engine's reads of each adapter (by id) from storage, from now on."""
+    loads: collections.Counter = collections.Counter()
+    load_from_storage = engine.adapter_cache.loader
+
+    def counting_loader(adapter_id):
+        loads[adapter_id] += 1
+        return load_from_storage(adapter_id)
+
+    engine.adapter_cache.loader = counting_loader
+    return loads
+
+
+def _run_to_end(engine: LLMEngine) -> tuple[dict[str, list[int]], list[str]]:
+    """Step until every request finished, none with an error: the tokens of each request, and the
+    requests in the order they finished."""
+    tokens: dict[str, list[int]] = collections.defaultdict(list)
+    finished = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.finish_reason != "error", output.error
+            tokens[output.request_id] += output.new_token_ids
+            finished += [output.request_id] if output.finished else []
+    return tokens, finished
+
+
+@pytest.mark.parametrize("max_cpu_adapters, num_load_threads", [(1, 0), (1, 1), (3, 1)])
+def test_an_adapter_that_runs_once_is_read_from_storage_once(setup, max_cpu_adapters, num_load_threads):
+    """The only slot is held by a long request; requests for three other adapters wait for it.
+    However few adapters the host tier holds, each is read from storage once: the engine loads
+    no more adapters ahead than the host tier keeps, and keeps them until they run."""
+    base, prompts, adapters, references = setup
+    engine = lora_engine(base, max_gpu_adapters=1, max_cpu_adapters=max_cpu_adapters,
+                         num_load_threads=num_load_threads)
+    loads = _count_loads(engine)
+    engine.add_request("holder", prompts[0], greedy(4 * NUM_NEW_TOKENS), lora=adapters[0])
+    engine.step()
+    for i in (1, 2, 3):
+        engine.add_request(str(i), prompts[i], greedy(), lora=adapters[i])
+    tokens, _ = _run_to_end(engine)
+    assert {i: tokens[str(i)] for i in (1, 2, 3)} == {i: references[i][i] for i in (1, 2, 3)}
+    assert loads == {adapters[i].adapter_id: 1 for i in range(4)}
+    engine.adapter_cache.close()
+
+
+def test_a_more_urgent_adapter_takes_the_host_tier_from_a_waiting_one(setup):
+    """A host tier of one adapter, loaded for a waiting request, when a more urgent request for
+    another adapter arrives: the urgent one is loaded in its place and runs first, and the first
+    is read again once, then runs (neither waits forever for the other)."""
+    base, prompts, adapters, references = setup
+    engine = lora_engine(base, max_gpu_adapters=1, max_cpu_adapters=1, num_load_threads=0)
+    loads = _count_loads(engine)
+    engine.add_request("holder", prompts[0], greedy(2 * NUM_NEW_TOKENS), lora=adapters[0])
+    engine.step()
+    engine.add_request("first", prompts[1], greedy(), lora=adapters[1])
+    engine.step()  # adapter 1 is loaded for it
+    engine.add_request("urgent", prompts[2], greedy(), priority=-1, lora=adapters[2])
+    tokens, finished = _run_to_end(engine)
+    assert finished == ["holder", "urgent", "first"]
+    assert (tokens["urgent"], tokens["first"]) == (references[2][2], references[1][1])
+    assert loads == {adapters[0].adapter_id: 1, adapters[1].adapter_id: 2, adapters[2].adapter_id: 1}
+
+
 def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait(setup):
     """Requests aborted while their adapters load leave no load behind: host memory holds no more
     adapters than max_cpu_adapters, and an idle step still sleeps on the next load."""
@@ -328,36 +392,28 @@ def test_a_load_failure_reaches_no_request_that_arrives_after_its_waiters_left(s
     cache.close()
 
 
-def test_a_finished_load_is_served_after_the_host_tier_dropped_it(setup, tmp_path):
-    """Adapter x's load finishes, w's load then drops x from the one-entry host tier before the
-    scheduler looks at x again, and meanwhile x's files are deleted: x's request runs on the load
-    that finished, storage is not read again (on the engine thread), and w's request goes on."""
+def test_a_loaded_adapter_waits_in_host_memory_for_its_request(setup, tmp_path):
+    """Adapter x is loaded for a request that waits for the only slot, then x's files are deleted.
+    A more urgent request takes the slot first, and its adapter and another one's are loaded
+    meanwhile, into a host tier of two where x is the least recently used: x is kept for its
+    request, which runs on the load that finished (storage is not read again)."""
     base, prompts, adapters, references = setup
-    engine = lora_engine(base, max_gpu_adapters=2, max_cpu_adapters=1, num_load_threads=2)
+    engine = lora_engine(base, max_gpu_adapters=1, max_cpu_adapters=2, num_load_threads=0)
     cache = engine.adapter_cache
     shutil.copytree(adapters[0].path, tmp_path / "x")
-    x, w = LoraRequest(adapters[0].adapter_id, str(tmp_path / "x")), adapters[1]
-    x_files, w_files = _hold_loads(engine, only=x.adapter_id), _hold_loads(engine, only=w.adapter_id)
-    params = greedy()
-    engine.add_request("w", prompts[1], params, lora=w)
-    engine.step()  # w's load starts
-    engine.add_request("x", prompts[0], params, priority=-1, lora=x)
-    engine.step()  # x is first in the queue now: its load starts
-    x_files.set()
-    cache.wait_for_loads(timeout=10)
+    x = LoraRequest(adapters[0].adapter_id, str(tmp_path / "x"))
+    engine.add_request("holder", prompts[2], greedy(), lora=adapters[2])
+    engine.step()
+    engine.add_request("x", prompts[0], greedy(), lora=x)
+    engine.step()  # x is loaded
     shutil.rmtree(x.path)  # the tenant deletes adapter x
-    w_files.set()
-    cache.wait_for_loads(timeout=10)
-    assert cache.host_ids() == [w.adapter_id]
-    tokens = {"x": [], "w": []}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            assert output.finish_reason != "error", output.error
-            tokens[output.request_id] += output.new_token_ids
-    assert tokens == {"x": references[0][0], "w": references[1][1]}
-    assert cache.stats.num_loads == 2
+    engine.add_request("urgent", prompts[1], greedy(), priority=-1, lora=adapters[1])
+    engine.add_request("later", prompts[3], greedy(), lora=adapters[3])
+    tokens, finished = _run_to_end(engine)
+    assert finished == ["holder", "urgent", "x", "later"]
+    assert [tokens[r] for r in ("urgent", "x", "later")] == [references[i][i] for i in (1, 0, 3)]
+    assert cache.stats.num_loads == 4
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks and cache.in_use() == {}
-    cache.close()
 
 
 def test_a_failed_load_fails_every_request_waiting_on_it_at_once(setup, tmp_path):
