@@ -48,8 +48,8 @@ Loader = Callable[[str], Path]  # adapter digest -> folder holding its files
 
 @dataclass
 class AdapterCacheStats:
-    num_hits: int = 0  # acquires that found the adapter in a device slot
-    num_misses: int = 0  # acquires that had to page it in
+    num_hits: int = 0  # acquires whose adapter was in a device slot before their request needed it
+    num_misses: int = 0  # acquires whose adapter was paged in for them, by acquire or by prefetch
     num_evictions: int = 0  # device slots taken from an idle adapter
     num_page_ins: int = 0  # copies into a device slot, by acquire or prefetch
     num_loads: int = 0  # adapters read from storage, validated and packed into the host tier
@@ -80,6 +80,9 @@ class AdapterCache:
         # What can_acquire found for the adapters it said True for, until their acquire, the next
         # prefetch (admission is over by then) or drop_load.
         self._promised: dict[str, PackedAdapter] = {}
+        # Adapters that prefetch paged in for waiting requests, until the first of them acquires it
+        # (a miss: it was paged in for that request), it is evicted, or `drop_load`.
+        self._paged_in_ahead: set[str] = set()
         # NOTE: loader threads keep the intra-op threads of the one building the cache (the engine's):
         # one started inside another thread's LoRA decode would otherwise keep one thread for good.
         self._executor = (ThreadPoolExecutor(config.num_load_threads, thread_name_prefix="adapter-load",
@@ -125,13 +128,16 @@ class AdapterCache:
         AdapterValidationError for an adapter that cannot be served, leaving every tier as it was.
         """
         slot = self._resident.get(adapter_id)
-        if slot is not None:
-            self.stats.num_hits += 1
-        else:
+        if slot is None:
             packed = self._packed(adapter_id)
             slot, is_reused = self._take_slot()
             self.stats.num_misses += 1
             self._page_in(adapter_id, slot, packed, wait_for_compute=is_reused)
+        elif adapter_id in self._paged_in_ahead:  # prefetch paged it in while this request waited
+            self._paged_in_ahead.remove(adapter_id)
+            self.stats.num_misses += 1
+        else:
+            self.stats.num_hits += 1
         self._resident.move_to_end(adapter_id)
         self._refcounts[adapter_id] = self._refcounts.get(adapter_id, 0) + 1
         return slot
@@ -164,6 +170,7 @@ class AdapterCache:
             if packed is not None and self._unused_slots:
                 self._unstage(adapter_id)
                 self._page_in(adapter_id, self._unused_slots.pop(), packed, wait_for_compute=False)
+                self._paged_in_ahead.add(adapter_id)
 
     def wait_page_ins(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait for every page-in issued so far. Call
@@ -191,6 +198,7 @@ class AdapterCache:
         runs, one running finishes into the host tier, and a failed one is never reported (a later
         request loads the adapter again)."""
         self._promised.pop(adapter_id, None)
+        self._paged_in_ahead.discard(adapter_id)
         future = self._unstage(adapter_id)
         if future is not None:
             future.cancel()
@@ -229,6 +237,7 @@ class AdapterCache:
                 f"all {self.config.max_gpu_adapters} adapter slots hold adapters in use; "
                 "check can_acquire before acquire")
         self.stats.num_evictions += 1
+        self._paged_in_ahead.discard(victim)
         return self._resident.pop(victim), True
 
     def _page_in(self, adapter_id: str, slot: int, packed: PackedAdapter, wait_for_compute: bool) -> None:

@@ -151,8 +151,33 @@ def test_prefetch_fills_unused_slots_and_never_evicts(blobs):
     cache.prefetch([c])
     assert cache.resident_ids() == [a, b] and cache.host_ids() == [a, b, c]
     assert use(cache, c) == 0
-    assert counts(cache) == (1, 2, 1, 3)
+    assert counts(cache) == (0, 3, 1, 3)  # prefetch paged a in for the request that used it
     assert cache.stats.num_loads == 3
+
+
+def test_an_adapter_paged_in_by_prefetch_is_a_miss_for_the_request_it_waited_for(blobs):
+    """A hit is a request whose adapter was in a slot before it needed it: one that prefetch paged
+    in while the request waited is a miss for that request (once), as is one evicted before its
+    request started, and paged in again."""
+    store, (a, b, c, *_) = blobs
+    cache = make_cache(store)
+    cache.prefetch([a])  # a request for a waits
+    use(cache, a)
+    use(cache, a)  # a later request: a was in its slot before it came
+    assert counts(cache) == (1, 1, 0, 1)
+    cache.prefetch([b])  # b's request leaves before it starts: the next one for b finds b in a slot
+    cache.drop_load(b)
+    use(cache, b)
+    assert counts(cache) == (2, 1, 0, 2)
+
+    cache = make_cache(store)
+    use(cache, a)
+    cache.prefetch([b])  # a request for b waits
+    use(cache, a)
+    use(cache, c)  # evicts b before b's request starts
+    use(cache, b)  # b's request: b is paged in for it again
+    use(cache, b)
+    assert counts(cache) == (2, 3, 2, 4)
 
 
 def test_prefetch_warms_no_more_adapters_than_the_host_tier_holds(blobs):
@@ -239,7 +264,7 @@ def test_prefetch_loads_in_background(blobs):
             time.sleep(0.01)
         cache.prefetch([a])
         assert cache.acquire(a) == 0
-        assert counts(cache) == (1, 0, 0, 1) and cache.stats.num_loads == 1
+        assert counts(cache) == (0, 1, 0, 1) and cache.stats.num_loads == 1
     finally:
         cache.close()
 

@@ -309,6 +309,24 @@ def test_a_more_urgent_adapter_takes_the_host_tier_from_a_waiting_one(setup):
     assert loads == {adapters[0].adapter_id: 1, adapters[1].adapter_id: 2, adapters[2].adapter_id: 1}
 
 
+def test_an_adapter_paged_in_while_its_request_waits_is_a_miss(setup):
+    """A request for a new adapter waits for the only batch seat, and meanwhile its adapter is read
+    and paged into a free slot: that request is a cache miss, and the next one for it a hit."""
+    base, prompts, adapters, references = setup
+    engine = lora_engine(base, dict(max_num_seqs=1), max_gpu_adapters=2, num_load_threads=0)
+    engine.add_request("base", prompts[0], greedy())
+    engine.step()
+    engine.add_request("new", prompts[1], greedy(), lora=adapters[1])
+    tokens, _ = _run_to_end(engine)
+    metrics = engine.metrics()
+    assert (metrics.adapter_disk_loads, metrics.adapter_page_ins) == (1, 1)
+    assert (metrics.adapter_hits, metrics.adapter_misses) == (0, 1)
+    engine.add_request("again", prompts[2], greedy(), lora=adapters[1])
+    tokens.update(_run_to_end(engine)[0])
+    assert (tokens["new"], tokens["again"]) == (references[1][1], references[1][2])
+    assert (engine.metrics().adapter_hits, engine.metrics().adapter_misses) == (1, 1)
+
+
 def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait(setup):
     """Requests aborted while their adapters load leave no load behind: host memory holds no more
     adapters than max_cpu_adapters, and an idle step still sleeps on the next load."""
