@@ -123,12 +123,7 @@ class Store(Protocol):
     # Rate limits, budgets and usage.
 
     async def check_and_consume_rate(
-        self,
-        tenant: Tenant,
-        *,
-        requests: int = 1,
-        tokens: int = 0,
-        now: float | None = None,
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None,
         overdraw: bool = False,
     ) -> RateDecision:
         """Atomically check the tenant's rpm and tpm buckets; if both allow, pay into both.

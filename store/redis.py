@@ -419,12 +419,7 @@ class RedisStore:
     # Rate limits, budgets and usage.
 
     async def check_and_consume_rate(
-        self,
-        tenant: Tenant,
-        *,
-        requests: int = 1,
-        tokens: int = 0,
-        now: float | None = None,
+        self, tenant: Tenant, *, requests: int = 1, tokens: int = 0, now: float | None = None,
         overdraw: bool = False,
     ) -> RateDecision:
         costs = rate_costs(tenant, requests, tokens)
