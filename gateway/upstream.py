@@ -57,6 +57,7 @@ after the server's loop has ended.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import threading
@@ -255,19 +256,22 @@ class _PromptOverhead:
     of its tenant's budgets and tpm besides the ids (which count a text's bytes, never fewer than
     its tokens), so that the usage the upstream bills fits what the call held.
 
-    Learnt from the usage of the answers the upstream finished, as the most any of them showed
-    per message: an average would hold too little for chats of few messages, where what a template
-    adds once weighs most. Before any finished, `default_per_message`.
+    Learnt from the usage of the last `window` answers the upstream finished, as the most any of
+    them showed per message: an average would hold too little for chats of few messages, where
+    what a template adds once weighs most; and the most of all answers ever would let one answer
+    billed far above its text (a hosted API's hidden system prompt for one call) raise every
+    later call's hold for good. Before any finished, `default_per_message`.
     NOTE: learnt on the client's loop, read on the gateway's: one int, replaced whole.
     """
 
-    def __init__(self, default_per_message: int):
+    def __init__(self, default_per_message: int, window: int = 64):
         self._default_per_message = default_per_message
+        self._recent: collections.deque[int] = collections.deque(maxlen=window)
         self._per_message: int | None = None
 
     def learn(self, num_prompt_ids: int, num_messages: int, num_prompt_tokens: int) -> None:
-        per_message = max(0, -(-(num_prompt_tokens - num_prompt_ids) // num_messages))
-        self._per_message = max(per_message, self._per_message or 0)
+        self._recent.append(max(0, -(-(num_prompt_tokens - num_prompt_ids) // num_messages)))
+        self._per_message = max(self._recent)
 
     def estimate(self, num_messages: int) -> int:
         per_message = self._per_message

@@ -944,6 +944,42 @@ def test_an_upstream_call_holds_what_the_upstream_adds_to_its_prompt(upstream):
         completions_api.close()
 
 
+def test_one_answer_billed_far_above_its_text_raises_later_holds_only_for_a_while(stalling,
+                                                                                  hosted):
+    """A hosted API that once adds a hidden system prompt of ~900 tokens: the calls after it hold
+    that much more, but only until the upstream's later answers have shown it was one call's
+    (the hold learns from its last 64 answers); before, every later call held it for good."""
+    engine = UpstreamEngineClient("hosted", UpstreamSource(stalling + "/hosted/v1", "chat-model",
+                                                           api="chat"))
+    ids = engine.tokenize(engine.render_chat(SHORT_CHAT[1:2]))
+
+    def answer_once() -> None:
+        stream = engine.generate(ids, SamplingOptions(max_tokens=2), request_id="r")
+        asyncio.run(asyncio.wait_for(_drain(stream), 10))
+
+    try:
+        answer_once()  # HOSTED_EVENTS: the upstream bills 11 prompt tokens
+        usual = engine.max_prompt_tokens(ids)
+        hosted.events = [*HOSTED_EVENTS[:-1], {"choices": [], "usage": {
+            "prompt_tokens": 898, "completion_tokens": 2, "total_tokens": 900}}]
+        answer_once()
+        assert engine.max_prompt_tokens(ids) >= 898
+        hosted.events = HOSTED_EVENTS
+        for _ in range(63):
+            answer_once()
+        assert engine.max_prompt_tokens(ids) >= 898  # still among the last 64 answers
+        answer_once()
+        assert engine.max_prompt_tokens(ids) == usual
+    finally:
+        hosted.events = HOSTED_EVENTS
+        engine.close()
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
 def test_calls_in_flight_to_a_chat_upstream_stay_within_the_tenant_s_budget(upstream, tmp_path):
     """Calls held the bytes of their messages alone (40 tokens for calls the upstream bills 70), so
     that calls in flight together went far past the monthly budget their holds fitted in."""
