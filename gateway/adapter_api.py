@@ -30,7 +30,7 @@ from routing.models import allowed_base_models
 from routing.routes import AUTO
 from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
                    Store, StoreError, Tenant)
-from store.blobs import collect_garbage
+from store.blobs import ADAPTER_FILES, collect_garbage, digest_files
 from store.models import is_valid_name, validate_name
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
         raise invalid_request(f"unknown base model {quoted(uploaded.base_model)}; GET /v1/models lists "
                               "the base models you can use", param="base_model",
                               code="model_not_found")
+    await _refuse_past_storage_limit(state.require_store(), tenant, uploaded.folder)
     try:
         if not engine.supports_adapters:
             await engine.ensure_available()  # no worker up at all: a 503, retried later
@@ -177,6 +178,25 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
         if isinstance(error, AdapterStorageExceeded):
             raise _storage_exceeded(error) from None
         raise
+
+
+async def _refuse_past_storage_limit(store: Store, tenant: Tenant, folder: Path) -> None:
+    """A 403 for an upload whose files would take its tenant past max_adapter_bytes as the tenant
+    stands now, before an engine reads them to check them and they are placed in the blob folder
+    and Redis (where a large one could fill the store for every tenant, only to be taken out
+    again). Files that a record references already add nothing (maybe the tenant's own), so an
+    upload of those goes on. The store's check, in the record's write, still decides: uploads
+    in flight together pass this one each."""
+    limit = tenant.max_adapter_bytes
+    if limit is None:
+        return
+    size = sum((folder / name).stat().st_size for name in ADAPTER_FILES)
+    stored = await store.get_adapter_bytes(tenant.name)
+    if stored + size <= limit:
+        return
+    digest = await asyncio.to_thread(digest_files, folder)  # only an upload it may refuse
+    if not await store.is_digest_referenced(digest):
+        raise _storage_exceeded(AdapterStorageExceeded(tenant.name, stored, size, limit))
 
 
 def _storage_exceeded(error: AdapterStorageExceeded) -> ApiError:

@@ -395,6 +395,30 @@ def test_an_upload_redis_has_no_room_for_keeps_nothing_and_others_go_on(demo_eng
         stop_redis_server(process)
 
 
+def test_an_upload_past_its_tenant_s_limit_is_refused_before_it_reaches_redis(demo_engine,
+                                                                              adapters, tmp_path):
+    """An upload its tenant has no room for is refused before its files are placed: written to
+    a Redis with no room for them first, it was told the store is full, which no retry mends,
+    rather than that its tenant is past its storage limit."""
+    process, url = start_redis_server()
+    client = redis.Redis.from_url(url)
+    files = files_of(adapters["all-r8"])  # 600 KB
+    try:
+        with gateway_server(demo_engine, tmp_path, url) as server:
+            key = server.new_tenant("small", max_adapter_bytes=100 << 10)
+            server.app.state.gateway.store.shared_blobs.chunk_bytes = 16 << 10  # as above
+            client.config_set("maxmemory", client.info("memory")["used_memory"] + (384 << 10))
+            refused = upload(server, key, "too-big", files)
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["error"]["code"] == "adapter_storage_exceeded"
+            assert "stores 0 bytes" in refused.json()["error"]["message"]
+            assert list(client.scan_iter(match="sb:blob*")) == []
+            assert _snapshot(server, "small") == ([], [])
+    finally:
+        client.close()
+        stop_redis_server(process)
+
+
 def test_delete_removes_the_adapter_and_unshared_files(server, adapters):
     blobs = server.app.state.gateway.blobs
     (_, key_a), (_, key_b) = _two_tenants(server)
