@@ -52,10 +52,11 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     for name in allowed_routes(tenant, catalog):
         route = state.routes[default_route(tenant, catalog) if name == AUTO else name]
         # NOTE: with engine workers, a route's models are served once their workers register.
-        # A route runs a call on a tier that can hold it: it takes what its roomiest tier does.
-        served = all(m in state.engines for m in route.tiers)
-        cards.append(ModelCard(id=name, created=state.started_at, max_model_len=max(
-            state.engines[m].max_model_len for m in route.tiers) if served else None))
+        # A route runs a call on a tier that can hold it: it takes what its roomiest tier served
+        # now does (none while none is).
+        lengths = [state.engines[m].max_model_len for m in route.tiers if m in state.engines]
+        cards.append(ModelCard(id=name, created=state.started_at,
+                               max_model_len=max(lengths) if lengths else None))
     # An adapter whose name a route or served model took since its upload is listed as the id
     # that still reaches it, so that ids stay unique. NOTE: one of a rank its model is not served
     # with here (since a restart) is left out: its calls get a 503 until the operator restarts

@@ -135,8 +135,13 @@ class Target:
     """Where a call runs: a base model (maybe with an adapter), or a route over several tiers
     (each reads the prompt with its own tokenizer)."""
 
-    tiers: tuple[Tier, ...]
+    tiers: tuple[Tier, ...]  # of a route: those whose model this server serves now, in order
     route: Route | None = None
+    steps: tuple[int, ...] | None = None  # each tier's index in the route's tiers (None: 0, 1, ...)
+
+    def step(self, index: int) -> int:
+        """The index in its route's tiers of `self.tiers[index]`."""
+        return index if self.steps is None else self.steps[index]
 
     @property
     def shares_tokenizer(self) -> bool:
@@ -158,19 +163,26 @@ async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target
                        "/v1/models lists the models and routes you can use", param="model",
                        type="permission_error", code="model_not_allowed") from None
     request.state.model = model
+    if target.route is None and target.base_model not in state.engines:
+        # An adapter of a base model this server no longer serves.
+        raise ApiError(404, f"{quoted(model)} is an adapter for the base model "
+                       f"{target.base_model!r}, which this server does not serve; upload it again "
+                       f"for one of {', '.join(state.engines)}", param="model",
+                       code="model_not_found")
     models = target.route.tiers if target.route is not None else (target.base_model,)
-    if missing := [m for m in models if m not in state.engines]:
-        if target.route is None:  # an adapter of a base model this server no longer serves
-            raise ApiError(404, f"{quoted(model)} is an adapter for the base model {missing[0]!r}, which "
-                           f"this server does not serve; upload it again for one of "
-                           f"{', '.join(state.engines)}", param="model", code="model_not_found")
-        # NOTE: only with engine workers (other routes are checked at startup): a route over
-        # workers not up yet.
-        raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(missing)} yet"))
-    adapter = None if target.adapter is None else await _adapter_tier(state, target.adapter)
-    tiers = tuple(adapter if adapter is not None and adapter.model == m else Tier(m, state.engines[m])
-                  for m in models)
-    return Target(tiers, target.route)
+    # NOTE: only with engine workers (other routes are checked at startup), a route's tier may
+    # name a model not served now: its workers are not up yet, or stopped heartbeating long
+    # enough ago that the pool dropped it. The route leaves that tier out, as it does one whose
+    # workers are all down (_leave_out_unavailable).
+    steps = [step for step, m in enumerate(models) if m in state.engines]
+    if not steps:
+        raise engine_failed(EngineUnavailable(f"no engine worker serves {', '.join(models)} now"))
+    adapter = None
+    if target.adapter is not None and target.adapter.base_model in state.engines:
+        adapter = await _adapter_tier(state, target.adapter)
+    tiers = tuple(adapter if adapter is not None and adapter.model == models[step]
+                  else Tier(models[step], state.engines[models[step]]) for step in steps)
+    return Target(tiers, target.route, tuple(steps))
 
 
 async def _adapter_tier(state: GatewayState, adapter: AdapterRecord) -> Tier:
@@ -407,8 +419,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     attempts: list[Attempt] = []
     try:
         if isinstance(target.route, CascadeRoute):
-            steps = [(step, tier) for step, (tier, reading) in enumerate(zip(target.tiers, readings))
-                     if reading is not None]
+            steps = [(target.step(i), tier) for i, (tier, reading)
+                     in enumerate(zip(target.tiers, readings)) if reading is not None]
             outcome = await run_cascade(
                 target.route, steps, ask, attempts, streamed=streamed,
                 request_id=call_id, tenant=tenant.incarnation,
@@ -424,7 +436,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             text = prompt_text if prompt_text is not None else _router_text(ask.prompts[0],
                                                                              serving[0].engine)
             decision = state.learned.decide(target.route, tenant, text)
-            picked, other = target.tiers[decision.tier], target.tiers[1 - decision.tier]
+            by_step = {target.step(i): tier for i, tier in enumerate(target.tiers)}
+            picked, other = by_step.get(decision.tier), by_step.get(1 - decision.tier)
             # The other tier answers if the picked one cannot serve the call (left out, it is
             # not the tier judged: the call has no score), or fails before its first token.
             judged = (decision.score, decision.threshold) if picked in serving else (None, None)
@@ -434,7 +447,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices, same_prompt_as = [outcome.stream], [0], None
-            escalated = tier.model != target.tiers[0].model  # the strong model answers
+            escalated = tier.model != target.route.tiers[0]  # the strong model answers
         else:
             tier = target.tiers[0]
             streams, prompt_indices, same_prompt_as = _engine_streams(tier, ask, n, call_id,

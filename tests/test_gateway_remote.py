@@ -416,6 +416,46 @@ def test_a_route_over_workers_not_started_yet_answers_503_not_a_failed_startup(
     assert one.json() == listed.json()["data"][0]
 
 
+def test_a_route_answers_from_its_served_tiers_while_a_worker_model_is_not_served(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A route over a model of this gateway and one of engine workers that are not up (not
+    started yet, or gone long enough that the pool stopped serving their model): the route
+    leaves that tier out, as it does while the model's workers are all down. It once answered a
+    503 that clients retry, for as long as no worker came back, though its other tier was up."""
+    from routing.learned import Example, train_router
+    from routing.routes import parse_routes
+
+    router, _ = train_router([Example(f"{word} {i}", word == "easy") for i in range(20)
+                              for word in ("easy", "hard")], target_strong_share=0.5, epochs=5)
+    router.save(tmp_path / "router")
+    # Whichever tier the router picks, one of these has GHOST there.
+    learned = [{"kind": "learned", "tiers": tiers, "router": str(tmp_path / "router")}
+               for tiers in ([DEMO_MODEL, GHOST], [GHOST, DEMO_MODEL])]
+    routes = parse_routes({
+        "first": {"tiers": [GHOST, DEMO_MODEL], "measure": "min_prob", "threshold": 1.0},
+        "last": {"tiers": [DEMO_MODEL, GHOST], "measure": "min_prob", "threshold": 1.0},
+        **{f"learned-{i}": route for i, route in enumerate(learned)},
+        "nowhere": {"tiers": [GHOST, "later"], "threshold": 0.5}}, None)
+    with serve_gateway({DEMO_MODEL: demo_engine}, tmp_path, store_url=redis_url,
+                       workers_url=redis_url, routes=routes) as server:
+        key = server.new_tenant("acme")
+        direct = _answer_ids(_completion(server.url, key, DEMO_MODEL, 3))
+        names = ["first", "last", *(f"learned-{i}" for i in range(len(learned)))]
+        replies = [_completion(server.url, key, route, 3) for route in names]
+        nowhere = _completion(server.url, key, "nowhere", 3)
+        listed = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        usage = server.admin("GET", "/admin/tenants/acme").json()["usage"]
+    assert [_answer_ids(r) for r in replies] == [direct] * len(names)
+    assert [r.headers["x-switchboard-model"] for r in replies] == [DEMO_MODEL] * len(names)
+    assert [r.headers["x-switchboard-escalated"] for r in replies[:2]] == ["false"] * 2
+    assert (usage["requests"], usage["tokens_out"]) == (1 + len(names), 3 + 3 * len(names))
+    assert nowhere.status_code == 503, nowhere.text  # no tier it names is served
+    assert nowhere.json()["error"]["code"] == "engine_unavailable"
+    lengths = {m["id"]: m["max_model_len"] for m in listed.json()["data"]}
+    assert (lengths["first"], lengths["last"], lengths["nowhere"]) == \
+        (demo_engine.max_model_len,) * 2 + (None,)
+
+
 def test_a_cascade_into_a_model_whose_workers_are_down_answers_from_the_tier_it_ran(
         demo_engine, redis_url, tmp_path):  # noqa: F811
     """A cascade whose last tier's only worker cannot be reached answers from its first tier,
