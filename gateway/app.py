@@ -34,7 +34,7 @@ from gateway.shadowing import ShadowWarnings, warn_of_undeclared_default_routes
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.models import taken_names
 from routing.pricing import Price
-from routing.routes import Route as ModelRoute
+from routing.routes import AUTO, Route as ModelRoute
 from store import open_store
 from store.blobs import SWEEP_PERIOD_S, BlobStore, drop_deleted_adapters, ensure_intact_copy
 from store.keys import hash_key
@@ -68,7 +68,8 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
     """ValueError unless the default route is declared, no route has the name of one of `engines`
     (the local models and upstreams), and every route's tiers are served (any mix of local
     models and upstreams: each tier reads a prompt with its own tokenizer). With `workers`, the
-    tiers are left to log_tiers_no_worker_serves, once the registry has been read."""
+    tiers are left to log_tiers_no_worker_serves, once the registry has been read. Warns of a
+    route named `auto` that is not the default route."""
     if default_route is not None and default_route not in routes:
         raise ValueError(f"the default route {default_route!r} is not declared; routes: "
                          f"{', '.join(routes) or 'none'}")
@@ -79,17 +80,23 @@ def check_routes(engines: dict[str, EngineClient], routes: dict[str, ModelRoute]
         if missing and not workers:
             raise ValueError(f"route {route.name!r} names models that are not served: "
                              f"{', '.join(missing)}")
+    if AUTO in routes and default_route != AUTO:
+        # NOTE: a warning, not a refusal: a tenant whose own default route is it reaches it.
+        logger.warning(
+            "route %r is reached only by tenants whose default_route is %r: `model: \"auto\"` "
+            "means the default route, which is %s; rename the route, or set default_route = "
+            "\"auto\"", AUTO, AUTO, repr(default_route) if default_route else "not set")
 
 
 def log_tiers_no_worker_serves(engines: dict[str, EngineClient],
                                routes: dict[str, ModelRoute]) -> None:
-    """Only a warning: workers may start after the gateway (the route's calls answer 503
-    `engine_unavailable` until one does)."""
+    """Only a warning: workers may start after the gateway (the route leaves those models' tiers
+    out until one does)."""
     for route in routes.values():
         missing = [m for m in route.tiers if m not in engines]
         if missing:
-            logger.warning("route %r names models no engine worker serves yet: %s", route.name,
-                           ", ".join(missing))
+            logger.warning("route %r names models no engine worker serves yet: %s (its calls run "
+                           "on its other models until one does)", route.name, ", ".join(missing))
 
 
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,

@@ -510,6 +510,27 @@ def test_a_tenant_s_default_route_the_server_no_longer_declares_gives_way_to_the
         "declare: its calls to 'auto' get the server's default route 'auto' instead" in warnings[0]
 
 
+def test_a_route_named_auto_that_is_not_the_default_route_is_warned_of(engines, caplog):
+    """`model: "auto"` means the default route: a route named so while default_route names
+    another (or none) is reached only by tenants whose own default route it is. That once
+    passed unremarked, the route unreachable for everyone else."""
+    from gateway.app import check_routes
+
+    declared = {"auto": {"tiers": ["small", "large"], "threshold": 0.5},
+                "other": {"tiers": ["small", "large"], "threshold": 0.5}}
+    routes = parse_routes(declared, engines)
+    warned = []
+    for default in ("auto", "other", None):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gateway.app"):
+            check_routes(engines, routes, default)
+        warned.append([r.getMessage() for r in caplog.records if r.name == "gateway.app"])
+    assert warned[0] == []
+    for words, messages in zip(("which is 'other'", "which is not set"), warned[1:]):
+        assert len(messages) == 1 and "reached only by tenants whose default_route is 'auto'" in \
+            messages[0] and words in messages[0] and 'set default_route = "auto"' in messages[0]
+
+
 def test_a_tenant_s_default_route_is_one_its_allowed_models_hold(routed):
     """Else `auto` is a 403 for the tenant, and /v1/models lists no `auto`."""
     def refused(response: httpx.Response) -> bool:
