@@ -246,20 +246,25 @@ def _split(examples: Sequence[Example], holdout_fraction: float, seed: int
            ) -> tuple[list[Example], list[Example]]:
     """(held out, training): a seeded shuffle of each outcome's examples, `holdout_fraction` of
     each held out, so that the held-out part has both outcomes in their share of the whole (the
-    calibration reads it as the traffic to come). At least one is held out, and one trained on."""
+    calibration reads it as the traffic to come). Training keeps at least one example of each
+    outcome (it learns nothing from one alone), and at least one is held out: ValueError when
+    the examples are too few for both."""
     rng = random.Random(seed)
+    groups = [[e for e in examples if e.small_correct is outcome] for outcome in (False, True)]
     holdout: list[Example] = []
     training: list[Example] = []
-    for outcome in (False, True):
-        group = [e for e in examples if e.small_correct is outcome]
+    for group in groups:
         rng.shuffle(group)
-        cut = round(len(group) * holdout_fraction)
+        cut = min(round(len(group) * holdout_fraction), len(group) - 1)
         holdout += group[:cut]
         training += group[cut:]
     if not holdout:
-        holdout.append(training.pop())
-    elif not training:
-        training.append(holdout.pop())
+        spare = [e for group in groups if len(group) > 1 for e in group[-1:]]
+        if not spare:
+            raise ValueError(f"{len(examples)} prompts are too few to hold some out to calibrate "
+                             "on and train on both outcomes: give at least 3")
+        holdout.append(spare[0])
+        training.remove(spare[0])
     return holdout, training
 
 

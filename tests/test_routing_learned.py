@@ -113,6 +113,25 @@ def test_router_train_on_too_few_outcomes_exits_2_with_one_line(tmp_path, capsys
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("holdout_fraction", [0.5, 0.99])
+def test_a_large_holdout_leaves_training_both_outcomes(holdout_fraction):
+    """Ten prompts the small model got right and one it got wrong: a holdout share that would
+    take the wrong one away keeps it to train on (it was refused for data "lacking" an outcome
+    that it holds)."""
+    examples = [Example(f"easy {i}", True) for i in range(10)] + [Example("hard", False)]
+    holdout, training = _split(examples, holdout_fraction, 0)
+    assert {e.small_correct for e in training} == {True, False} and holdout
+    assert sorted(holdout + training, key=examples.index) == examples
+    _, report = train_router(examples, target_strong_share=0.3, holdout_fraction=holdout_fraction,
+                             epochs=5)
+    assert report.num_train + report.num_holdout == 11
+
+
+def test_two_prompts_are_too_few_to_train_and_calibrate_and_are_told_so():
+    with pytest.raises(ValueError, match="too few to hold some out .* give at least 3"):
+        train_router([Example("easy", True), Example("hard", False)], target_strong_share=0.3)
+
+
 def test_the_held_out_part_has_each_outcome_in_its_share_of_the_whole():
     """The calibration reads the held-out prompts as the traffic to come: a split that left out
     the hard prompts (as one ordered by a checksum of the line number did) calibrates on the
