@@ -26,7 +26,7 @@ from pathlib import Path
 
 from store.base import SharedBlobs, Store
 from store.errors import StoreError
-from store.models import validate_digest, validate_name
+from store.models import is_digest, validate_digest, validate_name
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +165,10 @@ class BlobStore:
         return self.delete(digest)
 
     def digests(self) -> list[str]:
-        """The digests of every stored blob, sorted."""
-        return sorted(p.name for p in self.root.iterdir() if not p.name.startswith("."))
+        """The digests of every stored blob, sorted. Entries not named as blobs are not ours and
+        are left as they are: a volume's `lost+found`, or a data folder's files where the blob
+        folder is the data folder itself."""
+        return sorted(p.name for p in self.root.iterdir() if is_digest(p.name))
 
     def remove_stale_temp(self, now: float) -> None:
         """Remove leftovers of puts and deletes that crashed (older than an hour)."""

@@ -29,9 +29,14 @@ def is_valid_name(name: str) -> bool:
     return isinstance(name, str) and _NAME_RE.fullmatch(name) is not None
 
 
+def is_digest(text: str) -> bool:
+    """Whether `text` is a lowercase hex sha256 (as blob digests are)."""
+    return isinstance(text, str) and _DIGEST_RE.fullmatch(text) is not None
+
+
 def validate_digest(digest: str) -> str:
     """Return `digest` if it is a lowercase hex sha256, else raise InvalidName."""
-    if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+    if not is_digest(digest):
         raise InvalidName(f"invalid digest {digest!r}: expected 64 lowercase hex characters")
     return digest
 

@@ -981,6 +981,19 @@ async def test_collect_garbage_keeps_referenced_blobs(store: Store, tmp_path: Pa
     assert blobs.digests() == [kept]
 
 
+async def test_collect_garbage_leaves_entries_that_are_not_blobs(store: Store, tmp_path: Path) -> None:
+    """A blob folder on its own volume has a `lost+found`, and one that is the data folder too
+    holds the database: a sweep once raised on them (every gateway start failed), and must not
+    delete them either."""
+    blobs = BlobStore(tmp_path / "blobs")
+    dropped, _ = blobs.put(write_adapter(tmp_path / "a", b"\x07"))
+    (blobs.root / "lost+found").mkdir()
+    (blobs.root / "switchboard.db").write_bytes(b"SQLite format 3\x00")
+    assert blobs.digests() == [dropped]
+    assert await collect_garbage(blobs, store) == [dropped]
+    assert sorted(p.name for p in blobs.root.iterdir()) == ["lost+found", "switchboard.db"]
+
+
 async def test_digest_locks_let_one_task_at_a_time_hold_a_digest(tmp_path: Path) -> None:
     locks = BlobStore(tmp_path / "blobs").locks
     holders: list[int] = []
