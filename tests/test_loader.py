@@ -39,6 +39,20 @@ def test_pickle_checkpoints_are_refused(tmp_path):
         LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "an error page"])
+def test_a_damaged_weights_file_is_named_with_what_to_do(tmp_path, damage):
+    """An interrupted download leaves a truncated file, a failed one an HTML page under the
+    weights' name: `switchboard serve` once exited with the reader's traceback."""
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else
+                        b"<!DOCTYPE html><html><body>502 Bad Gateway</body></html>\n")
+    with pytest.raises(UnsupportedModelError, match="model.safetensors cannot be read .*damaged or "
+                       "incomplete.*fetch it again"):
+        LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
+
+
 def test_missing_config_says_what_to_pass(tmp_path):
     with pytest.raises(UnsupportedModelError, match="no config.json"):
         LLMEngine(EngineConfig(model=str(tmp_path)), show_progress=False)

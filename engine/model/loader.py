@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from engine.model.linear import Linear
@@ -27,24 +28,36 @@ class _WeightReader:
             hint = (f" (found {', '.join(pickled)}: pickle checkpoints are never loaded; convert them "
                     "with `save_pretrained(..., safe_serialization=True)`)") if pickled else ""
             raise UnsupportedModelError(f"no *.safetensors weights in {folder}{hint}")
-        self.location: dict[str, object] = {}
+        self.location: dict[str, tuple[Any, Path]] = {}  # name: (open file, its path)
         for path in files:
-            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            except SafetensorError as error:
+                raise UnsupportedModelError(_damaged(path, error)) from None
             for name in handle.keys():
-                self.location[name] = handle
+                self.location[name] = (handle, path)
         self.dtype, self.device = dtype, device
 
     def has(self, name: str) -> bool:
         return name in self.location
 
     def get(self, name: str) -> torch.Tensor:
-        handle = self.location.get(name)
-        if handle is None:
+        if name not in self.location:
             raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
-        return handle.get_tensor(name).to(device=self.device, dtype=self.dtype)
+        handle, path = self.location[name]
+        try:
+            tensor = handle.get_tensor(name)
+        except SafetensorError as error:
+            raise UnsupportedModelError(_damaged(path, error)) from None
+        return tensor.to(device=self.device, dtype=self.dtype)
 
     def get_cat(self, names: list[str]) -> torch.Tensor:
         return torch.cat([self.get(n) for n in names], dim=0)
+
+
+def _damaged(path: Path, error: Exception) -> str:
+    return (f"{path.name} cannot be read ({error}): the file is damaged or incomplete, as an "
+            "interrupted download or copy leaves it; fetch it again")
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
