@@ -27,7 +27,7 @@ import httpx
 import msgspec
 
 from benchmarks.common import (DEFAULT_WORK_DIR, ModelSpec, ensure_model, load_summary,
-                               machine_summary, positive_float, positive_int)
+                               machine_summary, non_negative_float, positive_float, positive_int)
 from benchmarks.loadgen import LoadResult, closed_loop, encode_request, percentile
 from store.workers import WorkerRecord
 from tests.processes import SwitchboardProcess, is_healthy, start_switchboard, wait_until
@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
     parser.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
-    parser.add_argument("--warmup", type=float, default=5.0, help="untimed seconds per phase")
+    parser.add_argument("--warmup", type=non_negative_float, default=5.0, help="untimed seconds per phase")
     parser.add_argument("--duration", type=positive_float, default=30.0, help="timed seconds per phase")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                         help=f"where the random model is kept (default {DEFAULT_WORK_DIR})")

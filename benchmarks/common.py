@@ -34,6 +34,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a duration that may be 0 (a warm-up that can be left out)."""
+    value = float(text)
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+    return value
+
+
 def machine_summary() -> str:
     """One line naming what the numbers were measured on."""
     return (

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.arithmetic import Problem, is_correct, mixed_problems, sample_train_problem
+from benchmarks.arithmetic import (MAX_DIFFICULTY, Problem, is_correct, mixed_problems,
+                                   sample_train_problem)
+from benchmarks.common import positive_int
 from routing.confidence import MEASURES, confidence
 from routing.learned import Example, train_router
 
@@ -152,17 +154,46 @@ def print_curve(name: str, points: Sequence[Point], acc_small: float, acc_large:
     print("    " + "  ".join(f"{p.large_share:.0%}:{p.accuracy:.3f}" for p in shown))
 
 
+# The fewest training-split prompts to train a router on: some of each outcome, some held out.
+MIN_TRAIN = 20
+
+
+def difficulty_mix(text: str) -> dict[int, float]:
+    """An argparse type: `difficulty:share,...`, difficulties in [1, MAX_DIFFICULTY], shares
+    that are not negative and add up to more than 0."""
+    try:
+        mix = {int(d): float(w) for d, w in (item.split(":") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected difficulty:share,... (e.g. 1:0.3,2:0.7), "
+                                         f"got {text!r}") from None
+    if not all(1 <= d <= MAX_DIFFICULTY for d in mix):
+        raise argparse.ArgumentTypeError(f"difficulties must be in [1, {MAX_DIFFICULTY}], got {text!r}")
+    if any(not 0 <= w < float("inf") for w in mix.values()) or not sum(mix.values()) > 0:
+        raise argparse.ArgumentTypeError(f"shares must be finite, not negative, and not all 0, "
+                                         f"got {text!r}")
+    return mix
+
+
+def at_least_min_train(text: str) -> int:
+    value = int(text)
+    if value < MIN_TRAIN:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_TRAIN}, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-problems", type=int, default=600, help="held-out prompts (600)")
-    parser.add_argument("--mix", default="1:0.3,2:0.3,3:0.4",
-                        help="difficulty:share of the held-out mix (default 1:0.3,2:0.3,3:0.4)")
-    parser.add_argument("--num-train", type=int, default=2000,
-                        help="training-split prompts for the learned router (2000)")
+    parser.add_argument("--num-problems", type=positive_int, default=600,
+                        help="held-out prompts (600)")
+    parser.add_argument("--mix", type=difficulty_mix, default="1:0.3,2:0.3,3:0.4",
+                        help=f"difficulty:share of the held-out mix, difficulties 1-{MAX_DIFFICULTY} "
+                        "(default 1:0.3,2:0.3,3:0.4)")
+    parser.add_argument("--num-train", type=at_least_min_train, default=2000,
+                        help=f"training-split prompts for the learned router (2000; at least {MIN_TRAIN})")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    weights = {int(d): float(w) for d, w in (item.split(":") for item in args.mix.split(","))}
+    weights = args.mix
     problems = mixed_problems(args.seed, weights, args.num_problems)
     started = time.perf_counter()
     answers = {m: answer_all(m, problems, max_tokens=6) for m in MODELS}
@@ -182,9 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     for measure in MEASURES:
         scores = [confidence(a.logprobs, measure) for a in small]
         print_curve(f"cascade {measure}", sweep(scores, small, large), acc["small"], acc["large"])
-    scores, _ = learned_scores(problems, args.num_train, args.seed, weights)
-    print_curve("learned router", sweep(scores, small, large, escalate_below=False), acc["small"],
-                acc["large"])
+    try:
+        scores, _ = learned_scores(problems, args.num_train, args.seed, weights)
+    except ValueError as error:  # e.g. the small model got every training prompt right
+        print(f"learned router: not trained: {error}; give a larger --num-train or a mix of "
+              "harder problems")
+    else:
+        print_curve("learned router", sweep(scores, small, large, escalate_below=False),
+                    acc["small"], acc["large"])
     print_curve("cascade 3 tiers, min_prob", three_tier(small, answers["medium"], large, "min_prob"),
                 acc["small"], acc["large"])
     return 0

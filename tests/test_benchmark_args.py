@@ -1,0 +1,36 @@
+"""Benchmark scripts refuse arguments that would measure nothing or crash midway: argparse's exit
+2 naming the option, before any model is loaded."""
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import routing
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--mix", "foo"], "argument --mix: expected difficulty:share"),
+    (["--mix", "1:0"], "argument --mix: shares must be finite, not negative, and not all 0"),
+    (["--mix", "1:-1,2:2"], "argument --mix: shares must be"),
+    (["--mix", "7:1"], "argument --mix: difficulties must be in [1, 3]"),
+    (["--num-problems", "0"], "argument --num-problems: must be at least 1"),
+    (["--num-train", "1"], f"argument --num-train: must be at least {routing.MIN_TRAIN}"),
+])
+def test_the_routing_benchmark_refuses_arguments_it_cannot_run(args, words, capsys):
+    with pytest.raises(SystemExit) as exited:
+        routing.main(args)
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_a_default_mix_reads_as_difficulty_shares():
+    assert routing.difficulty_mix("1:0.3,2:0.3,3:0.4") == {1: 0.3, 2: 0.3, 3: 0.4}
+
+
+@pytest.mark.parametrize("script", ["bench_gateway", "bench_scaleout"])
+def test_a_negative_warmup_is_refused(script):
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--warmup", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "argument --warmup: must be a finite number, 0 or more, got -1" in done.stderr
