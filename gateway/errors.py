@@ -12,16 +12,21 @@ from starlette.responses import Response
 
 from gateway.engine_client import (EngineStopped, EngineUnavailable, UpstreamFailure,
                                    UpstreamUnavailable)
-from store import FULL_ERRORS, UNAVAILABLE_ERRORS
+from store import FULL_ERRORS, UNAVAILABLE_ERRORS, StoreFull
 
 logger = logging.getLogger(__name__)
 
 STORE_UNAVAILABLE_MESSAGE = ("the gateway cannot use its store (tenants, keys, limits) at the "
                              "moment; retry shortly")
-STORE_FULL_MESSAGE = ("the gateway's store has no room left for this call: Redis reached its "
+REDIS_FULL_MESSAGE = ("the gateway's store has no room left for this call: Redis reached its "
                       "maxmemory, and refuses what calls must keep there (an upload's adapter "
                       "files, usage, rate limits); retrying will not help until the operator gives "
                       "Redis more memory (raises its maxmemory) or deletes adapters no longer used")
+SQLITE_FULL_MESSAGE = ("the gateway's store has no room left for this call: the disk volume of its "
+                       "SQLite file (in its data folder, unless --store names another) is full or "
+                       "fails writes, so it cannot keep what calls must (usage, rate limits, "
+                       "tenants, adapters); retrying will not help until the operator frees disk "
+                       "space on that volume (the gateway's log names the file)")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _MSGSPEC_MISSING = re.compile(r"(?:missing required|contains unknown) field `(.*)`")
 
@@ -151,12 +156,13 @@ def unavailable_until_mended(message: str, code: str) -> ApiError:
 
 def store_unavailable(error: Exception) -> ApiError:
     """The 503 for a call that needed the store while it could not be used (`error`, one of
-    store.UNAVAILABLE_ERRORS): `store_full` while it has no room left, which only its operator
-    mends, so not to be retried (OpenAI's SDKs read x-should-retry); else `store_unavailable`,
-    to retry shortly (Redis unreachable, the SQLite file locked by another process): the store
-    recovers by itself once it is back."""
+    store.UNAVAILABLE_ERRORS): `store_full` while it has no room left (Redis at its maxmemory,
+    the SQLite file's volume full), which only its operator mends, so not to be retried (OpenAI's
+    SDKs read x-should-retry); else `store_unavailable`, to retry shortly (Redis unreachable, the
+    SQLite file locked by another process). Either way the store recovers by itself once mended."""
     if isinstance(error, FULL_ERRORS):
-        return unavailable_until_mended(STORE_FULL_MESSAGE, code="store_full")
+        message = SQLITE_FULL_MESSAGE if isinstance(error, StoreFull) else REDIS_FULL_MESSAGE
+        return unavailable_until_mended(message, code="store_full")
     return ApiError(503, STORE_UNAVAILABLE_MESSAGE, type="server_error", code="store_unavailable",
                     headers={"Retry-After": "2"})
 

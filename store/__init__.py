@@ -3,21 +3,22 @@
 A call that the store cannot do now raises one of UNAVAILABLE_ERRORS: Redis cannot be reached
 or refuses writes, or another process held the SQLite file's write lock too long. The caller should say "retry
 shortly"; the store needs no reopening once Redis is back or the lock is let go. Except for those
-of them in FULL_ERRORS: the store has no room left (Redis is at its maxmemory), and refuses writes
-until its operator makes room, so the caller should say that instead.
+of them in FULL_ERRORS: the store has no room left (Redis is at its maxmemory, the SQLite file's
+volume is full), and refuses writes until its operator makes room, so the caller should say that
+instead.
 """
 
 from pathlib import Path
 
 from store.base import Store, refund_rate
 from store.errors import (AdapterStorageExceeded, AlreadyExists, InvalidName, InvalidSetting,
-                          NotFound, StoreError, StoreUnavailable)
+                          NotFound, StoreError, StoreFull, StoreUnavailable)
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 from store.redis import REDIS_FULL_ERRORS, REDIS_UNAVAILABLE_ERRORS, RedisStore
 from store.sqlite import SqliteStore
 
 UNAVAILABLE_ERRORS = (*REDIS_UNAVAILABLE_ERRORS, StoreUnavailable)
-FULL_ERRORS = REDIS_FULL_ERRORS  # some of UNAVAILABLE_ERRORS
+FULL_ERRORS = (*REDIS_FULL_ERRORS, StoreFull)  # some of UNAVAILABLE_ERRORS
 
 DEFAULT_SQLITE_NAME = "switchboard.db"
 
@@ -36,6 +37,7 @@ __all__ = [
     "SqliteStore",
     "Store",
     "StoreError",
+    "StoreFull",
     "StoreUnavailable",
     "Tenant",
     "UNAVAILABLE_ERRORS",

@@ -46,7 +46,8 @@ class Store(Protocol):
 
     async def ensure_writable(self) -> None:
         """Return once the store takes writes; one of store.UNAVAILABLE_ERRORS if it cannot now
-        (Redis cannot be reached, another process holds the SQLite file's write lock)."""
+        (Redis cannot be reached or is full, another process holds the SQLite file's write lock,
+        the SQLite file's volume is full): a real write, so that a full store shows."""
 
     # Tenants.
 

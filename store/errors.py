@@ -44,3 +44,9 @@ class AlreadyExists(StoreError):
 class StoreUnavailable(Exception):
     """The store cannot do the call now (another process held SQLite's write lock past
     store.sqlite.LOCK_TIMEOUT_S); retry shortly. Not a StoreError: nothing was wrong with the call."""
+
+
+class StoreFull(StoreUnavailable):
+    """The SQLite file's volume has no room for the call's writes (or fails them: a disk I/O
+    error, a disk quota): unlike a lock, this lasts until the operator frees disk space there;
+    the store takes writes again by itself once there is room."""

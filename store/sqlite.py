@@ -6,7 +6,8 @@ call to a thread would cost more than the call. A call that would wait (another 
 bulk call of this one, is writing) goes to the store's worker thread instead, which waits for the
 lock until LOCK_TIMEOUT_S after the call was made, then raises StoreUnavailable; so do calls whose
 result grows with the data (listings, deleting a tenant), and the WAL checkpoints, whose fsync
-must not stall the loop.
+must not stall the loop. A call whose writes the file's volume has no room for (or fails) raises
+StoreFull, and the next calls write again once the operator frees disk space there.
 
 NOTE: every write is a `BEGIN IMMEDIATE` transaction, so check-then-write sequences (rate buckets,
 budget holds, version numbers) stay exact within a process and across processes sharing the file.
@@ -28,7 +29,7 @@ from typing import TypeVar
 
 import msgspec
 
-from store.errors import AlreadyExists, NotFound, StoreError, StoreUnavailable
+from store.errors import AlreadyExists, NotFound, StoreError, StoreFull, StoreUnavailable
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (budget_allows, check_adapter_storage, month_of, new_reservation, now_or,
                           rate_costs, stored_files, take)
@@ -127,7 +128,7 @@ class SqliteStore:
         # write transactions that write nothing: only a write (this one, rolled back) fails.
         conn.execute(_WRITE)
         try:
-            conn.execute("INSERT OR REPLACE INTO settings VALUES ('write_check', '')")
+            _write_check(conn)
         finally:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -169,6 +170,8 @@ class SqliteStore:
         try:
             return _transaction(conn, begin, fn)
         except sqlite3.OperationalError as error:
+            if _is_full(error):
+                raise self._full(error) from error
             if not _is_busy(error):
                 raise
             raise self._locked() from error
@@ -176,6 +179,10 @@ class SqliteStore:
     def _locked(self) -> StoreUnavailable:
         return StoreUnavailable(f"the SQLite store {self.path} stayed locked by another process "
                                 f"for {LOCK_TIMEOUT_S:g} s")
+
+    def _full(self, error: sqlite3.OperationalError) -> StoreFull:
+        return StoreFull(f"the SQLite store {self.path} cannot be written ({error}): free disk "
+                         f"space on the volume of {self.path.parent}")
 
     async def _run(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn` right here if the lock it needs is free, else on the worker thread."""
@@ -186,6 +193,8 @@ class SqliteStore:
             try:
                 result = _transaction(conn, begin, fn)
             except sqlite3.OperationalError as error:
+                if _is_full(error):
+                    raise self._full(error) from error
                 if not _is_busy(error):
                     raise
                 # Rolled back, so it can run again: on the worker, which waits for the lock.
@@ -221,9 +230,9 @@ class SqliteStore:
             self._is_holding_writes = False
 
     async def ensure_writable(self) -> None:
-        # An empty write transaction: it takes the write lock (waiting as any write does) and
-        # writes nothing.
-        await self._write(lambda conn: None)
+        # NOTE: a committed write: it takes the write lock (waiting as any write does), and
+        # appends to the WAL, which an empty transaction would not: a full disk fails it.
+        await self._write(_write_check)
 
     def _forget_keys(self) -> None:
         """Drop cached authentications, including lookups in flight (keys may be revoked)."""
@@ -554,17 +563,31 @@ def _is_busy(error: sqlite3.OperationalError) -> bool:
     return error.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
 
 
+def _is_full(error: sqlite3.OperationalError) -> bool:
+    """Whether `error` is SQLITE_FULL (the volume has no room left) or SQLITE_IOERR (it failed a
+    write: a disk quota, a failing disk): neither mends by itself."""
+    return error.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+
+
+def _write_check(conn: sqlite3.Connection) -> None:
+    """Write one row, a new value each time: SQLite skips writing a row that it leaves unchanged."""
+    conn.execute("INSERT INTO settings VALUES ('write_check', ?) ON CONFLICT (name)"
+                 " DO UPDATE SET value = excluded.value", (repr(time.time()),))
+
+
 def _transaction(conn: sqlite3.Connection | None, begin: str,
                  fn: Callable[[sqlite3.Connection], T]) -> T:
     assert conn is not None, "SqliteStore used after close()"
     conn.execute(begin)
     try:
         result = fn(conn)
+        # NOTE: inside the try: a COMMIT can fail too (the WAL cannot grow on a full disk), and
+        # must not leave the transaction open for the connection's next call.
+        conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:  # some errors (SQLITE_FULL, ...) have rolled back already
             conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT")
     return result
 
 

@@ -1,4 +1,5 @@
-"""Factories shared by the tests: small random Hugging Face models, PEFT adapters, requests, schedulers.
+"""Factories shared by the tests: small random Hugging Face models, PEFT adapters, requests, schedulers,
+and small volumes to fill.
 
 NOTE: transformers and peft are imported inside functions only: importing them loads triton, and
 tests/test_sgmv.py must set TRITON_INTERPRET before triton is first imported during collection.
@@ -6,12 +7,16 @@ tests/test_sgmv.py must set TRITON_INTERPRET before triton is first imported dur
 
 from __future__ import annotations
 
+import errno
 import gc
 import itertools
+import shutil
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from adapters.slots import PackedAdapter
@@ -251,3 +256,32 @@ def torch_threads(num_threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@contextmanager
+def small_volume(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (as mount reads it: "4m") mounted at `folder` (made) for the block: a
+    volume a test can fill. Skips the test where mounting is not permitted (it needs root)."""
+    folder.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True) if shutil.which("mount") else None
+    if mounted is None or mounted.returncode != 0:
+        why = "no mount command" if mounted is None else mounted.stderr.strip()
+        pytest.skip(f"cannot mount a small tmpfs to fill, which needs root ({why})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill_volume(folder: Path) -> Path:
+    """Fill the volume of `folder` with one file until no room is left; delete it to free it."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as out:
+        try:
+            while True:
+                out.write(bytes(4096))
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+    return filler

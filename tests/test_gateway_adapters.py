@@ -21,7 +21,7 @@ import pytest
 import redis
 import torch
 
-from gateway.errors import STORE_FULL_MESSAGE
+from gateway.errors import REDIS_FULL_MESSAGE
 from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
@@ -383,7 +383,7 @@ def test_an_upload_redis_has_no_room_for_keeps_nothing_and_others_go_on(demo_eng
             client.config_set("maxmemory", client.info("memory")["used_memory"] + (384 << 10))
             refused = upload(server, key, "too-big", files_of(adapters["all-r8"]))  # 600 KB
             assert refused.status_code == 503, refused.text
-            assert refused.json() == {"error": {"message": STORE_FULL_MESSAGE, "type": "server_error",
+            assert refused.json() == {"error": {"message": REDIS_FULL_MESSAGE, "type": "server_error",
                                                 "param": None, "code": "store_full"}}
             assert "retry-after" not in refused.headers  # nothing mends it in a few seconds
             assert refused.headers["x-should-retry"] == "false"

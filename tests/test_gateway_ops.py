@@ -13,10 +13,11 @@ import httpx
 import redis
 
 from gateway.app import ROUTES
-from gateway.errors import STORE_FULL_MESSAGE, STORE_UNAVAILABLE_MESSAGE
+from gateway.errors import REDIS_FULL_MESSAGE, SQLITE_FULL_MESSAGE, STORE_UNAVAILABLE_MESSAGE
 from gateway.openapi import openapi_path
-from store.sqlite import LOCK_TIMEOUT_S
+from store.sqlite import LOCK_TIMEOUT_S, SqliteStore
 from tests.conftest import DEMO_MODEL, gateway_server, logged_status, serve_gateway
+from tests.helpers import fill_volume, small_volume
 from tests.redis_server import start_redis_server, stop_redis_server
 from tests.test_gateway_routing import ScriptedTier, eventually
 
@@ -66,12 +67,12 @@ def test_a_full_redis_store_answers_503_store_full_until_it_has_room(demo_engine
             refused = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
                                  headers={"Authorization": f"Bearer {key}"})
             assert refused.status_code == 503, refused.text
-            assert refused.json() == {"error": {"message": STORE_FULL_MESSAGE, "type": "server_error",
+            assert refused.json() == {"error": {"message": REDIS_FULL_MESSAGE, "type": "server_error",
                                                 "param": None, "code": "store_full"}}
             assert "retry-after" not in refused.headers
             assert refused.headers["x-should-retry"] == "false"
             health = httpx.get(server.url + "/health", timeout=60)
-            assert (health.status_code, health.json()["error"]) == (503, STORE_FULL_MESSAGE)
+            assert (health.status_code, health.json()["error"]) == (503, REDIS_FULL_MESSAGE)
 
             client.config_set("maxmemory", 0)
             assert httpx.get(server.url + "/health").status_code == 200
@@ -81,6 +82,64 @@ def test_a_full_redis_store_answers_503_store_full_until_it_has_room(demo_engine
     finally:
         client.close()
         stop_redis_server(process)
+
+
+def _cap_sqlite_file(store: SqliteStore, max_pages: int) -> None:
+    """Cap the store's file at `max_pages` pages (never below its size now) on both of its
+    connections, as a full disk caps it: a write that needs a page more fails with SQLITE_FULL
+    ("database or disk is full"), with no volume to fill (which needs root)."""
+    for conn in (store._inline_conn, store._conn):
+        conn.execute(f"PRAGMA max_page_count = {max_pages}")
+
+
+def test_a_sqlite_store_with_no_room_left_answers_503_store_full_until_it_has_room(
+        demo_engine, tmp_path, caplog):
+    """SQLite refusing a write for want of room refuses the call with what to do, not retrying
+    (only the operator makes room), and the calls go on by themselves once there is room."""
+    with gateway_server(demo_engine, tmp_path) as server:
+        store = server.app.state.gateway.store
+        _cap_sqlite_file(store, 1)  # its size now: each new page of tenants passes it
+        with caplog.at_level(logging.WARNING, logger="gateway.errors"):
+            for i in range(100):  # a few pages of tenants at most
+                refused = server.admin("POST", "/admin/tenants", json={"name": f"crowd-{i}"})
+                if refused.status_code != 201:
+                    break
+        assert refused.status_code == 503, refused.text
+        assert refused.json() == {"error": {"message": SQLITE_FULL_MESSAGE, "type": "server_error",
+                                            "param": None, "code": "store_full"}}
+        assert "retry-after" not in refused.headers
+        assert refused.headers["x-should-retry"] == "false"
+        # The log names the file, which the message does not show the client.
+        assert (f"POST /admin/tenants: store_full: the SQLite store {store.path} cannot be written "
+                f"(database or disk is full): free disk space on the volume of {tmp_path}") in caplog.text
+
+        _cap_sqlite_file(store, 1 << 30)
+        created = server.admin("POST", "/admin/tenants", json={"name": f"crowd-{i}"})
+        assert created.status_code == 201, created.text
+
+
+def test_a_sqlite_store_on_a_full_disk_answers_503_store_full_and_health_says_so(demo_engine,
+                                                                                 tmp_path):
+    """The SQLite file's disk full (a small volume, filled): calls that write and /health say that
+    the store has no room left, and all answer again as soon as space is freed."""
+    completion = {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1}
+    with small_volume(tmp_path / "volume", "4m") as volume, \
+            gateway_server(demo_engine, volume / "data") as server:
+        key = server.new_tenant("crowded", rpm=100)  # so each call writes its rate bucket
+        filler = fill_volume(volume)
+        refused = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                             headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "store_full"
+        assert refused.headers["x-should-retry"] == "false"
+        health = httpx.get(server.url + "/health", timeout=60)
+        assert (health.status_code, health.json()["error"]) == (503, SQLITE_FULL_MESSAGE)
+
+        filler.unlink()
+        assert httpx.get(server.url + "/health").status_code == 200
+        answered = httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                              headers={"Authorization": f"Bearer {key}"})
+        assert answered.status_code == 200, answered.text
 
 
 def test_openapi_lists_every_route_and_method(server):
