@@ -12,6 +12,7 @@ import json
 import logging
 import sqlite3
 import tarfile
+import tempfile
 import threading
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
                             logged_status)
-from tests.helpers import hf_greedy, make_peft_model
+from tests.helpers import fill_volume, hf_greedy, make_peft_model, small_volume
 from tests.test_gateway_metrics import sample
 from tests.redis_server import redis_server, start_redis_server, stop_redis_server  # noqa: F401
 
@@ -295,6 +296,54 @@ def test_an_upload_the_locked_store_refuses_keeps_no_files(server, tenant, adapt
         other.close()
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "store_unavailable"
     assert _snapshot(server, name) == before
+
+
+def _refused_for_want_of_space(refused: httpx.Response, where: str) -> None:
+    assert refused.status_code == 503, refused.text
+    assert refused.json() == {"error": {
+        "message": f"the server has no disk space left to receive this upload: the volume of {where} "
+                   "is full; retrying will not help until the operator frees space there",
+        "type": "server_error", "param": None, "code": "disk_full"}}
+    assert "retry-after" not in refused.headers  # a full disk stays full until someone acts
+    assert refused.headers["x-should-retry"] == "false"
+
+
+def test_an_upload_with_no_room_to_be_spooled_is_refused_and_its_request_given_back(
+        demo_engine, adapters, tmp_path, monkeypatch, caplog):
+    """Starlette spools a file part past 1 MiB to the temporary folder (TMPDIR): with its volume
+    full, the upload is told so, keeps nothing, and gives back its request against the rpm."""
+    with small_volume(tmp_path / "tmp", "1m") as volume, \
+            gateway_server(demo_engine, tmp_path / "data") as server:
+        key = server.new_tenant("spooler", rpm=1)
+        filler = fill_volume(volume)
+        monkeypatch.setattr(tempfile, "tempdir", str(volume))  # as TMPDIR names it
+        before = _snapshot(server, "spooler")
+        files = {**files_of(adapters["all-r8"]),
+                 "adapter_model.safetensors": ("adapter_model.safetensors", bytes(2 << 20))}
+        with caplog.at_level(logging.WARNING, logger="gateway.uploads"):
+            refused = upload(server, key, "spooled", files)
+        _refused_for_want_of_space(refused, "the temporary folder (TMPDIR) where uploads are spooled")
+        assert f"where uploads are spooled, {volume}, has no room left: [Errno 28]" in caplog.text
+        assert _snapshot(server, "spooler") == before
+        filler.unlink()
+        # An rpm of 1: the refused upload's request was given back.
+        assert upload(server, key, "spooled", files_of(adapters["all-r8"])).status_code == 201
+
+
+def test_an_upload_the_adapter_folder_has_no_room_for_is_refused_not_blamed_on_its_archive(
+        demo_engine, adapters, tmp_path):
+    with small_volume(tmp_path / "volume", "1m") as volume, \
+            gateway_server(demo_engine, tmp_path / "data", adapter_dir=volume / "adapters") as server:
+        key = server.new_tenant("packer", rpm=1)
+        filler = fill_volume(volume)
+        before = _snapshot(server, "packer")
+        archive = tar_gz({name: data for name, (_, data) in files_of(adapters["all-r8"]).items()})
+        refused = upload(server, key, "packed", {"file": ("adapter.tar.gz", archive)})
+        _refused_for_want_of_space(refused, "the adapter folder (--adapter-dir)")
+        assert _snapshot(server, "packer") == before
+        filler.unlink()
+        packed = upload(server, key, "packed", {"file": ("adapter.tar.gz", archive)})
+        assert packed.status_code == 201, packed.text
 
 
 def test_uploads_with_a_tenant_key_count_against_its_rpm_and_the_admin_s_do_not(server, adapters):
