@@ -160,6 +160,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
             if workers_url is not None:
                 pool = WorkerPool(WorkerRegistry.open(workers_url), data_dir / "tokenizers",
                                   load_tokenizer, engines, model_ttl_s=worker_model_ttl_s,
+                                  records_elsewhere=store_url != workers_url,
                                   ensure_intact_copy=functools.partial(
                                       ensure_intact_copy, blobs, gateway.store.shared_blobs),
                                   on_serving=lambda model: shadows.check_served(

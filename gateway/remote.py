@@ -51,7 +51,7 @@ from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
                                 GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
-from store.blobs import ADAPTER_FILES
+from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S
 from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, keep_running
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,9 @@ class WorkerPool:
     worker refuses this gateway's copy of its files, as they do not hash to it: whether this
     gateway holds an intact copy now, a damaged one replaced (None: it cannot replace its copies).
     `on_serving` is called with each model the pool starts serving, once it does.
+    `records_elsewhere`: this gateway keeps adapter records in a store other than the registry's
+    Redis; each refresh says so there, so that workers keep adapter files by their use, not by
+    the records there (gateway/worker.py).
     """
 
     def __init__(self, registry: WorkerRegistry, tokenizer_dir: Path,
@@ -86,7 +89,8 @@ class WorkerPool:
                  ensure_intact_copy: Callable[[str], Awaitable[bool]] | None = None,
                  on_serving: Callable[[str], Awaitable[None]] | None = None,
                  poll_s: float = DEFAULT_POLL_S, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 slack: int = DEFAULT_SLACK, model_ttl_s: float = DEFAULT_MODEL_TTL_S):
+                 slack: int = DEFAULT_SLACK, model_ttl_s: float = DEFAULT_MODEL_TTL_S,
+                 records_elsewhere: bool = False):
         self.registry = registry
         self._tokenizer_dir = tokenizer_dir
         self._load_tokenizer = load_tokenizer
@@ -95,6 +99,7 @@ class WorkerPool:
         self._on_serving = on_serving
         self._poll_s = poll_s
         self._model_ttl_s = model_ttl_s
+        self._records_elsewhere = records_elsewhere
         self.slack = slack
         self.workers: dict[str, WorkerRecord] = {}
         self.seen: dict[str, ModelSeen] = {}  # every model's latest heartbeat, as Redis has it
@@ -130,6 +135,10 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         """Take the registry's view of the workers and of the models to serve."""
+        if self._records_elsewhere:
+            # NOTE: as long-lived as a worker's unused files: those of a gateway down meanwhile
+            # would be dropped as unused anyway.
+            await self.registry.mark_adapter_records_elsewhere(UNUSED_BLOB_S)
         self.internal_key = await self.registry.internal_key()
         records = await self.registry.workers()
         self.seen = await self.registry.models_seen()

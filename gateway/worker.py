@@ -2,7 +2,10 @@
 registered in Redis with a heartbeat (store/workers.py) so gateways find it and place requests.
 
 Adapter files reach a worker from the gateways, by digest, the first time a request needs them;
-the worker keeps them in its own blob folder, and drops those of deleted adapters when it starts.
+the worker keeps them in its own blob folder, and drops those no request will need when it starts
+and every SWEEP_PERIOD_S: those of deleted adapters, where the registry's Redis holds every
+gateway's adapter records, else (gateways keeping them in stores of their own, which workers
+cannot read) those no request used for UNUSED_BLOB_S.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
                                 GenerateBody, StreamLine, WorkerError)
 from store import UNAVAILABLE_ERRORS, RedisStore
-from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, BlobStore, digest_files,
-                         drop_deleted_adapters)
+from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, UNUSED_BLOB_S, BlobStore, digest_files,
+                         drop_deleted_adapters, drop_unused_adapters)
 from store.errors import InvalidName
 from store.models import validate_digest
 from store.workers import WorkerRecord, WorkerRegistry, keep_running
@@ -69,8 +72,8 @@ class Worker:
     registry: WorkerRegistry
     tokenizer_files: dict[str, bytes]
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    store_url: str | None = None  # the Redis holding adapter records; None: blobs are never dropped
-    blob_sweep_s: float = SWEEP_PERIOD_S  # how often it drops the files of deleted adapters
+    store_url: str | None = None  # the registry's Redis, as a store; None: blobs are never dropped
+    blob_sweep_s: float = SWEEP_PERIOD_S  # how often it drops the files no request will need
     id: str = field(default_factory=lambda: secrets.token_hex(6))
     internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
     is_closing: bool = False  # it has left the pool: it takes no more requests
@@ -93,12 +96,18 @@ class Worker:
                      if self.tokenizer_files else None)
         await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * _LAPSE_BEATS)
 
-    async def drop_unreferenced_blobs(self) -> None:
-        """Delete the blobs no adapter record references (adapters deleted since they were sent
-        here) and leftovers of crashed puts; keep them all if the store cannot be reached."""
+    async def drop_unneeded_blobs(self) -> None:
+        """Delete the blobs no request will need, and leftovers of crashed puts: where every
+        gateway keeps its adapter records in the registry's Redis, those no record references
+        (adapters deleted since they were sent here); else, as some adapters that exist have no
+        record there, those no request used for UNUSED_BLOB_S. Keep them all if Redis cannot be
+        reached."""
         if self.store_url is None:
             return
         try:
+            if await self.registry.are_adapter_records_elsewhere():
+                await drop_unused_adapters(self.blobs, UNUSED_BLOB_S)
+                return
             store = await RedisStore.open(self.store_url)
             try:
                 await drop_deleted_adapters(self.blobs, store)
@@ -210,7 +219,9 @@ async def generate(request: Request) -> Response:
         return _error(404, "unknown_model", f"this worker serves {worker.model!r}, not {quoted(body.model)}")
     adapter = None
     if body.adapter is not None:
-        folder = worker.blobs.path(body.adapter)
+        # NOTE: marked used under its lock, so that drop_unused_adapters keeps it for this request.
+        async with worker.blobs.locks.hold(body.adapter):
+            folder = worker.blobs.mark_used(body.adapter)
         if folder is None:
             return _error(409, "adapter_missing", f"send the files of adapter {body.adapter}")
         adapter = AdapterRef(body.adapter, str(folder))
@@ -329,7 +340,7 @@ async def health(request: Request) -> Response:
 
 
 def create_worker_app(worker: Worker) -> Starlette:
-    """The worker's internal API; its lifespan drops unreferenced blobs (then every
+    """The worker's internal API; its lifespan drops the blobs no request will need (then every
     `worker.blob_sweep_s`), registers the worker and heartbeats until shutdown (failing to start
     if Redis cannot be reached). The server should await `worker.begin_shutdown()` as its
     shutdown begins: the lifespan's end comes only once the requests in flight have ended."""
@@ -339,12 +350,12 @@ def create_worker_app(worker: Worker) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # NOTE: before serving: a request handed a blob's folder must not see it deleted.
-        await worker.drop_unreferenced_blobs()
+        await worker.drop_unneeded_blobs()
         await worker.join_the_pool()
         logger.info("worker %s serves %s at %s", worker.id, worker.model, worker.url)
-        sweeping = asyncio.create_task(keep_running(worker.drop_unreferenced_blobs,
+        sweeping = asyncio.create_task(keep_running(worker.drop_unneeded_blobs,
                                                     worker.blob_sweep_s,
-                                                    "dropping the files of deleted adapters"))
+                                                    "dropping the adapter files no request will need"))
         try:
             yield
         finally:

@@ -35,6 +35,10 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 # Redis) drops the files of adapters deleted through the others: no record names them, so no
 # request can, and without this they would fill its disk until it restarts.
 SWEEP_PERIOD_S = 600.0
+# Where a folder caches adapters whose records it cannot read (a worker whose gateways keep them
+# in a store of their own), it drops the files no request used for this long instead: those of
+# deleted adapters go too, as no request names them.
+UNUSED_BLOB_S = 24 * 3600.0
 _CHUNK_BYTES = 1 << 20
 _STALE_TMP_S = 3600.0  # a put that has not finished in an hour has crashed
 
@@ -144,6 +148,26 @@ class BlobStore:
         """The folder holding the blob's files, or None if it is not stored."""
         folder = self.root / validate_digest(digest)
         return folder if folder.is_dir() else None
+
+    def mark_used(self, digest: str) -> Path | None:
+        """path(digest), the blob's use recorded now as its folder's modification time (which
+        drop_unused_adapters reads)."""
+        folder = self.path(digest)
+        if folder is None:
+            return None
+        try:
+            os.utime(folder)
+        except FileNotFoundError:  # a put replacing a damaged copy moved it aside meanwhile
+            return None
+        return folder
+
+    def delete_if_unused_since(self, digest: str, since: float) -> bool:
+        """Remove a blob neither stored nor marked used since `since`; whether it was removed."""
+        try:
+            used_at = (self.root / validate_digest(digest)).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return used_at < since and self.delete(digest)
 
     def delete(self, digest: str) -> bool:
         """Remove a blob; False if it was not stored. Readers never see a half-deleted blob."""
@@ -257,6 +281,26 @@ async def drop_deleted_adapters(blobs: BlobStore, store: Store) -> None:
     removed = await collect_garbage(blobs, store)
     if removed:
         logger.info("removed the files of %d deleted adapters from %s", len(removed), blobs.root)
+
+
+async def drop_unused_adapters(blobs: BlobStore, max_idle_s: float) -> None:
+    """Delete the blobs not stored nor marked used (BlobStore.mark_used) for `max_idle_s`, and
+    leftovers of crashed puts, saying what it removed.
+
+    NOTE: each blob's `blobs.locks` lock is held from reading its last use to its delete, so a
+    reader marking it used under the same lock comes wholly before (and keeps it) or wholly after
+    (and finds it gone).
+    """
+    now = time.time()
+    await asyncio.to_thread(blobs.remove_stale_temp, now)
+    removed = []
+    for digest in blobs.digests():
+        async with blobs.locks.hold(digest):
+            if await asyncio.to_thread(blobs.delete_if_unused_since, digest, now - max_idle_s):
+                removed.append(digest)
+    if removed:
+        logger.info("removed the files of %d adapters no request used for %.0f hours from %s",
+                    len(removed), max_idle_s / 3600, blobs.root)
 
 
 def _rename_unless_present(src: Path, dst: Path) -> bool:

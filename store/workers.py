@@ -10,11 +10,13 @@ With each heartbeat a worker also records its model in the hash `<prefix>models`
 ModelSeen), which outlives its workers: every gateway reads the same one, so all agree on which
 worker models they serve while none of their workers is up (gateway/remote.py).
 
-Two more things live here because every gateway and worker reaches the same Redis:
+Three more things live here because every gateway and worker reaches the same Redis:
 - the internal key, a random secret created by whichever process comes first (SET NX), which
   gateways send to workers and workers require: whoever can read it could read Redis anyway;
 - tokenizer files by digest, published by workers, so a gateway serves a model it has no folder
-  of with the very tokenizer its workers use.
+  of with the very tokenizer its workers use;
+- `<prefix>adapter_records_elsewhere`, kept alive by gateways whose store is not this Redis:
+  while it lives, workers cannot tell deleted adapters by the records here (gateway/worker.py).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class WorkerRegistry:
         self._prefix = prefix
         self._workers = prefix + "workers"
         self._models = prefix + "models"
+        self._records_elsewhere = prefix + "adapter_records_elsewhere"
 
     @classmethod
     def open(cls, url: str, prefix: str = "sb:", timeout_s: float = 2.0) -> "WorkerRegistry":
@@ -159,6 +162,14 @@ class WorkerRegistry:
         """The files published under `digest`, or None if there are none."""
         files = await self._redis.hgetall(f"{self._prefix}tokenizer:{digest}")
         return {name.decode(): data for name, data in files.items()} or None
+
+    async def mark_adapter_records_elsewhere(self, ttl_s: float) -> None:
+        """Say that a gateway keeps adapter records in a store other than this Redis, for `ttl_s`."""
+        await self._redis.set(self._records_elsewhere, b"1", px=int(ttl_s * 1000))
+
+    async def are_adapter_records_elsewhere(self) -> bool:
+        """Whether a gateway said so within its `ttl_s`: then not every adapter has a record here."""
+        return bool(await self._redis.exists(self._records_elsewhere))
 
 
 def files_digest(files: Mapping[str, bytes]) -> str:

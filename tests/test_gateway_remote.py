@@ -4,7 +4,9 @@ workers (in-process, on the demo engine): a gateway streams from them past any c
 of its own, counts each call against its worker from the moment it places it there, sends an
 adapter's files to a worker once however many calls need them at once, serves each adapter on
 the workers whose --max-lora-rank holds its rank, and sees a worker that shuts down leave the pool
-at once, its calls ending for their clients to send them again."""
+at once, its calls ending for their clients to send them again. A restarted worker drops the
+files of deleted adapters where the gateways' store is the registry's Redis, and only files no
+call used for a day where a gateway keeps its adapter records in a store of its own."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import functools
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,7 +34,7 @@ from gateway.worker import Worker, create_worker_app
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
 from routing.placement import home_of
 from store import RedisStore
-from store.blobs import ADAPTER_FILES, BlobStore, digest_files, ensure_intact_copy
+from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S, BlobStore, digest_files, ensure_intact_copy
 from store.workers import ModelSeen, WorkerRecord, WorkerRegistry
 from tests.conftest import (DEMO_MODEL, NARROW_MAX_LORA_RANK, leave_while_sending, run_server,
                             send_partly, serve_gateway)
@@ -103,13 +106,16 @@ class _Requests:
 
 @contextlib.contextmanager
 def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
-                    shutdown_timeout_s: float = 5) -> Iterator[_Requests]:
+                    shutdown_timeout_s: float = 5, drops_blobs: bool = False) -> Iterator[_Requests]:
     """A real worker of DEMO_MODEL over `engine`, registered in the Redis at `registry_url` and
     serving on a loopback port until the block ends, then shut down as `switchboard worker` is
-    (its calls in flight get `shutdown_timeout_s`); yields the record of what it was asked."""
+    (its calls in flight get `shutdown_timeout_s`); yields the record of what it was asked.
+    `drops_blobs`: it drops the adapter files no request will need, as `switchboard worker`
+    does (else it keeps them all)."""
     registry = WorkerRegistry.open(registry_url)
     worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(folder),
-                    registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S, id=worker_id)
+                    registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S, id=worker_id,
+                    store_url=registry_url if drops_blobs else None)
     requests = _Requests(create_worker_app(worker))
     with run_server(requests, shutdown_timeout_s, on_shutdown=worker.begin_shutdown) as url:
         worker.url = url  # NOTE: known once it serves; its next heartbeat publishes it
@@ -198,6 +204,11 @@ def _completion(url: str, key: str, model: str, max_tokens: int) -> httpx.Respon
                       timeout=30, json={"model": model, "prompt": [1, 2, 3], "temperature": 0,
                                         "max_tokens": max_tokens, "ignore_eos": True,
                                         "logprobs": 0, "return_tokens_as_token_ids": True})
+
+
+def _serves(url: str, key: str) -> bool:
+    """Whether the gateway at `url` answers a call to DEMO_MODEL (it has seen a worker of it)."""
+    return _completion(url, key, DEMO_MODEL, 1).status_code == 200
 
 
 def _answer_ids(reply: httpx.Response) -> list[int]:
@@ -807,6 +818,61 @@ def test_workers_that_refuse_a_damaged_copy_at_once_each_get_the_stores(
     for worker in (one, two):
         assert [path for method, path in worker.seen if method == "PUT"] == [
             f"{ADAPTERS_PATH}/{digest}"] * 2
+
+def test_a_restarted_worker_keeps_the_files_of_adapters_a_gateway_records_in_a_store_of_its_own(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A gateway whose store is not the registry's Redis (SQLite here) keeps adapter records that
+    workers cannot read: a worker keeps the files of its adapters when it starts (it took them
+    all for deleted ones, there and every 10 minutes, and had them sent again), and drops only
+    those no call used for a day, as the files of deleted adapters are."""
+    folder = tmp_path / "worker"
+    with contextlib.ExitStack() as first_running:
+        first_running.enter_context(_serving_worker(demo_engine, redis_url, folder, "first",
+                                                    drops_blobs=True))
+        with serve_gateway({}, tmp_path / "gateway", workers_url=redis_url,
+                           load_tokenizer=lambda folder: None) as gateway:
+            key = gateway.new_tenant("acme")
+            assert eventually(lambda: _serves(gateway.url, key))
+            used, idle = (upload(gateway, key, name, demo_adapter(tmp_path / name))
+                          for name in ("used", "idle"))
+            expected = {name: _answer_ids(_completion(gateway.url, key, name, 2))
+                        for name in ("used", "idle")}
+            a_day_ago = time.time() - UNUSED_BLOB_S - 60
+            for digest in (used, idle):
+                os.utime(folder / digest, (a_day_ago, a_day_ago))
+            assert _answer_ids(_completion(gateway.url, key, "used", 2)) == expected["used"]
+            first_running.close()
+
+            with _serving_worker(demo_engine, redis_url, folder, "second",
+                                 drops_blobs=True) as second:
+                assert BlobStore(folder).digests() == [used]
+                assert eventually(lambda: _serves(gateway.url, key))
+                for name, ids in expected.items():
+                    assert _answer_ids(_completion(gateway.url, key, name, 2)) == ids
+    # Only the files dropped as unused were sent again.
+    assert [path for method, path in second.seen if method == "PUT"] == [f"{ADAPTERS_PATH}/{idle}"]
+
+
+def test_a_restarted_worker_drops_the_files_of_deleted_adapters_whose_records_were_in_its_redis(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """Where the gateways keep their store in the registry's Redis, workers read which adapters
+    exist there: the files of a deleted one go, whenever it was last used."""
+    folder = tmp_path / "worker"
+    with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None) as gateway:
+        with _serving_worker(demo_engine, redis_url, folder, "first", drops_blobs=True):
+            key = gateway.new_tenant("acme")
+            assert eventually(lambda: _serves(gateway.url, key))
+            kept, gone = (upload(gateway, key, name, demo_adapter(tmp_path / name))
+                          for name in ("kept", "gone"))
+            for name in ("kept", "gone"):
+                assert len(_answer_ids(_completion(gateway.url, key, name, 2))) == 2
+        deleted = httpx.delete(gateway.url + "/v1/adapters/gone", timeout=30,
+                               headers={"Authorization": f"Bearer {key}"})
+        assert deleted.status_code == 200, deleted.text
+        with _serving_worker(demo_engine, redis_url, folder, "second", drops_blobs=True):
+            assert BlobStore(folder).digests() == [kept]
+
 
 def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_rank_fits(
         demo_engine, narrow_engine, redis_url, tmp_path):  # noqa: F811

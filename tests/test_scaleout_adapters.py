@@ -268,7 +268,7 @@ def test_a_worker_that_cannot_reach_the_store_keeps_its_files(demo_engine, tmp_p
 
     async def start() -> None:
         try:
-            await worker.drop_unreferenced_blobs()
+            await worker.drop_unneeded_blobs()
         finally:
             await worker.registry.close()
 
