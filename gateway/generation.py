@@ -12,6 +12,7 @@ client disconnects) closes the engine streams, which aborts the requests and fre
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -248,7 +249,7 @@ class Generation:
         self._latency = latency
         self._arrived_at = arrived_at  # time.monotonic() when the HTTP request came in
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._buffer: list[tuple[int, GenerationChunk, float]] = []
+        self._buffer: collections.deque[tuple[int, GenerationChunk, float]] = collections.deque()
         self._num_finished = 0
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
@@ -267,9 +268,11 @@ class Generation:
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, GenerationChunk]]:
         """(choice index, chunk) in arrival order, each already added to `self.choices`."""
-        for index, chunk, at in self._buffer:
+        while self._buffer:
+            # NOTE: taken out before it is recorded: a consumer stopped at this yield (a
+            # shutdown's deadline) leaves only unrecorded chunks for `close` to add.
+            index, chunk, at = self._buffer.popleft()
             yield index, self._record(index, chunk, at)
-        self._buffer.clear()
         while self._num_finished < len(self.choices):
             index, item, at = await self._queue.get()
             if isinstance(item, BaseException):

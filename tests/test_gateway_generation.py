@@ -52,6 +52,23 @@ async def test_chunks_produced_but_never_read_are_still_counted_when_the_call_cl
     assert generation.choices[1].finish_reason == "length"  # its three tokens all came
 
 
+async def test_a_call_stopped_while_it_hands_out_first_chunks_counts_each_chunk_once():
+    """A stream cut (a shutdown's deadline) while it sends the first chunks of its choices: those
+    sent were counted again when the call closed, and billed twice."""
+    produced: list[int] = []
+    streams = [answer([65 + i], produced) for i in range(4)]  # four choices of one token each
+    generation = Generation(streams, [0] * 4, GatewayMetrics().latency("m"), arrived_at=0.0)
+    await generation.start()
+    reading = generation.__aiter__()
+    await anext(reading)  # one first chunk sent; the reader is stopped there
+    await anext(reading)
+    generation.close()
+    await reading.aclose()
+    assert generation.num_output_tokens == len(produced) == 4
+    assert sorted(c.text for c in generation.choices) == ["A", "B", "C", "D"]
+    assert generation.is_done
+
+
 async def test_reading_stops_at_the_first_prompt_too_long_for_the_context(demo_engine):
     """A prompt the model's context cannot hold is refused as the engine refuses it, as soon as
     it is tokenized: the prompts after it are never read (a call of many over-long prompts
