@@ -170,7 +170,11 @@ class WorkerPool:
     async def _start_serving(self, model: str, tokenizer: str | None) -> None:
         self.clients[model] = client = RemoteEngineClient(
             model, self, await self._tokenizer(tokenizer), tokenizer)
-        self._models.setdefault(model, client)
+        if self._models.setdefault(model, client) is not client:
+            # NOTE: this gateway's own engine (or upstream) of that name serves it: not affected.
+            logger.warning("engine workers of %s registered, but this gateway serves %s with its "
+                           "own engine, so it sends them nothing", model, model)
+            return
         logger.info("serving %s on the workers registered in Redis", model)
         if self._on_serving is not None:
             await self._on_serving(model)
@@ -179,8 +183,8 @@ class WorkerPool:
         client = self.clients.pop(model)
         if self._models.get(model) is client:
             del self._models[model]
-        logger.info("no longer serving %s: none of its workers has sent a heartbeat for %.0f s",
-                    model, self._model_ttl_s)
+            logger.info("no longer serving %s: none of its workers has sent a heartbeat for "
+                        "%.0f s", model, self._model_ttl_s)
 
     async def _tokenizer(self, digest: str | None) -> Any:
         if digest is None:

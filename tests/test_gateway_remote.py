@@ -547,6 +547,31 @@ def test_a_route_reads_prompts_with_the_tokenizer_a_models_workers_rolled_out(
     asyncio.run(pool.http.aclose())
 
 
+def test_workers_of_a_model_the_gateway_serves_itself_are_said_to_get_nothing(demo_engine,
+                                                                            tmp_path, caplog):
+    """Workers register a model this gateway serves with its own engine: that engine keeps it.
+    The log once said the gateway served it on the workers, and later that it no longer served
+    it, though its own engine answered throughout."""
+    registry, models, served = _Registry(), {DEMO_MODEL: demo_engine}, []
+
+    async def on_serving(model: str) -> None:
+        served.append(model)
+
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, models, on_serving=on_serving,
+                      model_ttl_s=0.001)
+    registry.records = [_record("a", model=DEMO_MODEL)]
+    with caplog.at_level(logging.INFO, logger="gateway.remote"):
+        asyncio.run(pool.refresh())
+        registry.records = []
+        time.sleep(0.01)
+        asyncio.run(pool.refresh())  # its workers' model ages out of the registry
+    asyncio.run(pool.http.aclose())
+    assert models[DEMO_MODEL] is demo_engine and served == []
+    said = [r.getMessage() for r in caplog.records if r.name == "gateway.remote"]
+    assert said == [f"engine workers of {DEMO_MODEL} registered, but this gateway serves "
+                    f"{DEMO_MODEL} with its own engine, so it sends them nothing"]
+
+
 def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own(
         demo_engine, redis_url, tmp_path):  # noqa: F811
     num_held = 100  # httpx's default limit on one client's connections
