@@ -74,10 +74,12 @@ def not_found(message: str, code: str = "not_found") -> ApiError:
     return ApiError(404, message, code=code)
 
 
-def model_not_found(model: str) -> ApiError:
-    return ApiError(404, f"the model {quoted(model)} does not exist or you do not have access to it; "
-                    "GET /v1/models lists the models you can use", param="model",
-                    code="model_not_found")
+def model_not_found(model: str, why: str | None = None) -> ApiError:
+    """404 for a `model` that names nothing this tenant can use; `why`: what it reached, and why
+    that does not serve, when the name is the tenant's own to know about."""
+    what = f"cannot be used: {why}" if why else "does not exist or you do not have access to it"
+    return ApiError(404, f"the model {quoted(model)} {what}; GET /v1/models lists the models you "
+                    "can use", param="model", code="model_not_found")
 
 
 def engine_failed(error: Exception) -> ApiError:

@@ -156,8 +156,8 @@ async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target
     state = gateway_state(request)
     try:
         target = await resolve_model(state.require_store(), tenant, state.catalog, model)
-    except ModelNotFound:
-        raise model_not_found(model) from None
+    except ModelNotFound as error:
+        raise model_not_found(model, error.why) from None
     except ModelNotAllowed:
         raise ApiError(403, f"your tenant's policy does not allow the model {quoted(model)}; GET "
                        "/v1/models lists the models and routes you can use", param="model",

@@ -22,7 +22,12 @@ from store.models import is_valid_name
 
 
 class ModelNotFound(LookupError):
-    """The model does not exist for this tenant (another tenant's adapter does not either)."""
+    """The model does not exist for this tenant (another tenant's adapter does not either).
+    `why`, when set: what the name reached and why that does not serve (for the client)."""
+
+    def __init__(self, model: str, why: str | None = None):
+        super().__init__(model)
+        self.why = why
 
 
 class ModelNotAllowed(PermissionError):
@@ -109,8 +114,12 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
             raise ModelNotAllowed(model)
         route = catalog.routes[route_name]
         adapter = await _tenant_adapter(store, tenant, name) if sep else None
-        if sep and (adapter is None or adapter.base_model not in route.tiers):
+        if sep and adapter is None:
             raise ModelNotFound(model)
+        if adapter is not None and adapter.base_model not in route.tiers:
+            raise ModelNotFound(model, f"the adapter {name!r} is for the base model "
+                                f"{adapter.base_model!r}, which is not one of the models of route "
+                                f"{route_name!r} ({', '.join(route.tiers)})")
         return ModelTarget(route.tiers[0], adapter, route)
     if model in catalog.models:
         if not may_use(tenant, model):

@@ -887,10 +887,11 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
     from routing.routes import parse_routes
     from tests.conftest import ADMIN_KEY, GatewayServer, run_server
 
-    engines = {"small": demo_engine, "large": demo_engine}  # one engine under two names
+    engines = {"small": demo_engine, "large": demo_engine, "medium": demo_engine}  # one engine
     routes = parse_routes({
         "keep": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.0},
         "escalate": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 1.0},
+        "upper": {"tiers": ["medium", "large"], "threshold": 0.5},
     }, engines)
     app = create_app(engines, data_dir=tmp_path, admin_key=ADMIN_KEY, routes=routes)
     with run_server(app) as url:
@@ -902,6 +903,14 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
         assert greedy_ids(server, key, "escalate:bot", "large") == expected["base"]  # without
         with pytest.raises(openai.NotFoundError):
             greedy_ids(server, key, "keep:someone-elses")
+        # A route none of whose models is the adapter's base model: the 404 says so.
+        elsewhere = httpx.post(url + "/v1/completions", headers=auth(key),
+                               json={"model": "upper:bot", "prompt": PROMPT, "max_tokens": 2})
+    assert elsewhere.status_code == 404, elsewhere.text
+    assert elsewhere.json()["error"]["message"] == (
+        "the model 'upper:bot' cannot be used: the adapter 'bot' is for the base model 'small', "
+        "which is not one of the models of route 'upper' (medium, large); GET /v1/models lists "
+        "the models you can use")
 
 
 def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, adapters, tmp_path):
