@@ -65,7 +65,7 @@ async def require_admin(request: Request, store: Store, metrics_key_hash: str | 
 
 async def require_metrics_reader(request: Request, store: Store, metrics_key_hash: str | None) -> None:
     """Pass for the metrics key (when one is set) and the admin key; 403 for a tenant key, 401
-    for anything else. The series name every tenant and adapter, which no tenant may see."""
+    for anything else. The series name every tenant, which no tenant may see."""
     key = bearer_key(request)
     if _is_metrics_key(key, metrics_key_hash) or await _is_admin_key(store, key):
         return

@@ -135,7 +135,7 @@ class ServeConfig:
     """The admin key to use; None keeps the stored one, or creates and prints one on first start."""
     metrics_key: str | None = None
     """A key that reads /metrics and nothing else (for a Prometheus scraper); the admin key reads
-    it too. The series name tenants and their adapters, so /metrics is never open to any caller."""
+    it too. The series name every tenant, so /metrics is never open to any caller."""
     device: str = "cpu"
     dtype: str = "float32"
     max_num_seqs: int | None = None

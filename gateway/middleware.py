@@ -1,8 +1,9 @@
 """AccessLog: one INFO line per request, and the request counter of the /v1 API; InFlight: the
 requests being handled.
 
-Handlers leave what they learn in `request.state` (tenant, model, token counts); AccessLog reads
-it when the response is complete, so a stream is logged once, with its final counts.
+Handlers leave what they learn in `request.state` (tenant, model as sent and as metrics label it,
+token counts); AccessLog reads it when the response is complete, so a stream is logged once, with
+its final counts.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class AccessLog:
         tenant, model = state.get("tenant", "-"), state.get("model", "-")
         path = scope["path"]
         if path.startswith(_COUNTED_PREFIX):
-            self.metrics.requests.inc(tenant=tenant, model=model, status=str(status))
+            self.metrics.requests.inc(tenant=tenant, model=state.get("model_label", "-"),
+                                      status=str(status))
         tokens = ""
         if "completion_tokens" in state:
             tokens = f" prompt_tokens={state['prompt_tokens']} " \

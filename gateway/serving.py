@@ -151,8 +151,10 @@ class Target:
 
 async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target:
     """What `model` names for this tenant: 404 for nothing it knows, 403 for what its policy
-    excludes. A name that resolves labels the call (its access log line and request metrics),
-    even if it is then refused: a client's names that mean nothing are not labels."""
+    excludes. A name that resolves labels the call, even if it is then refused: its access log
+    line with the name, its metrics with the served model or route it names (an adapter's base
+    model), which the operator controls, where each adapter name a tenant uploads would add
+    series never freed. A client's names that mean nothing label nothing."""
     state = gateway_state(request)
     try:
         target = await resolve_model(state.require_store(), tenant, state.catalog, model)
@@ -163,6 +165,7 @@ async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target
                        "/v1/models lists the models and routes you can use", param="model",
                        type="permission_error", code="model_not_allowed") from None
     request.state.model = model
+    request.state.model_label = target.route.name if target.route is not None else target.base_model
     if target.route is None and target.base_model not in state.engines:
         # An adapter of a base model this server no longer serves.
         raise ApiError(404, f"{quoted(model)} is an adapter for the base model "
@@ -303,7 +306,7 @@ class Call:
     def uses(self) -> list[_Use]:
         """The tokens of every tier escalated past, then the answer's, each at its price."""
         g = self.generation
-        answer = _Use(self.model, self.answered_by, g.num_prompt_tokens, g.num_output_tokens,
+        answer = _Use(self.answered_by, g.num_prompt_tokens, g.num_output_tokens,
                       self.state.price_of(self.answered_by).cost(g.num_prompt_tokens,
                                                                  g.num_output_tokens))
         return [*_uses_of(self.state, self.attempts), answer]
@@ -356,8 +359,7 @@ def _number(value: float | None) -> str:
 class _Use(NamedTuple):
     """Tokens one model used for a call, and what they cost at its price."""
 
-    model: str  # the tokens' metric label: the model as the client named it, or a route's tier
-    priced_as: str  # the spend's metric label: the base model whose price applies
+    model: str  # the base model that used them: their metrics' label, and the price that applies
     tokens_in: int
     tokens_out: int
     cost_usd: float
@@ -366,7 +368,7 @@ class _Use(NamedTuple):
 def _uses_of(state: GatewayState, attempts: list[Attempt]) -> list[_Use]:
     """What a route's attempts used (the answering tier's tokens are its Generation's), each at
     its own tier's price."""
-    return [_Use(a.model, a.model, a.tokens_in, a.tokens_out,
+    return [_Use(a.model, a.tokens_in, a.tokens_out,
                  state.price_of(a.model).cost(a.tokens_in, a.tokens_out)) for a in attempts]
 
 
@@ -382,7 +384,7 @@ async def _bill(request: Request, admission: Admission, tenant: str, uses: list[
     metrics = gateway_state(request).metrics
     for use in uses:
         metrics.count_tokens(tenant, use.model, use.tokens_in, use.tokens_out)
-        metrics.spend.inc(use.cost_usd, tenant=tenant, model=use.priced_as)
+        metrics.spend.inc(use.cost_usd, tenant=tenant, model=use.model)
     tokens_in, tokens_out = sum(u.tokens_in for u in uses), sum(u.tokens_out for u in uses)
     request.state.prompt_tokens = tokens_in
     request.state.completion_tokens = tokens_out
@@ -462,7 +464,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     if target.route is not None:
         model = answered_by  # a route's replies name the model that answered
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
-    generation = Generation(streams, prompt_indices, state.metrics.latency(model), arrived_at,
+    generation = Generation(streams, prompt_indices, state.metrics.latency(answered_by), arrived_at,
                             same_prompt_as)
     call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
                 admission, state, attempts, escalated)

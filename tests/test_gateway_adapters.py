@@ -29,6 +29,7 @@ from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK
                             logged_status)
 from tests.helpers import fill_volume, hf_greedy, make_peft_model, small_volume
 from tests.test_gateway_metrics import sample
+from tests.test_gateway_routing import eventually
 from tests.redis_server import redis_server, start_redis_server, stop_redis_server  # noqa: F401
 
 MAX_UPLOAD_BYTES = 2 << 20
@@ -201,6 +202,39 @@ def test_streamed_chat_with_an_adapter(server, tenant, adapters):
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens >= 1
     assert all(c.model == "chatty" for c in chunks)
+
+
+def test_metrics_count_adapter_calls_under_their_base_model(server, tenant, adapters):
+    """However many adapter names a tenant uploads (the same files: no bytes more) and calls,
+    as `name` or `base:name`, /metrics holds no more series, and names none."""
+    name, key = tenant
+    files = files_of(adapters["attn-r4"])
+
+    def use_adapter(adapter: str) -> None:
+        assert upload(server, key, adapter, files).status_code == 201
+        for model in (adapter, f"{DEMO_MODEL}:{adapter}"):
+            reply = httpx.post(server.url + "/v1/completions", headers=auth(key), timeout=60,
+                               json={"model": model, "prompt": PROMPT, "max_tokens": 1})
+            assert reply.status_code == 200, reply.text
+
+    def scrape() -> tuple[str, set[str]]:
+        text = server.admin("GET", "/metrics").text
+        return text, {line.rsplit(" ", 1)[0] for line in text.splitlines() if not line.startswith("#")}
+
+    def counted(num_requests: int) -> bool:
+        # NOTE: a request is counted once its response is sent: the last one may come after.
+        return eventually(lambda: sample(scrape()[0], "switchboard_requests_total", tenant=name,
+                                         model=DEMO_MODEL, status=200) == num_requests)
+
+    use_adapter("labelled-0")
+    assert counted(2)
+    _, series = scrape()
+    for i in range(1, 4):
+        use_adapter(f"labelled-{i}")
+    assert counted(8)
+    text, grown = scrape()
+    assert grown == series and "labelled-" not in text
+    assert sample(text, "switchboard_generation_tokens_total", tenant=name, model=DEMO_MODEL) == 8
 
 
 def test_reupload_makes_a_new_version_that_requests_use(server, tenant, adapters):
@@ -876,8 +910,8 @@ def test_an_adapter_the_restarted_server_cannot_run_is_refused_before_admission(
     assert retrieved.status_code == 404
     assert [reply.status_code for reply in answered] == [200, 200]
     assert (limited.status_code, engine.num_requests) == (429, 2)
-    # Labelled with the model the calls named, which resolved (they were labelled "-").
-    assert sample(metrics, "switchboard_requests_total", tenant="restarted", model="wide",
+    # Labelled with the base model of the adapter the calls named, which resolved (not "-").
+    assert sample(metrics, "switchboard_requests_total", tenant="restarted", model=DEMO_MODEL,
                   status=503) == 2
 
 
@@ -906,11 +940,20 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
         # A route none of whose models is the adapter's base model: the 404 says so.
         elsewhere = httpx.post(url + "/v1/completions", headers=auth(key),
                                json={"model": "upper:bot", "prompt": PROMPT, "max_tokens": 2})
+        # NOTE: a request is counted once its response is sent: the last one may come after.
+        counts = (("keep", 200, 1), ("escalate", 200, 1), ("-", 404, 2))
+        assert eventually(lambda: all(
+            sample(server.admin("GET", "/metrics").text, "switchboard_requests_total",
+                   tenant="routed", model=model, status=status) == count
+            for model, status, count in counts))
+        metrics = server.admin("GET", "/metrics").text
     assert elsewhere.status_code == 404, elsewhere.text
     assert elsewhere.json()["error"]["message"] == (
         "the model 'upper:bot' cannot be used: the adapter 'bot' is for the base model 'small', "
         "which is not one of the models of route 'upper' (medium, large); GET /v1/models lists "
         "the models you can use")
+    # Counted under the route (the tokens under the tier that ran), never under the adapter.
+    assert "bot" not in metrics
 
 
 def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, adapters, tmp_path):

@@ -128,7 +128,7 @@ def test_latency_is_observed_once_per_call_however_many_choices(server):
 
 
 def test_metrics_need_the_metrics_key_or_the_admin_key(demo_engine, tmp_path):
-    """The series name tenants and their adapters: no tenant, and no caller without a key, reads them."""
+    """The series name every tenant: no tenant, and no caller without a key, reads them."""
     with gateway_server(demo_engine, tmp_path, metrics_key="scrape-me") as server:
         tenant_key = server.new_tenant("curious")
 

@@ -463,9 +463,12 @@ def test_policies_limit_routes_and_pick_the_default(routed):
                        headers={"Authorization": f"Bearer {only_small}"}).json()["data"]
     assert [m["id"] for m in listed] == ["small"]
 
-    _, three = new_tenant(routed, allowed_models=["three"], default_route="three")
+    three_name, three = new_tenant(routed, allowed_models=["three"], default_route="three")
     headers = complete(routed, three, "hard one").headers  # auto is this tenant's "three"
     assert (headers["x-switchboard-route"], headers["x-switchboard-model"]) == ("three", "medium")
+    requests = routed.app.state.gateway.metrics.requests
+    # Counted (once its answer is sent) under the route `auto` names for it, not as "auto".
+    assert eventually(lambda: requests.value(tenant=three_name, model="three", status="200") == 1)
     listed = httpx.get(routed.url + "/v1/models",
                        headers={"Authorization": f"Bearer {three}"}).json()["data"]
     assert [m["id"] for m in listed] == ["auto", "three"]
