@@ -18,12 +18,12 @@ from pathlib import Path
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from gateway.admission import charge_request, refund_request
 from gateway.auth import authenticate_tenant, require_admin
 from gateway.engine_client import AdapterRejected, EngineFailure
 from gateway.errors import ApiError, invalid_request, not_found, quoted
+from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
@@ -91,9 +91,11 @@ async def _named_tenant(request: Request) -> Tenant:
     return tenant
 
 
-def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_counted: bool):
-    """The upload endpoint for the tenant `resolve_tenant` finds for the request; `is_counted`:
-    each upload is a request against the tenant's rpm (its own key's are; the admin's are not)."""
+def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_counted: bool,
+               name: str) -> Endpoint:
+    """The upload endpoint `name` for the tenant `resolve_tenant` finds for the request;
+    `is_counted`: each upload is a request against the tenant's rpm (its own key's are; the
+    admin's are not)."""
     async def upload(request: Request) -> Response:
         """Validate an uploaded adapter, then store it as the next version of its name (201)."""
         tenant = await resolve_tenant(request)
@@ -108,6 +110,7 @@ def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_cou
             await refund_request(store, tenant)  # refused, as an API call refused costs no rpm
             raise
 
+    upload.__name__ = name
     return upload
 
 
@@ -291,12 +294,13 @@ def _version_param(request: Request) -> int | None:
     return int(text)
 
 
-def _as(resolve_tenant, handler):
-    """An endpoint running `handler` for the tenant `resolve_tenant` finds for the request."""
+def _as(resolve_tenant: Callable[[Request], Awaitable[Tenant]],
+        handler: Callable[[Request, Tenant], Awaitable[Response]], *, name: str) -> Endpoint:
+    """The endpoint `name` running `handler` for the tenant `resolve_tenant` finds for the request."""
     async def endpoint(request: Request) -> Response:
         return await handler(request, await resolve_tenant(request))
 
-    endpoint.__name__ = handler.__name__
+    endpoint.__name__ = name
     endpoint.__doc__ = handler.__doc__
     return endpoint
 
@@ -317,20 +321,16 @@ UPLOAD_FORM_SCHEMA = {
 UPLOAD_PATHS = ("/v1/adapters", "/admin/tenants/{tenant}/adapters")
 
 ROUTES = [
-    Route("/v1/adapters", _upload_as(_caller_tenant, is_counted=True), methods=["POST"],
-          name="upload_adapter"),
-    Route("/v1/adapters", _as(_caller_tenant, list_adapters), methods=["GET"],
-          name="list_adapters"),
-    Route("/v1/adapters/{name}", _as(_caller_tenant, get_adapter), methods=["GET"],
-          name="get_adapter"),
-    Route("/v1/adapters/{name}", _as(_caller_tenant, delete_adapter), methods=["DELETE"],
-          name="delete_adapter"),
-    Route("/admin/tenants/{tenant}/adapters", _upload_as(_named_tenant, is_counted=False), methods=["POST"],
-          name="admin_upload_adapter"),
-    Route("/admin/tenants/{tenant}/adapters", _as(_named_tenant, list_adapters), methods=["GET"],
-          name="admin_list_adapters"),
-    Route("/admin/tenants/{tenant}/adapters/{name}", _as(_named_tenant, get_adapter),
-          methods=["GET"], name="admin_get_adapter"),
-    Route("/admin/tenants/{tenant}/adapters/{name}", _as(_named_tenant, delete_adapter),
-          methods=["DELETE"], name="admin_delete_adapter"),
+    PathRoute("/v1/adapters", {
+        "POST": _upload_as(_caller_tenant, is_counted=True, name="upload_adapter"),
+        "GET": _as(_caller_tenant, list_adapters, name="list_adapters")}),
+    PathRoute("/v1/adapters/{name}", {
+        "GET": _as(_caller_tenant, get_adapter, name="get_adapter"),
+        "DELETE": _as(_caller_tenant, delete_adapter, name="delete_adapter")}),
+    PathRoute("/admin/tenants/{tenant}/adapters", {
+        "POST": _upload_as(_named_tenant, is_counted=False, name="admin_upload_adapter"),
+        "GET": _as(_named_tenant, list_adapters, name="admin_list_adapters")}),
+    PathRoute("/admin/tenants/{tenant}/adapters/{name}", {
+        "GET": _as(_named_tenant, get_adapter, name="admin_get_adapter"),
+        "DELETE": _as(_named_tenant, delete_adapter, name="admin_delete_adapter")}),
 ]

@@ -11,10 +11,10 @@ from typing import Annotated
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from gateway.auth import require_admin
 from gateway.errors import ApiError, invalid_request, not_found, quoted
+from gateway.path_route import PathRoute
 from gateway.serving import decode_body
 from gateway.state import gateway_state
 from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
@@ -232,11 +232,9 @@ def _key_info(record: ApiKeyRecord) -> KeyInfo:
 
 
 ROUTES = [
-    Route("/admin/tenants", create_tenant, methods=["POST"]),
-    Route("/admin/tenants", list_tenants, methods=["GET"]),
-    Route("/admin/tenants/{tenant}", get_tenant, methods=["GET"]),
-    Route("/admin/tenants/{tenant}", update_tenant, methods=["PATCH"]),
-    Route("/admin/tenants/{tenant}", delete_tenant, methods=["DELETE"]),
-    Route("/admin/tenants/{tenant}/keys", create_key, methods=["POST"]),
-    Route("/admin/keys/{key_id}", revoke_key, methods=["DELETE"]),
+    PathRoute("/admin/tenants", {"POST": create_tenant, "GET": list_tenants}),
+    PathRoute("/admin/tenants/{tenant}", {"GET": get_tenant, "PATCH": update_tenant,
+                                          "DELETE": delete_tenant}),
+    PathRoute("/admin/tenants/{tenant}/keys", {"POST": create_key}),
+    PathRoute("/admin/keys/{key_id}", {"DELETE": revoke_key}),
 ]

@@ -16,7 +16,6 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import Route
 
 from gateway import adapter_api, admin, version
 from gateway.admission import wait_for_settles
@@ -29,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessLog, InFlight
 from gateway.openapi import openapi_json
 from gateway.ops import health, list_models, metrics, retrieve_model
+from gateway.path_route import PathRoute
 from gateway.remote import DEFAULT_MODEL_TTL_S, WorkerPool
 from gateway.shadowing import ShadowWarnings, warn_of_undeclared_default_routes
 from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
@@ -46,16 +46,16 @@ logger = logging.getLogger(__name__)
 _ENDING_TIMEOUT_S = 10.0
 
 ROUTES = [
-    Route("/v1/models", list_models, methods=["GET"]),
+    PathRoute("/v1/models", {"GET": list_models}),
     # NOTE: {model:path}, as base:adapter names and upstream model names may hold '/' and ':'.
-    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
-    Route("/v1/completions", create_completion, methods=["POST"]),
-    Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    PathRoute("/v1/models/{model:path}", {"GET": retrieve_model}),
+    PathRoute("/v1/completions", {"POST": create_completion}),
+    PathRoute("/v1/chat/completions", {"POST": create_chat_completion}),
     *adapter_api.ROUTES,
     *admin.ROUTES,
-    Route("/health", health, methods=["GET"]),
-    Route("/metrics", metrics, methods=["GET"]),
-    Route("/openapi.json", openapi_json, methods=["GET"]),
+    PathRoute("/health", {"GET": health}),
+    PathRoute("/metrics", {"GET": metrics}),
+    PathRoute("/openapi.json", {"GET": openapi_json}),
 ]
 
 

@@ -12,11 +12,12 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute
 
 from gateway.adapter_api import UPLOAD_FORM_SCHEMA, UPLOAD_PATHS
 from gateway.admin import TenantCreate, TenantUpdate
 from gateway.errors import ErrorResponse
+from gateway.path_route import PathRoute
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 _REQUEST_BODIES: dict[tuple[str, str], type[msgspec.Struct]] = {
@@ -38,9 +39,9 @@ def openapi_document(routes: list[BaseRoute], version: str) -> dict[str, Any]:
     body_refs = dict(zip(bodies, body_schemas))
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
-        if not isinstance(route, Route):
+        if not isinstance(route, PathRoute):
             continue
-        for method in sorted((route.methods or set()) - {"HEAD"}):
+        for method in sorted(route.endpoints):
             operation = _operation(route, method)
             body = _REQUEST_BODIES.get((method, route.path))
             if body is not None:
@@ -72,17 +73,19 @@ def openapi_path(path: str) -> str:
 
 
 # Endpoints that answer 201 Created (a tenant, a key, an adapter version).
-_CREATING_ROUTES = {"create_tenant", "create_key", "upload_adapter", "admin_upload_adapter"}
+_CREATING_ENDPOINTS = {"create_tenant", "create_key", "upload_adapter", "admin_upload_adapter"}
 _SENTENCE_END = re.compile(r"(?<=\.)\s")  # where a docstring's first sentence ends
 
 
-def _operation(route: Route, method: str) -> dict[str, Any]:
-    doc = (route.endpoint.__doc__ or route.name).strip()
+def _operation(route: PathRoute, method: str) -> dict[str, Any]:
+    endpoint = route.endpoints[method]
+    name = endpoint.__name__
+    doc = (endpoint.__doc__ or name).strip()
     first_paragraph = " ".join(doc.split("\n\n")[0].split())
-    created = route.name in _CREATING_ROUTES
+    created = name in _CREATING_ENDPOINTS
     operation: dict[str, Any] = {
         "summary": _SENTENCE_END.split(first_paragraph, maxsplit=1)[0],
-        "operationId": f"{method.lower()}_{route.name}",
+        "operationId": f"{method.lower()}_{name}",
         "responses": {
             "201" if created else "200": {"description": "Created" if created else "OK"},
             "default": {

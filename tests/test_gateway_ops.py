@@ -177,6 +177,33 @@ def test_unknown_routes_and_methods_get_openai_shaped_errors(server):
     assert wrong_method.json()["error"]["message"]
 
 
+def test_a_405_allows_every_method_of_its_path(server):
+    """Its Allow header lists every method the path answers (RFC 9110), where it once listed
+    those of one endpoint only; the methods it lists work."""
+    allowed = {
+        "/admin/tenants": {"GET", "HEAD", "POST"},
+        "/admin/tenants/acme": {"GET", "HEAD", "PATCH", "DELETE"},
+        "/admin/tenants/acme/keys": {"POST"},
+        "/admin/tenants/acme/adapters": {"GET", "HEAD", "POST"},
+        "/admin/tenants/acme/adapters/bot": {"GET", "HEAD", "DELETE"},
+        "/v1/adapters": {"GET", "HEAD", "POST"},
+        "/v1/adapters/bot": {"GET", "HEAD", "DELETE"},
+        "/v1/completions": {"POST"},
+    }
+    refused = {path: httpx.put(server.url + path) for path in allowed}
+    assert {path: set(answer.headers["allow"].split(", ")) for path, answer in refused.items()} == allowed
+    for answer in refused.values():
+        assert answer.status_code == 405
+        assert answer.json() == {"error": {"message": "Method Not Allowed",
+                                           "type": "invalid_request_error", "param": None, "code": None}}
+    server.new_tenant("acme")
+    answered = [server.admin(method, "/admin/tenants/acme", **body) for method, body in
+                (("HEAD", {}), ("GET", {}), ("PATCH", {"json": {"rpm": 5}}), ("DELETE", {}))]
+    assert [answer.status_code for answer in answered] == [200, 200, 200, 200]
+    assert answered[0].content == b"" and answered[1].json()["tenant"]["name"] == "acme"
+    assert answered[2].json()["rpm"] == 5
+
+
 def test_a_client_cannot_forge_access_log_lines(server, caplog):
     forged = "\n2026-01-01 00:00:00,000 INFO gateway.access: POST /admin/tenants 201 tenant=mallory"
     with caplog.at_level("INFO", logger="gateway.access"):
