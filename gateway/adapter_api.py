@@ -22,7 +22,7 @@ from starlette.responses import Response
 from gateway.admission import charge_request, refund_request
 from gateway.auth import authenticate_tenant, require_admin
 from gateway.engine_client import AdapterRejected, EngineFailure
-from gateway.errors import ApiError, invalid_request, not_found, quoted
+from gateway.errors import ApiError, invalid_request, not_found, quoted, tenant_not_found
 from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import AdapterUpload, read_adapter_upload
@@ -87,7 +87,7 @@ async def _named_tenant(request: Request) -> Tenant:
     name = request.path_params["tenant"]
     tenant = await store.get_tenant(name)
     if tenant is None:
-        raise not_found(f"tenant {quoted(name)} does not exist", code="tenant_not_found")
+        raise tenant_not_found(name)
     return tenant
 
 
@@ -176,8 +176,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
         # locked or failed): no record references them, so they must not linger.
         await _drop_unrecorded_files(state, digest)
         if isinstance(error, NotFound):
-            raise not_found(f"tenant {tenant.name!r} does not exist",
-                            code="tenant_not_found") from None
+            raise tenant_not_found(tenant.name) from None
         if isinstance(error, AdapterStorageExceeded):
             raise _storage_exceeded(error) from None
         raise

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import require_admin
-from gateway.errors import ApiError, invalid_request, not_found, quoted
+from gateway.errors import ApiError, invalid_request, not_found, quoted, tenant_not_found
 from gateway.path_route import PathRoute
 from gateway.serving import decode_body
 from gateway.state import gateway_state
@@ -140,8 +140,8 @@ async def update_tenant(request: Request) -> Response:
         changes["allowed_models"] = tuple(changes["allowed_models"])
     try:
         return _json(await store.update_tenant(name, changes))
-    except NotFound as error:
-        raise not_found(str(error), code="tenant_not_found") from None
+    except NotFound:
+        raise tenant_not_found(name) from None
     except StoreError as error:  # a setting Tenant refuses names its field
         raise invalid_request(str(error), param=error.field) from None
 
@@ -177,7 +177,7 @@ async def get_tenant(request: Request) -> Response:
     month = _month_param(request)
     tenant = await store.get_tenant(name)
     if tenant is None:
-        raise not_found(f"tenant {quoted(name)} does not exist", code="tenant_not_found")
+        raise tenant_not_found(name)
     keys = [_key_info(k) for k in await store.list_keys(name)]
     return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name, month),
                               adapter_bytes=await store.get_adapter_bytes(name)))
@@ -198,8 +198,8 @@ async def delete_tenant(request: Request) -> Response:
     name = request.path_params["tenant"]
     try:
         removed = await store.delete_tenant(name)
-    except NotFound as error:
-        raise not_found(str(error), code="tenant_not_found") from None
+    except NotFound:
+        raise tenant_not_found(name) from None
     await collect_garbage(gateway_state(request).blobs, store, sorted({r.digest for r in removed}))
     return Response(msgspec.json.encode({"name": name, "deleted": True}),
                     media_type="application/json")
@@ -208,10 +208,11 @@ async def delete_tenant(request: Request) -> Response:
 async def create_key(request: Request) -> Response:
     """Create an API key for a tenant; the reply holds its plaintext, shown only this once."""
     store = await _admin_store(request)
+    name = request.path_params["tenant"]
     try:
-        record, plaintext = await store.create_key(request.path_params["tenant"])
-    except NotFound as error:
-        raise not_found(str(error), code="tenant_not_found") from None
+        record, plaintext = await store.create_key(name)
+    except NotFound:
+        raise tenant_not_found(name) from None
     return _json(CreatedKey(id=record.id, key=plaintext, tenant=record.tenant,
                             prefix=record.prefix, created_at=record.created_at), 201)
 
@@ -219,10 +220,11 @@ async def create_key(request: Request) -> Response:
 async def revoke_key(request: Request) -> Response:
     """Revoke an API key; requests with it get 401 from then on."""
     store = await _admin_store(request)
+    key_id = request.path_params["key_id"]
     try:
-        record = await store.revoke_key(request.path_params["key_id"])
-    except NotFound as error:
-        raise not_found(str(error), code="key_not_found") from None
+        record = await store.revoke_key(key_id)
+    except NotFound:
+        raise not_found(f"API key {quoted(key_id)} does not exist", code="key_not_found") from None
     return _json(_key_info(record))
 
 

@@ -74,6 +74,12 @@ def not_found(message: str, code: str = "not_found") -> ApiError:
     return ApiError(404, message, code=code)
 
 
+def tenant_not_found(name: str) -> ApiError:
+    """404 for a tenant that does not exist, its name cut as `quoted` cuts it (the store's
+    NotFound names it whole, however long)."""
+    return not_found(f"tenant {quoted(name)} does not exist", code="tenant_not_found")
+
+
 def model_not_found(model: str, why: str | None = None) -> ApiError:
     """404 for a `model` that names nothing this tenant can use; `why`: what it reached, and why
     that does not serve, when the name is the tenant's own to know about."""
