@@ -76,7 +76,8 @@ def parse_args() -> argparse.Namespace:
                         help="part 2: requests kept in flight, one run per value")
     parser.add_argument("--duration", type=positive_float, default=10.0,
                         help="part 2: timed seconds per concurrency, after --warmup")
-    parser.add_argument("--warmup", type=non_negative_float, default=2.0, help="part 2: untimed seconds first")
+    parser.add_argument("--warmup", type=non_negative_float, default=2.0,
+                        help="part 2: untimed seconds first")
     parser.add_argument("--log-level", default="info", choices=("info", "warning"),
                         help="gateway log level; info writes the access log (one line per request) "
                              "to a file in the temp data dir")
