@@ -49,7 +49,7 @@ from store.workers import WorkerRecord, WorkerRegistry, keep_running
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
-_LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two missed beats do not drop it
+DEFAULT_LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two missed do not drop it
 # How long a worker that left the pool still takes connections: gateways read the registry every
 # DEFAULT_POLL_S, and one that places a request here meanwhile is refused with 503 `unavailable`
 # and places it elsewhere, where a closed port would have it take this worker for failed.
@@ -72,6 +72,7 @@ class Worker:
     registry: WorkerRegistry
     tokenizer_files: dict[str, bytes]
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    lapse_beats: int = DEFAULT_LAPSE_BEATS  # its record lapses this many beats after it is sent
     store_url: str | None = None  # the registry's Redis, as a store; None: blobs are never dropped
     blob_sweep_s: float = SWEEP_PERIOD_S  # how often it drops the files no request will need
     id: str = field(default_factory=lambda: secrets.token_hex(6))
@@ -94,7 +95,7 @@ class Worker:
         self.internal_key = await self.registry.internal_key()
         tokenizer = (await self.registry.put_tokenizer(self.tokenizer_files)
                      if self.tokenizer_files else None)
-        await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * _LAPSE_BEATS)
+        await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * self.lapse_beats)
 
     async def drop_unneeded_blobs(self) -> None:
         """Delete the blobs no request will need, and leftovers of crashed puts: where every

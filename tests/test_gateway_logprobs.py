@@ -441,7 +441,8 @@ def _worker_and_gateway(engine, model_dir: Path, redis_url: str, tmp_path: Path,
 
     worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(tmp_path / "w"),
                     registry=WorkerRegistry.open(redis_url),
-                    tokenizer_files=tokenizer_files(model_dir), heartbeat_s=0.1)
+                    tokenizer_files=tokenizer_files(model_dir), heartbeat_s=0.1,
+                    lapse_beats=50)  # stays registered while the busy test machine stalls it
     with run_server(create_worker_app(worker)) as url:
         worker.url = url  # its next heartbeat tells gateways
         deadline = time.monotonic() + 10

@@ -45,6 +45,9 @@ from tests.test_scaleout_adapters import demo_adapter, upload
 
 GHOST = "ghost"
 _HEARTBEAT_S = 0.1
+# A worker's record outlives its last heartbeat by 5 s: the worker's thread, stalled by a busy
+# machine, does not drop out of the registry between a test's calls.
+_LAPSE_BEATS = 50
 _names = itertools.count()
 
 
@@ -114,7 +117,8 @@ def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
     does (else it keeps them all)."""
     registry = WorkerRegistry.open(registry_url)
     worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(folder),
-                    registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S, id=worker_id,
+                    registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S,
+                    lapse_beats=_LAPSE_BEATS, id=worker_id,
                     store_url=registry_url if drops_blobs else None)
     requests = _Requests(create_worker_app(worker))
     with run_server(requests, shutdown_timeout_s, on_shutdown=worker.begin_shutdown) as url:
