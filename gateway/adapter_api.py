@@ -25,7 +25,7 @@ from gateway.engine_client import AdapterRejected, EngineFailure
 from gateway.errors import ApiError, invalid_request, not_found, quoted, tenant_not_found
 from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
-from gateway.uploads import AdapterUpload, read_adapter_upload
+from gateway.uploads import STAGING_FOLDER, AdapterUpload, read_adapter_upload, refused_when_out_of_space
 from routing.models import allowed_base_models
 from routing.routes import AUTO
 from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
@@ -164,8 +164,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     except EngineFailure as error:  # e.g. no engine worker of the model is up to check it
         raise ApiError(503, f"cannot check the adapter now: {error}", type="server_error",
                        code="engine_unavailable") from None
-    # NOTE: staged under the blob root, so the files are linked into place, not copied.
-    digest, size = await asyncio.to_thread(state.blobs.put, uploaded.folder, link=True)
+    digest, size = await _place_files(state, uploaded.folder)
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
@@ -231,7 +230,7 @@ async def _record_adapter(state: GatewayState, record: AdapterRecord, folder: Pa
     # files may have collected it since our put, but none can from here on (see collect_garbage).
     async with state.blobs.locks.hold(record.digest):
         if state.blobs.path(record.digest) is None:
-            await asyncio.to_thread(state.blobs.put, folder, link=True)
+            await _place_files(state, folder)
         # Before the record: other gateways fetch the files as soon as they can see it.
         await _share_files(store, record.digest, folder)
         await confirm_tenant()
@@ -240,6 +239,15 @@ async def _record_adapter(state: GatewayState, record: AdapterRecord, folder: Pa
     # the record now keeps it from any other (see SharedBlobs.delete_unreferenced), so put it back.
     await _share_files(store, record.digest, folder)  # a no-op unless it was dropped
     return stored
+
+
+async def _place_files(state: GatewayState, folder: Path) -> tuple[str, int]:
+    """Store the upload's files (staged in `folder`) in the blob folder: (digest, bytes).
+    A 503 `disk_full` where its volume has no room left for them."""
+    # NOTE: staged under the blob root, so the files are linked into place, not copied; the
+    # folder they are linked in still takes an inode, and a directory entry.
+    with refused_when_out_of_space(STAGING_FOLDER, state.blobs.root):
+        return await asyncio.to_thread(state.blobs.put, folder, link=True)
 
 
 async def _share_files(store: Store, digest: str, folder: Path) -> None:

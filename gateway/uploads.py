@@ -53,7 +53,7 @@ _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Where an upload is written on its way in: starlette spools a file part past 1 MiB to the
 # temporary folder; then the files are written to a folder in the adapter folder.
 _SPOOL_FOLDER = "the temporary folder (TMPDIR) where uploads are spooled"
-_STAGING_FOLDER = "the adapter folder (--adapter-dir)"
+STAGING_FOLDER = "the adapter folder (--adapter-dir)"
 _USAGE = ("send multipart/form-data with the fields 'name' and 'base_model' and either the files "
           "'adapter_config.json' and 'adapter_model.safetensors' or one 'file' with a .tar.gz of "
           "the adapter folder")
@@ -89,7 +89,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         raise _too_large(max_bytes)
     capped = Request(request.scope, _capped_receive(request, max_bytes))
     try:
-        with _refused_when_out_of_space(_SPOOL_FOLDER, tempfile.gettempdir()):
+        with refused_when_out_of_space(_SPOOL_FOLDER, tempfile.gettempdir()):
             form = await capped.form(max_files=2, max_fields=4, max_part_size=64 * 1024)
     except _BodyTooLarge:
         raise _too_large(max_bytes) from None
@@ -101,7 +101,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
         files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
         _refuse_files_sent_as_text(fields)
-        with _refused_when_out_of_space(_STAGING_FOLDER, staging):
+        with refused_when_out_of_space(STAGING_FOLDER, staging):
             folder = Path(tempfile.mkdtemp(prefix=".tmp-upload-", dir=staging))
             await asyncio.to_thread(_write_files, files, folder, max_bytes)
         yield AdapterUpload(_field(fields, "name"), _field(fields, "base_model"), folder)
@@ -112,7 +112,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
 
 
 @contextlib.contextmanager
-def _refused_when_out_of_space(where: str, folder: Path | str) -> Iterator[None]:
+def refused_when_out_of_space(where: str, folder: Path | str) -> Iterator[None]:
     """A 503 `disk_full` for a write of the upload to `where` (`folder`, which only the log names)
     that its volume has no room for: a full disk stays full until the operator frees space, so
     not to be retried (a retry would send the whole upload again, to be refused again)."""

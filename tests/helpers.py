@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import gc
 import itertools
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -259,11 +260,14 @@ def torch_threads(num_threads: int) -> Iterator[None]:
 
 
 @contextmanager
-def small_volume(folder: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` (as mount reads it: "4m") mounted at `folder` (made) for the block: a
-    volume a test can fill. Skips the test where mounting is not permitted (it needs root)."""
+def small_volume(folder: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of `size` (as mount reads it: "4m") and of `inodes` files and folders at most,
+    mounted at `folder` (made) for the block: a volume a test can fill (of bytes with
+    fill_volume, of inodes with use_up_inodes). Skips the test where mounting is not permitted
+    (it needs root)."""
     folder.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+    options = f"size={size}" if inodes is None else f"size={size},nr_inodes={inodes}"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
                              capture_output=True, text=True) if shutil.which("mount") else None
     if mounted is None or mounted.returncode != 0:
         why = "no mount command" if mounted is None else mounted.stderr.strip()
@@ -272,6 +276,18 @@ def small_volume(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+def use_up_inodes(folder: Path, leave: int) -> Path:
+    """Create empty files in a new folder on the volume of `folder` until only `leave` more files
+    or folders can be made there, as on a volume whose inodes are used up; delete the returned
+    folder to free them."""
+    fillers = folder / "inode-fillers"
+    fillers.mkdir()
+    for i in range(os.statvfs(folder).f_ffree - leave):
+        (fillers / str(i)).touch()
+    assert os.statvfs(folder).f_ffree == leave
+    return fillers
 
 
 def fill_volume(folder: Path) -> Path:

@@ -10,6 +10,7 @@ import io
 import itertools
 import json
 import logging
+import shutil
 import sqlite3
 import tarfile
 import tempfile
@@ -27,7 +28,7 @@ from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
                             logged_status)
-from tests.helpers import fill_volume, hf_greedy, make_peft_model, small_volume
+from tests.helpers import fill_volume, hf_greedy, make_peft_model, small_volume, use_up_inodes
 from tests.test_gateway_metrics import sample
 from tests.test_gateway_routing import eventually
 from tests.redis_server import redis_server, start_redis_server, stop_redis_server  # noqa: F401
@@ -378,6 +379,23 @@ def test_an_upload_the_adapter_folder_has_no_room_for_is_refused_not_blamed_on_i
         filler.unlink()
         packed = upload(server, key, "packed", {"file": ("adapter.tar.gz", archive)})
         assert packed.status_code == 201, packed.text
+
+
+def test_an_upload_whose_files_the_adapter_folder_has_no_inode_left_to_place_is_refused(
+        demo_engine, adapters, tmp_path):
+    """Staged under the adapter folder, an upload's files are linked into place: that takes no
+    bytes, but a new folder for them, which a volume whose inodes are used up has no room for."""
+    with small_volume(tmp_path / "volume", "4m", inodes=64) as volume, \
+            gateway_server(demo_engine, tmp_path / "data", adapter_dir=volume / "adapters") as server:
+        key = server.new_tenant("linker", rpm=1)
+        before = _snapshot(server, "linker")
+        fillers = use_up_inodes(volume, leave=3)  # the staging folder and its two files
+        refused = upload(server, key, "linked", files_of(adapters["all-r8"]))
+        _refused_for_want_of_space(refused, "the adapter folder (--adapter-dir)")
+        assert _snapshot(server, "linker") == before
+        shutil.rmtree(fillers)
+        linked = upload(server, key, "linked", files_of(adapters["all-r8"]))
+        assert linked.status_code == 201, linked.text  # its request was given back (rpm 1)
 
 
 def test_uploads_with_a_tenant_key_count_against_its_rpm_and_the_admin_s_do_not(server, adapters):
