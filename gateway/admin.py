@@ -158,9 +158,10 @@ def _check_policy(request: Request, allowed_models: list[str] | None,
     known = [*state.engines, *state.routes]
     unknown = [m for m in allowed_models or () if m not in known]
     if unknown:
+        served = (f"the base models and routes {', '.join(known)}" if known
+                  else "no base model or route now")
         raise invalid_request(f"allowed_models names {', '.join(map(repr, unknown))}, which this "
-                              f"server does not serve; it serves the base models and routes "
-                              f"{', '.join(known)}", param="allowed_models")
+                              f"server does not serve; it serves {served}", param="allowed_models")
 
 
 async def list_tenants(request: Request) -> Response:

@@ -168,10 +168,12 @@ async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target
     request.state.model_label = target.route.name if target.route is not None else target.base_model
     if target.route is None and target.base_model not in state.engines:
         # An adapter of a base model this server no longer serves.
+        served = (f"it serves {', '.join(state.engines)}" if state.engines
+                  else "it serves no base model now")
         raise ApiError(404, f"{quoted(model)} is an adapter for the base model "
-                       f"{target.base_model!r}, which this server does not serve; upload it again "
-                       f"for one of {', '.join(state.engines)}", param="model",
-                       code="model_not_found")
+                       f"{target.base_model!r}, which this server does not serve now ({served}): "
+                       "the operator can serve it again, or you can upload the adapter again for a "
+                       "base model it serves", param="model", code="model_not_found")
     models = target.route.tiers if target.route is not None else (target.base_model,)
     # NOTE: only with engine workers (other routes are checked at startup), a route's tier may
     # name a model not served now: its workers are not up yet, or stopped heartbeating long

@@ -1010,6 +1010,21 @@ def test_gateways_agree_on_a_model_whose_workers_left_until_the_ttl_then_forget_
     assert after[0]["calls"] == {DEMO_MODEL: (404, "model_not_found"),
                                  "tuned": (404, "model_not_found"), local: (200, None)}
     assert after[0]["health"] == {"status": "ok", "models": [local]}
+    # A gateway of workers alone serves nothing now, and says so (it once listed nothing).
+    with serve_gateway({}, tmp_path / "bare", store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None, worker_model_ttl_s=ttl_s) as bare:
+        tuned = httpx.post(bare.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "tuned", **prompt}, timeout=30)
+        policy = bare.admin("POST", "/admin/tenants", json={
+            "name": f"policy-{next(_names)}", "allowed_models": [DEMO_MODEL]})
+    assert tuned.status_code == 404, tuned.text
+    assert tuned.json()["error"]["message"] == (
+        f"'tuned' is an adapter for the base model {DEMO_MODEL!r}, which this server does not "
+        "serve now (it serves no base model now): the operator can serve it again, or you can "
+        "upload the adapter again for a base model it serves")
+    assert policy.status_code == 400, policy.text
+    assert policy.json()["error"]["message"].endswith(
+        "which this server does not serve; it serves no base model or route now")
 
 
 class _StallingEngine:
