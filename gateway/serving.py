@@ -321,13 +321,14 @@ class Call:
         headers = {"x-switchboard-model": self.answered_by}
         route = self.target.route
         if route is not None:
+            headers.update({"x-switchboard-route": route.name,
+                            "x-switchboard-escalated": "true" if self.escalated else "false"})
             judged = [a for a in self.attempts if a.threshold is not None]
-            headers.update({
-                "x-switchboard-route": route.name,
-                "x-switchboard-score": ",".join(_number(a.score) for a in judged),
-                "x-switchboard-threshold": ",".join(_number(a.threshold) for a in judged),
-                "x-switchboard-escalated": "true" if self.escalated else "false",
-            })
+            if judged:  # none where the tiers judged were left out, or the call scores its prompt
+                headers.update({
+                    "x-switchboard-score": ",".join(_number(a.score) for a in judged),
+                    "x-switchboard-threshold": ",".join(_number(a.threshold) for a in judged),
+                })
         if self.generation.is_done:
             headers["x-switchboard-cost-usd"] = f"{self.cost_usd():.8f}"
         return headers
