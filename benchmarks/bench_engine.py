@@ -37,6 +37,7 @@ from benchmarks.common import (
     positive_float,
     positive_int,
     random_prompt,
+    random_seed,
     scaled_range,
     timed,
 )
@@ -71,7 +72,7 @@ def parse_args() -> argparse.Namespace:
                         help="requests in the offline workload")
     parser.add_argument("--scale", type=positive_float, default=0.25,
                         help="factor on PERF.md's prompt [8, 512) and output [8, 256) lengths (1 = unscaled)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--seed", type=random_seed, default=0, help="workload seed")
     parser.add_argument("--rounds", type=positive_int, default=2,
                         help="timed runs of each peer, interleaved; the best is reported (shared machine)")
     parser.add_argument("--hf-batch-size", type=positive_int, default=16,

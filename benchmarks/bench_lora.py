@@ -42,6 +42,7 @@ from benchmarks.common import (
     positive_float,
     positive_int,
     random_prompt,
+    random_seed,
     scaled_range,
 )
 from engine.llm import LLM
@@ -68,7 +69,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.add_argument("--scale", type=positive_float, default=0.125,
                    help="factor on PERF.md's prompt [8, 512) and output [8, 256) lengths")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=random_seed, default=0)
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="timed Switchboard runs per config (best reported)")
     p.add_argument("--with-128", action="store_true", help="also run n = 128 adapters")

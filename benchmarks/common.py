@@ -16,6 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 DEFAULT_WORK_DIR = Path("/tmp/switchboard-bench")
+# torch takes seeds of 64 bits; a benchmark adds small offsets to its seed.
+MAX_SEED = 2**62
 
 
 def positive_int(text: str) -> int:
@@ -23,6 +25,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def random_seed(text: str) -> int:
+    """An argparse type: a seed."""
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_SEED}, got {value}")
     return value
 
 

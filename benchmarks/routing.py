@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.arithmetic import (MAX_DIFFICULTY, Problem, is_correct, mixed_problems,
                                    sample_train_problem)
-from benchmarks.common import positive_int
+from benchmarks.common import positive_int, random_seed
 from routing.confidence import MEASURES, confidence
 from routing.learned import Example, train_router
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default 1:0.3,2:0.3,3:0.4)")
     parser.add_argument("--num-train", type=at_least_min_train, default=2000,
                         help=f"training-split prompts for the learned router (2000; at least {MIN_TRAIN})")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=random_seed, default=1)
     args = parser.parse_args(argv)
     weights = args.mix
     problems = mixed_problems(args.seed, weights, args.num_problems)

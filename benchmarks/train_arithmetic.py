@@ -30,6 +30,7 @@ from transformers.utils import logging as transformers_logging
 
 from benchmarks import arithmetic
 from benchmarks.arithmetic import Problem
+from benchmarks.common import random_seed
 from engine.demo import build_byte_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "arithmetic"
@@ -273,7 +274,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated sizes to train")
     parser.add_argument("--steps", type=int, default=None, help="override every size's step count")
     parser.add_argument("--batch-size", type=int, default=64, help="problems per training step")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights and training data")
+    parser.add_argument("--seed", type=random_seed, default=0, help="seed of weights and training data")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--eval-size", type=int, default=200,
                         help="held-out problems per difficulty for the progress log")

@@ -82,6 +82,7 @@ to start (its log says why).
 """
 
 WORKER_PORT = 9000
+_MAX_SEED = 2**63 - 1  # torch takes seeds of 64 bits
 
 _WORKER_EPILOG = """\
 A worker serves one model with one engine (one GPU): run one per GPU, each with its own port.
@@ -181,8 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--holdout", type=float, default=0.2,
                        help="fraction of the data kept for calibration and the report (default 0.2)")
     train.add_argument("--epochs", type=_positive_int, default=60, help="training epochs (default 60)")
-    train.add_argument("--seed", type=int, default=0, help="seed of the split and the fit")
+    train.add_argument("--seed", type=_seed, default=0,
+                       help=f"seed of the split and the fit, 0 to {_MAX_SEED} (default 0)")
     return parser
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= _MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {_MAX_SEED}, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from benchmarks import routing
+from benchmarks.common import MAX_SEED
 
 
 @pytest.mark.parametrize("args, words", [
@@ -16,6 +17,8 @@ from benchmarks import routing
     (["--mix", "7:1"], "argument --mix: difficulties must be in [1, 3]"),
     (["--num-problems", "0"], "argument --num-problems: must be at least 1"),
     (["--num-train", "1"], f"argument --num-train: must be at least {routing.MIN_TRAIN}"),
+    (["--seed", str(2**64)], f"argument --seed: must be from 0 to {MAX_SEED}, got {2**64}"),
+    (["--seed", "-1"], "argument --seed: must be from 0 to"),
 ])
 def test_the_routing_benchmark_refuses_arguments_it_cannot_run(args, words, capsys):
     with pytest.raises(SystemExit) as exited:

@@ -102,6 +102,14 @@ def test_a_size_that_cannot_be_read_says_how_to_write_one(capsys):
     assert "cannot read 'lots' as a size: use bytes or e.g. 512MiB" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_router_train_refuses_a_seed_torch_cannot_take(seed, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "train", str(tmp_path / "data.jsonl"), "--out", str(tmp_path), "--seed", seed])
+    assert exited.value.code == 2
+    assert f"argument --seed: must be from 0 to {2**63 - 1}, got {seed}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(model=["a=/x", "a=/y"]), "given twice"),
     (dict(model=["=/x"]), "NAME=PATH"),
