@@ -33,6 +33,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -52,7 +53,7 @@ from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH
                                 GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S
-from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, keep_running
+from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, files_digest, keep_running
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class WorkerPool:
         if digest is None:
             return None
         folder = self._tokenizer_dir / digest
-        if not folder.is_dir():
+        if not await asyncio.to_thread(_holds_tokenizer, folder, digest):
             files = await self.registry.get_tokenizer(digest)
             if files is None:
                 raise RuntimeError(f"the tokenizer {digest} is not in Redis")
@@ -525,13 +526,36 @@ async def _adapter_parts(folder: str) -> dict[str, tuple[str, bytes]]:
     return await asyncio.to_thread(read)
 
 
+def _holds_tokenizer(folder: Path, digest: str) -> bool:
+    """Whether this gateway's copy of the tokenizer files `digest` is in `folder`, intact. A
+    damaged one (a disk error, a crash as it was written) is removed, to be fetched again: it
+    once kept the gateway from starting until removed by hand."""
+    if not folder.is_dir():
+        return False
+    try:
+        files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    except OSError as error:
+        files, why = {}, str(error)
+    else:
+        why = "they do not hash to it"
+    if files and files_digest(files) == digest:
+        return True
+    logger.warning("the copy of tokenizer %s in %s is damaged (%s): fetching it again from Redis",
+                   digest, folder, why)
+    shutil.rmtree(folder, ignore_errors=True)
+    return False
+
+
 def _write_folder(folder: Path, files: dict[str, bytes]) -> None:
     """Write `files` as `folder` at once (gateways sharing a data folder may race to write it)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
         for name, data in files.items():
-            (tmp / Path(name).name).write_bytes(data)  # NOTE: base names only, never a path
+            path = tmp / Path(name).name  # NOTE: base names only, never a path
+            with open(path, "wb") as out:
+                out.write(data)
+                os.fsync(out.fileno())  # else a power cut can leave the folder with cut files
         try:
             tmp.rename(folder)
         except OSError:

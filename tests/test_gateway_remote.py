@@ -30,12 +30,12 @@ import pytest
 from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions)
 from gateway.remote import DEFAULT_POLL_S, RemoteEngineClient, WorkerPool
-from gateway.worker import Worker, create_worker_app
+from gateway.worker import Worker, create_worker_app, tokenizer_files
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
 from routing.placement import home_of
 from store import RedisStore
 from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S, BlobStore, digest_files, ensure_intact_copy
-from store.workers import ModelSeen, WorkerRecord, WorkerRegistry
+from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, files_digest
 from tests.conftest import (DEMO_MODEL, NARROW_MAX_LORA_RANK, leave_while_sending, run_server,
                             send_partly, serve_gateway)
 from tests.helpers import damage_adapter_files
@@ -81,9 +81,19 @@ class _Registry:
     def __init__(self) -> None:
         self.records: list[WorkerRecord] = []
         self.seen: dict[str, ModelSeen] = {}
+        self.tokenizers: dict[str, dict[str, bytes]] = {}
+
+    def publish_tokenizer(self, files: dict[str, bytes]) -> str:
+        """Publish tokenizer files as a worker does; their digest."""
+        digest = files_digest(files)
+        self.tokenizers[digest] = files
+        return digest
 
     async def internal_key(self) -> str:
         return "k"
+
+    async def get_tokenizer(self, digest: str) -> dict[str, bytes] | None:
+        return self.tokenizers.get(digest)
 
     async def workers(self) -> list[WorkerRecord]:
         self.seen |= {r.model: ModelSeen.of(r) for r in self.records}
@@ -495,28 +505,51 @@ def test_a_cascade_into_a_model_whose_workers_are_down_answers_from_the_tier_it_
 
 
 def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_model_dir, tmp_path):
-    import shutil
-
     from engine.tokenizer import load_tokenizer
-    from gateway.remote import WorkerPool
 
-    for digest, template in [("old", "{{ messages[0]['content'] }}"),
-                             ("new", "NEW {{ messages[0]['content'] }}")]:
-        shutil.copytree(demo_model_dir, tmp_path / digest, ignore=shutil.ignore_patterns("*.safetensors"))
-        (tmp_path / digest / "chat_template.jinja").write_text(template)
     registry, models = _Registry(), {}
+    old, new = (registry.publish_tokenizer(tokenizer_files(demo_model_dir) | {
+        "chat_template.jinja": template.encode()}) for template in [
+            "{{ messages[0]['content'] }}", "NEW {{ messages[0]['content'] }}"])
     pool = WorkerPool(registry, tmp_path, load_tokenizer, models)
-    registry.records = [_record("a", tokenizer="old"), _record("b", tokenizer="old")]
+    registry.records = [_record("a", tokenizer=old), _record("b", tokenizer=old)]
     asyncio.run(pool.refresh())
     chat = [{"role": "user", "content": "hi"}]
     assert models[GHOST].render_chat(chat) == "hi"
-    registry.records = [_record("a", tokenizer="old"), _record("b", tokenizer="new")]
+    registry.records = [_record("a", tokenizer=old), _record("b", tokenizer=new)]
     asyncio.run(pool.refresh())  # halfway through an upgrade: still the old one
     assert models[GHOST].render_chat(chat) == "hi"
-    registry.records = [_record("b", tokenizer="new"), _record("c", tokenizer="new")]
+    registry.records = [_record("b", tokenizer=new), _record("c", tokenizer=new)]
     asyncio.run(pool.refresh())  # it once kept the old template for good
     assert models[GHOST].render_chat(chat) == "NEW hi"
     asyncio.run(pool.http.aclose())
+
+
+def test_a_damaged_copy_of_a_workers_tokenizer_is_fetched_again(demo_model_dir, tmp_path, caplog):
+    """A gateway keeps the tokenizer files its workers published in its data folder: a copy cut
+    short (a crash as it was written) once kept the gateway from starting until removed by hand."""
+    from engine.tokenizer import load_tokenizer
+
+    registry = _Registry()
+    files = tokenizer_files(demo_model_dir)
+    digest = registry.publish_tokenizer(files)
+    registry.records = [_record("a", tokenizer=digest)]
+    for damage in [lambda copy: copy.write_bytes(copy.read_bytes()[:100]), Path.unlink]:
+        models = {}
+        pool = WorkerPool(registry, tmp_path, load_tokenizer, models)
+        asyncio.run(pool.refresh())  # it writes its copy, or reads the one a start before wrote
+        asyncio.run(pool.http.aclose())
+        assert models[GHOST].tokenize("hi") == [256, 104, 105]
+        damage(tmp_path / digest / "tokenizer.json")
+        models = {}
+        pool = WorkerPool(registry, tmp_path, load_tokenizer, models)
+        with caplog.at_level(logging.WARNING, logger="gateway.remote"):
+            asyncio.run(pool.refresh())  # a restart
+        asyncio.run(pool.http.aclose())
+        assert models[GHOST].tokenize("hi") == [256, 104, 105]
+        assert (tmp_path / digest / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+        assert f"the copy of tokenizer {digest} in {tmp_path / digest} is damaged" in caplog.text
+        caplog.clear()
 
 
 def test_a_route_reads_prompts_with_the_tokenizer_a_models_workers_rolled_out(
@@ -525,25 +558,23 @@ def test_a_route_reads_prompts_with_the_tokenizer_a_models_workers_rolled_out(
     the demo model and GHOST, which read alike before, reads each prompt with each tokenizer
     after, and no longer takes token ids (it once kept reading GHOST's prompts as the old
     tokenizer had, with the demo model's BOS)."""
-    import shutil
-
     from engine.tokenizer import load_tokenizer
     from gateway.generation import Prompt, Tier
     from gateway.serving import Target
 
-    for digest in ("old", "new"):
-        shutil.copytree(demo_model_dir, tmp_path / digest, ignore=shutil.ignore_patterns("*.safetensors"))
-    without_bos = json.loads((tmp_path / "new" / "tokenizer.json").read_text()) | {"post_processor": None}
-    (tmp_path / "new" / "tokenizer.json").write_text(json.dumps(without_bos))
     registry, models = _Registry(), {}
+    files = tokenizer_files(demo_model_dir)
+    without_bos = json.loads(files["tokenizer.json"]) | {"post_processor": None}
+    old = registry.publish_tokenizer(files)
+    new = registry.publish_tokenizer(files | {"tokenizer.json": json.dumps(without_bos).encode()})
     pool = WorkerPool(registry, tmp_path, load_tokenizer, models)
-    registry.records = [_record("a", tokenizer="old")]
+    registry.records = [_record("a", tokenizer=old)]
     asyncio.run(pool.refresh())
     route = Target((Tier(DEMO_MODEL, demo_engine), Tier(GHOST, models[GHOST])))
     before = Prompt.of_text("hi")
     assert [before.tokens(tier.engine) for tier in route.tiers] == [[256, 104, 105]] * 2
     assert route.shares_tokenizer
-    registry.records = [_record("a", tokenizer="new")]
+    registry.records = [_record("a", tokenizer=new)]
     asyncio.run(pool.refresh())
     after = Prompt.of_text("hi")
     assert [after.tokens(tier.engine) for tier in route.tiers] == [[256, 104, 105], [104, 105]]
