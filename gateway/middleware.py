@@ -21,6 +21,7 @@ from gateway.errors import server_shutdown
 from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger("gateway.access")
+_logger = logging.getLogger(__name__)
 
 _COUNTED_PREFIX = "/v1/"
 # Line breaks and other control characters, which a client could put in a path or a model name
@@ -89,16 +90,24 @@ class InFlight:
             await self.app(scope, receive, send)
             return
         self.tasks.add(task)
-        has_answered = False
+        has_answered = has_ended = False
 
         async def send_tracked(message: Message) -> None:
-            nonlocal has_answered
+            nonlocal has_answered, has_ended
             has_answered = has_answered or message["type"] == "http.response.start"
+            has_ended = has_ended or (message["type"] == "http.response.body"
+                                      and not message.get("more_body", False))
             await send(message)
 
         try:
             await self.app(scope, receive, send_tracked)
         except asyncio.CancelledError:
+            if has_ended:  # cancelled as it recorded the call (the store is slow, or locked)
+                task.uncancel()  # NOTE: handled: the client has its whole answer
+                _logger.warning("%s %s: the server's shutdown deadline passed while this call's "
+                                "usage was recorded; it is recorded if the store answers before "
+                                "it closes", scope["method"], scope["path"])
+                return
             if has_answered:
                 raise
             task.uncancel()  # NOTE: handled: the request ends with the answer below

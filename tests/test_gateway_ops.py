@@ -1,11 +1,13 @@
 """/health, /openapi.json, errors outside the API routes, what a graceful shutdown does to the calls
 still running at its deadline, and the gateway's torch-free import."""
 
+import asyncio
 import json
 import logging
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -276,6 +278,55 @@ def test_a_stream_the_shutdown_stops_ends_with_a_server_shutdown_event_and_one_l
     [access] = [r.getMessage() for r in caplog.records
                 if r.name == "gateway.access" and "/v1/completions" in r.getMessage()]
     assert " 200 tenant=acme model=small prompt_tokens=4 completion_tokens=1 " in access
+
+
+def test_a_stream_whose_billing_the_shutdown_deadline_passes_is_one_warning_and_still_billed(
+        tmp_path, caplog, monkeypatch):
+    """The client has its whole stream, and the store is slow to record it: a shutdown reaching
+    its deadline then cancels the call as it waits for its billing. Once uvicorn's ERROR traceback
+    ("Exception in ASGI application"); the billing itself goes on until the store closes. (A
+    whole answer is sent once billed.)"""
+    caplog.set_level(logging.INFO)
+    released = threading.Event()
+    with serve_gateway({"small": ScriptedTier("small")}, tmp_path,
+                       shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S) as server:
+        store = server.app.state.gateway.store
+        settle = store.settle
+
+        async def slow_settle(*args, **kwargs):  # a store slow to answer, until released
+            while not released.is_set():
+                await asyncio.sleep(0.01)
+            await settle(*args, **kwargs)
+
+        monkeypatch.setattr(store, "settle", slow_settle)
+        key = server.new_tenant("acme")
+        reply = httpx.post(server.url + "/v1/completions", timeout=30,
+                           json={"model": "small", "prompt": "easy", "max_tokens": 4, "stream": True},
+                           headers={"Authorization": f"Bearer {key}"})
+        assert reply.status_code == 200 and "server_shutdown" not in reply.text, reply.text
+
+        def release_once_warned() -> None:
+            assert eventually(lambda: any(r.name == "gateway.middleware" for r in caplog.records),
+                              timeout_s=30)
+            released.set()
+
+        releasing = threading.Thread(target=release_once_warned)
+        releasing.start()
+    releasing.join()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert [r.getMessage() for r in caplog.records if r.name == "gateway.middleware"] == [
+        "POST /v1/completions: the server's shutdown deadline passed while this call's usage was "
+        "recorded; it is recorded if the store answers before it closes"]
+
+    async def usage():
+        reopened = await SqliteStore.open(tmp_path / "switchboard.db")
+        try:
+            return await reopened.get_usage("acme")
+        finally:
+            await reopened.close()
+
+    billed = asyncio.run(usage())
+    assert (billed.requests, billed.tokens_out) == (1, 4)
 
 
 def test_request_handling_never_imports_torch():
