@@ -62,9 +62,24 @@ B_STD = 0.02  # lora_B values; PEFT initialises B to zero, which would make ever
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
 PAD_TOKEN_ID = 0
+MIN_ADAPTERS = 132  # on disk: n = 128 and the width-scaled 32 (section 1) need this many
+CHECK_ADAPTER = 5  # the adapter whose greedy tokens are checked against PEFT's
 
 
-def parse_args() -> argparse.Namespace:
+def num_adapters(registered: int) -> int:
+    """How many adapter folders the run builds."""
+    return max(registered, MIN_ADAPTERS)
+
+
+def scale_point_pool(registered: int, cold_repeats: int) -> list[int]:
+    """The adapters the scale point may make active: the registered ones, less those the cold-load
+    probes use (the last cold_repeats + 1 built, so that nothing else touched them) and the one
+    checked against PEFT."""
+    cold = range(num_adapters(registered) - cold_repeats - 1, num_adapters(registered))
+    return [i for i in range(registered) if i not in cold and i != CHECK_ADAPTER]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=positive_int, default=32)
     p.add_argument("--scale", type=positive_float, default=0.125,
@@ -73,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="timed Switchboard runs per config (best reported)")
     p.add_argument("--with-128", action="store_true", help="also run n = 128 adapters")
-    p.add_argument("--alphas", type=float, nargs="+", default=[1.0],
+    p.add_argument("--alphas", type=positive_float, nargs="+", default=[1.0],
                    help="S-LoRA power-law alphas (1 = uniform); e.g. --alphas 1 0.3 0.1")
     p.add_argument("--peft-batch-size", type=positive_int, default=8)
     p.add_argument("--peft-requests", type=positive_int, default=16,
@@ -88,7 +103,13 @@ def parse_args() -> argparse.Namespace:
                    help="host adapter cache (max_cpu_adapters); S-LoRA keeps the active adapters in host memory")
     p.add_argument("--cold-repeats", type=positive_int, default=5)
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
-    return p.parse_args()
+    args = p.parse_args(argv)
+    pool = len(scale_point_pool(args.registered, args.cold_repeats))
+    if args.scale_active > pool:
+        p.error(f"argument --scale-active: at most {pool} of --registered {args.registered} "
+                f"adapters can be active (the cold-load probes and the PEFT check use others), "
+                f"got {args.scale_active}")
+    return args
 
 
 # ------------------------------------------------------------------------------------------ adapters
@@ -263,7 +284,8 @@ def main() -> None:
     print(f"model: random-weight Llama ({SPEC.name}), {num_params(base) / 1e6:.1f}M params, float32")
 
     t0 = time.perf_counter()
-    folders = build_adapters(model_path, args.work_dir / f"{SPEC.name}-adapters", max(args.registered, 132))
+    folders = build_adapters(model_path, args.work_dir / f"{SPEC.name}-adapters",
+                             num_adapters(args.registered))
     loras = [LoraRequest(digest_files(f), str(f)) for f in folders]  # a registry digests every file set
     print(f"adapters: {len(folders)} PEFT-format folders on disk (first {len(RANKS)} written by PEFT "
           f"save_pretrained, the rest same names/shapes with fresh random values), ranks cycling "
@@ -373,7 +395,7 @@ def main() -> None:
     print("  target: Switchboard/PEFT >= 10x")
 
     # correctness: one adapter, one prompt, batch 1, no padding
-    check_idx = 5
+    check_idx = CHECK_ADAPTER
     prompt = workload[0].prompt_token_ids
     n_check = 16
     peft_model.set_adapter(f"a{check_idx}")
@@ -416,7 +438,7 @@ def main() -> None:
     n_active = args.scale_active
     sw = make_offline_workload(max(args.num_requests, n_active), args.scale, vocab, seed=args.seed)
     s_useful = sum(r.output_len for r in sw)
-    pool = [i for i in range(args.registered) if folders[i] not in cold_folders and i != check_idx]
+    pool = scale_point_pool(args.registered, args.cold_repeats)
     active = random.Random(args.seed + 4).sample(pool, n_active)
     s_idx = [active[i % n_active] for i in range(len(sw))]
     random.Random(args.seed + 5).shuffle(s_idx)

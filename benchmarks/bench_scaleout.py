@@ -99,9 +99,9 @@ def run_load(gateway: SwitchboardProcess, key: str, args: argparse.Namespace,
 
 
 def output_tokens(args: argparse.Namespace, connection: int) -> int:
-    """The max_tokens of a connection's requests: from half of --max-tokens up, one more per
-    connection (wrapping past 1.5 times --max-tokens)."""
-    return args.max_tokens // 2 + connection % (args.max_tokens + 1)
+    """The max_tokens of a connection's requests: from half of --max-tokens (at least 1: the
+    gateway refuses 0) up, one more per connection (wrapping past 1.5 times --max-tokens)."""
+    return max(1, args.max_tokens // 2) + connection % (args.max_tokens + 1)
 
 
 def report(label: str, result: LoadResult) -> float:

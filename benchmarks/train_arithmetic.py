@@ -30,7 +30,7 @@ from transformers.utils import logging as transformers_logging
 
 from benchmarks import arithmetic
 from benchmarks.arithmetic import Problem
-from benchmarks.common import random_seed
+from benchmarks.common import positive_int, random_seed
 from engine.demo import build_byte_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "arithmetic"
@@ -267,23 +267,41 @@ def print_report(out: Path, names: list[str], num_per_difficulty: int, probe_siz
             print_probe(out / "small", out / "large", mix, probe_size)
 
 
-def parse_args() -> argparse.Namespace:
+def size_names(text: str) -> list[str]:
+    """An argparse type: comma-separated names of SIZES."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in SIZES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown sizes {', '.join(map(repr, unknown))}; the "
+                                         f"sizes are {', '.join(SIZES)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixture root (one folder per size)")
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated sizes to train")
-    parser.add_argument("--steps", type=int, default=None, help="override every size's step count")
-    parser.add_argument("--batch-size", type=int, default=64, help="problems per training step")
+    parser.add_argument("--sizes", type=size_names, default=list(SIZES),
+                        help=f"comma-separated sizes to train (default {','.join(SIZES)})")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="override every size's step count")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="problems per training step")
     parser.add_argument("--seed", type=random_seed, default=0, help="seed of weights and training data")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--eval-size", type=int, default=200,
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    parser.add_argument("--eval-size", type=positive_int, default=200,
                         help="held-out problems per difficulty for the progress log")
-    parser.add_argument("--log-every", type=int, default=250, help="steps between progress lines")
-    parser.add_argument("--report-size", type=int, default=500,
+    parser.add_argument("--log-every", type=positive_int, default=250, help="steps between progress lines")
+    parser.add_argument("--report-size", type=positive_int, default=500,
                         help="held-out problems per difficulty in the final report")
-    parser.add_argument("--probe-size", type=int, default=1000, help="problems in each cascade probe mix")
+    parser.add_argument("--probe-size", type=positive_int, default=1000,
+                        help="problems in each cascade probe mix")
     parser.add_argument("--report-only", action="store_true", help="skip training; evaluate --out")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    untrained = [name for name in args.sizes if not (args.out / name / "config.json").is_file()]
+    if args.report_only and untrained:
+        parser.error(f"argument --report-only: no trained {', '.join(untrained)} in {args.out}; "
+                     "train them first (leave out --report-only), or name the fixture root with --out")
+    return args
 
 
 def main() -> None:
@@ -291,7 +309,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers_logging.disable_progress_bar()
     tokenizer = build_byte_tokenizer()
-    names = [name.strip() for name in args.sizes.split(",")]
+    names = args.sizes
     eval_sets = {d: arithmetic.held_out_problems(10_000 + d, d, args.eval_size)
                  for d in range(1, arithmetic.MAX_DIFFICULTY + 1)}
     if not args.report_only:

@@ -1,6 +1,7 @@
 """Benchmark scripts refuse arguments that would measure nothing or crash midway: argparse's exit
 2 naming the option, before any model is loaded."""
 
+import argparse
 import subprocess
 import sys
 
@@ -37,3 +38,45 @@ def test_a_negative_warmup_is_refused(script):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "argument --warmup: must be a finite number, 0 or more, got -1" in done.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--alphas", "1", "0"], "argument --alphas: must be a finite number above 0, got 0"),
+    (["--registered", "1"], "argument --scale-active: at most 1 of --registered 1 adapters can be "
+                            "active (the cold-load probes and the PEFT check use others), got 128"),
+])
+def test_the_lora_benchmark_refuses_arguments_that_would_fail_midway(args, words, capsys):
+    from benchmarks import bench_lora
+
+    with pytest.raises(SystemExit) as exited:
+        bench_lora.parse_args(args)
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+    assert bench_lora.parse_args(["--registered", "200"]).scale_active == 128
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--sizes", "small,bogus"], "argument --sizes: unknown sizes 'bogus'; the sizes are small, "
+                                 "medium, large"),
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["--probe-size", "0"], "argument --probe-size: must be at least 1, got 0"),
+    (["--report-only", "--out", "/nonexistent"], "argument --report-only: no trained small, medium, "
+                                                 "large in /nonexistent; train them first"),
+])
+def test_the_arithmetic_trainer_refuses_arguments_that_would_fail_midway(args, words, capsys):
+    from benchmarks import train_arithmetic
+
+    with pytest.raises(SystemExit) as exited:
+        train_arithmetic.parse_args(args)
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err
+    assert train_arithmetic.parse_args(["--report-only", "--sizes", "small"]).sizes == ["small"]
+
+
+def test_the_scaleout_benchmark_asks_for_at_least_1_token():
+    """The gateway refuses max_tokens 0 (without echo): --max-tokens 1 once sent it on half the
+    connections, and reported the 400s' rate."""
+    from benchmarks.bench_scaleout import output_tokens
+
+    assert {output_tokens(argparse.Namespace(max_tokens=1), c) for c in range(4)} == {1, 2}
+    assert {output_tokens(argparse.Namespace(max_tokens=4), c) for c in range(5)} == {2, 3, 4, 5, 6}
