@@ -76,14 +76,14 @@ def _json(payload: msgspec.Struct, status: int = 200) -> Response:
 
 async def _caller_tenant(request: Request) -> Tenant:
     state = gateway_state(request)
-    return await authenticate_tenant(request, state.require_store(), state.keys)
+    return await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
 
 
 async def _named_tenant(request: Request) -> Tenant:
     """The tenant of the path, for the admin key only."""
     state = gateway_state(request)
     store = state.require_store()
-    await require_admin(request, store, state.keys)
+    await require_admin(request, store, state.metrics_key_hash)
     name = request.path_params["tenant"]
     tenant = await store.get_tenant(name)
     if tenant is None:

@@ -98,7 +98,7 @@ def _json(payload: msgspec.Struct, status: int = 200) -> Response:
 async def _admin_store(request: Request) -> Store:
     state = gateway_state(request)
     store = state.require_store()
-    await require_admin(request, store, state.keys)
+    await require_admin(request, store, state.metrics_key_hash)
     return store
 
 

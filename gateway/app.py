@@ -19,7 +19,7 @@ from starlette.middleware import Middleware
 
 from gateway import adapter_api, admin, version
 from gateway.admission import wait_for_settles
-from gateway.auth import ServerKeys, ensure_admin_key
+from gateway.auth import ensure_admin_key
 from gateway.chat import create_chat_completion
 from gateway.completions import create_completion
 from gateway.engine_client import EngineClient
@@ -137,9 +137,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
     gateway = GatewayState(engines=engines, metrics=GatewayMetrics(), blobs=blobs,
                            max_upload_bytes=max_upload_bytes, prices=prices or {},
                            routes=routes, default_route=default_route,
-                           keys=ServerKeys(
-                               metrics=hash_key(metrics_key) if metrics_key else None,
-                               admin=hash_key(admin_key) if admin_key is not None else None))
+                           metrics_key_hash=hash_key(metrics_key) if metrics_key else None)
     requests: set[asyncio.Task] = set()  # those being handled
     shadows = ShadowWarnings()  # of adapters whose name a route or served model took
 

@@ -8,9 +8,7 @@ for an unknown key.
 
 from __future__ import annotations
 
-import logging
 import secrets
-from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -19,17 +17,6 @@ from store import Store, Tenant
 from store.keys import KEY_PREFIX, hash_key, verify_key
 
 _ADMIN_PREFIX = KEY_PREFIX + "admin-"
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerKeys:
-    """Hashes of the keys the server was started with: the metrics key's, and the admin key's
-    (`--admin-key`), which the store keeps for every gateway, and which this one puts back
-    there if the store lost it (a Redis restarted without its data)."""
-
-    metrics: str | None = None
-    admin: str | None = None
 
 
 def bearer_key(request: Request) -> str:
@@ -42,7 +29,7 @@ def bearer_key(request: Request) -> str:
     return key.strip()
 
 
-async def authenticate_tenant(request: Request, store: Store, keys: ServerKeys) -> Tenant:
+async def authenticate_tenant(request: Request, store: Store, metrics_key_hash: str | None) -> Tenant:
     """The tenant owning the request's key; 403 for the admin key and the metrics key (valid keys,
     but no tenant's), 401 for unknown or revoked keys."""
     key = bearer_key(request)
@@ -50,24 +37,24 @@ async def authenticate_tenant(request: Request, store: Store, keys: ServerKeys) 
     if tenant is not None:
         request.state.tenant = tenant.name  # for the access log and request metrics
         return tenant
-    if await _is_admin_key(store, key, keys):
+    if await _is_admin_key(store, key):
         raise ApiError(403, "this is the admin key, which manages tenants under /admin; create a "
                        "tenant (POST /admin/tenants) and a key for it "
                        "(POST /admin/tenants/{tenant}/keys) to call /v1",
                        type="permission_error", code="admin_key_not_allowed")
-    if _is_metrics_key(key, keys):
+    if _is_metrics_key(key, metrics_key_hash):
         raise ApiError(403, "this is the metrics key, which reads /metrics only; call /v1 with a "
                        "tenant's key (POST /admin/tenants/{tenant}/keys)",
                        type="permission_error", code="metrics_key_not_allowed")
     raise _unauthenticated("invalid API key: it is unknown or was revoked")
 
 
-async def require_admin(request: Request, store: Store, keys: ServerKeys) -> None:
+async def require_admin(request: Request, store: Store, metrics_key_hash: str | None) -> None:
     """Pass for the admin key; 403 for a tenant key or the metrics key, 401 for anything else."""
     key = bearer_key(request)
-    if await _is_admin_key(store, key, keys):
+    if await _is_admin_key(store, key):
         return
-    if _is_metrics_key(key, keys):
+    if _is_metrics_key(key, metrics_key_hash):
         raise ApiError(403, "this endpoint needs the admin key; the metrics key reads /metrics only",
                        type="permission_error", code="admin_key_required")
     if await store.authenticate(key) is not None:
@@ -76,11 +63,11 @@ async def require_admin(request: Request, store: Store, keys: ServerKeys) -> Non
     raise _unauthenticated("invalid admin key")
 
 
-async def require_metrics_reader(request: Request, store: Store, keys: ServerKeys) -> None:
+async def require_metrics_reader(request: Request, store: Store, metrics_key_hash: str | None) -> None:
     """Pass for the metrics key (when one is set) and the admin key; 403 for a tenant key, 401
     for anything else. The series name every tenant, which no tenant may see."""
     key = bearer_key(request)
-    if _is_metrics_key(key, keys) or await _is_admin_key(store, key, keys):
+    if _is_metrics_key(key, metrics_key_hash) or await _is_admin_key(store, key):
         return
     if await store.authenticate(key) is not None:
         raise ApiError(403, "/metrics needs the metrics key or the admin key: its series name every "
@@ -106,20 +93,13 @@ async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:
     return created if await store.set_admin_key_hash(hash_key(created), only_if_unset=True) else None
 
 
-async def _is_admin_key(store: Store, key: str, keys: ServerKeys) -> bool:
+async def _is_admin_key(store: Store, key: str) -> bool:
     key_hash = await store.get_admin_key_hash()
-    if key_hash is None and keys.admin is not None:
-        # Set at startup, and gone since: lost with the store's data. Unless another gateway
-        # set one meanwhile, the key this gateway was started with is the admin key again.
-        if await store.set_admin_key_hash(keys.admin, only_if_unset=True):
-            logger.warning("the store had lost the admin key: set it again to this gateway's "
-                           "--admin-key (its tenants and keys may be lost too)")
-        key_hash = await store.get_admin_key_hash()
     return key_hash is not None and verify_key(key, key_hash)
 
 
-def _is_metrics_key(key: str, keys: ServerKeys) -> bool:
-    return keys.metrics is not None and verify_key(key, keys.metrics)
+def _is_metrics_key(key: str, metrics_key_hash: str | None) -> bool:
+    return metrics_key_hash is not None and verify_key(key, metrics_key_hash)
 
 
 def _unauthenticated(message: str) -> ApiError:

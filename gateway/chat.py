@@ -24,7 +24,7 @@ from gateway.state import gateway_state
 async def create_chat_completion(request: Request) -> Response:
     """Create the assistant's reply to a conversation."""
     state = gateway_state(request)
-    tenant = await authenticate_tenant(request, state.require_store(), state.keys)
+    tenant = await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
     body = await decode_body(request, ChatCompletionRequest)
     target = await resolve_target(request, tenant, body.model)
     refuse_unsupported(body, target)

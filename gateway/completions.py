@@ -27,7 +27,7 @@ from gateway.text_codec import name_bytes
 async def create_completion(request: Request) -> Response:
     """Create a completion for one or more prompts (OpenAI's legacy completions API)."""
     state = gateway_state(request)
-    tenant = await authenticate_tenant(request, state.require_store(), state.keys)
+    tenant = await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
     body = await decode_body(request, CompletionRequest)
     target = await resolve_target(request, tenant, body.model)
     refuse_unsupported(body, target)

@@ -44,7 +44,7 @@ async def retrieve_model(request: Request) -> Response:
 async def _model_cards(request: Request) -> list[ModelCard]:
     state = gateway_state(request)
     store = state.require_store()
-    tenant = await authenticate_tenant(request, store, state.keys)
+    tenant = await authenticate_tenant(request, store, state.metrics_key_hash)
     catalog = state.catalog
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=state.engines[name].max_model_len)
@@ -109,5 +109,5 @@ def _health(status: int, body: Health) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus metrics in the text exposition format, for the metrics key or the admin key."""
     state = gateway_state(request)
-    await require_metrics_reader(request, state.require_store(), state.keys)
+    await require_metrics_reader(request, state.require_store(), state.metrics_key_hash)
     return Response(state.metrics.render(state.engines), media_type=CONTENT_TYPE)

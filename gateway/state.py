@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from gateway.auth import ServerKeys
 from gateway.engine_client import EngineClient
 from gateway.metrics import GatewayMetrics
 from routing.decide import LearnedRouting
@@ -33,7 +32,7 @@ class GatewayState:
     prices: dict[str, Price] = field(default_factory=dict)  # by base model name; unlisted: free
     routes: dict[str, Route] = field(default_factory=dict)
     default_route: str | None = None  # what `auto` means for tenants without a default of their own
-    keys: ServerKeys = field(default_factory=ServerKeys)  # the metrics and admin keys' hashes
+    metrics_key_hash: str | None = None  # of the key that may read /metrics (the admin key may too)
     learned: LearnedRouting = field(default_factory=LearnedRouting)
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
