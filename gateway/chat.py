@@ -8,24 +8,20 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth import authenticate_tenant
 from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
 from gateway.protocol import (CHAT_ROLES, AssistantMessage, ChatChoice, ChatChunkChoice,
                               ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                               ChatLogprobs, ChatMessage, ChatTokenLogprob, Delta, TopLogprob)
-from gateway.serving import (Call, decode_body, refuse_unsupported, resolve_target, respond,
-                             sampling_options, start_call, token_namer)
+from gateway.serving import (Call, authenticated_body, refuse_unsupported, resolve_target,
+                             respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
-from gateway.state import gateway_state
 
 
 async def create_chat_completion(request: Request) -> Response:
     """Create the assistant's reply to a conversation."""
-    state = gateway_state(request)
-    tenant = await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
-    body = await decode_body(request, ChatCompletionRequest)
+    tenant, body = await authenticated_body(request, ChatCompletionRequest)
     target = await resolve_target(request, tenant, body.model)
     refuse_unsupported(body, target)
     if body.top_logprobs is not None and not body.logprobs:

@@ -11,24 +11,20 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth import authenticate_tenant
 from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
 from gateway.protocol import (MAX_CHOICES_PER_CALL, MAX_PROMPT_LIST_CHARS, MAX_PROMPTS, Completion,
                               CompletionChoice, CompletionLogprobs, CompletionRequest)
-from gateway.serving import (Call, Target, decode_body, refuse_token_ids, refuse_unsupported,
+from gateway.serving import (Call, Target, authenticated_body, refuse_token_ids, refuse_unsupported,
                              resolve_target, respond, sampling_options, start_call, token_namer)
 from gateway.sse import DONE, event
-from gateway.state import gateway_state
 from gateway.text_codec import name_bytes
 
 
 async def create_completion(request: Request) -> Response:
     """Create a completion for one or more prompts (OpenAI's legacy completions API)."""
-    state = gateway_state(request)
-    tenant = await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
-    body = await decode_body(request, CompletionRequest)
+    tenant, body = await authenticated_body(request, CompletionRequest)
     target = await resolve_target(request, tenant, body.model)
     refuse_unsupported(body, target)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens

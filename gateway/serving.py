@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission import Admission, admit
+from gateway.auth import authenticate_tenant
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
@@ -51,6 +52,17 @@ MAX_BODY_BYTES = 64 << 20
 # its fields could be refused, where this bound keeps any body near the cost of the largest
 # legitimate one (calls need a few thousand: 2048 prompts, 2048 messages).
 MAX_BODY_CONTAINERS = 2**20
+
+
+async def authenticated_body(request: Request, body_type: type[T]) -> tuple[Tenant, T]:
+    """The calling tenant, and the request's JSON body as `body_type`. The key is checked before
+    the body is read (a stranger's body is never read), and again once it is in: a key revoked,
+    or a tenant deleted or changed, while a slow body arrived must not be served as it was
+    before (a client could hold connections open to outlive a revocation)."""
+    state = gateway_state(request)
+    await authenticate_tenant(request, state.require_store(), state.metrics_key_hash)
+    body = await decode_body(request, body_type)
+    return await authenticate_tenant(request, state.require_store(), state.metrics_key_hash), body
 
 
 async def decode_body(request: Request, body_type: type[T]) -> T:

@@ -1,7 +1,9 @@
 """Auth, the admin API, rate limits and budgets, against both store backends."""
 
 import asyncio
+import concurrent.futures
 import itertools
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -369,3 +371,48 @@ def test_first_start_creates_an_admin_key_once(demo_engine, tmp_path):
         old = httpx.get(url + "/admin/tenants", headers={"Authorization": f"Bearer {announced[0]}"})
         new = httpx.get(url + "/admin/tenants", headers={"Authorization": "Bearer sb-admin-new"})
         assert (old.status_code, new.status_code, len(announced)) == (401, 200, 1)
+
+
+@pytest.mark.parametrize("change", ["key revoked", "tenant made anew", "model disallowed"])
+def test_a_call_whose_key_or_tenant_changed_while_its_body_arrived_gets_what_it_gets_now(
+        server, change):
+    """The key is checked again once a call's body is in: a client sending it slowly (or holding
+    connections open) once outlived a revocation, and a deleted tenant's call paid into the rate
+    bucket of the tenant made anew under its name."""
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name)
+    request = httpx.Request("POST", server.url + "/v1/completions",
+                            headers={"Authorization": f"Bearer {key}"},
+                            json={"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1})
+    body, half_sent, changed = request.read(), threading.Event(), threading.Event()
+
+    def slowly():
+        yield body[:5]
+        half_sent.set()
+        changed.wait(30)
+        yield body[5:]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(httpx.post, request.url, content=slowly(), headers=request.headers,
+                           timeout=60)
+        assert half_sent.wait(30)
+        try:
+            if change == "key revoked":
+                [listed] = server.admin("GET", f"/admin/tenants/{name}").json()["keys"]
+                assert server.admin("DELETE", f"/admin/keys/{listed['id']}").status_code == 200
+            elif change == "tenant made anew":
+                assert server.admin("DELETE", f"/admin/tenants/{name}").status_code == 200
+                assert server.admin("POST", "/admin/tenants",
+                                    json={"name": name, "rpm": 1}).status_code == 201
+            else:
+                assert server.admin("PATCH", f"/admin/tenants/{name}",
+                                    json={"allowed_models": []}).status_code == 200
+        finally:
+            changed.set()
+        reply = sent.result()
+    assert reply.status_code == (403 if change == "model disallowed" else 401), reply.text
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert usage["requests"] == 0
+    if change == "tenant made anew":  # its one request a minute is still there
+        new_key = server.admin("POST", f"/admin/tenants/{name}/keys").json()["key"]
+        assert complete(server, new_key).status_code == 200
