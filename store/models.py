@@ -111,6 +111,16 @@ def with_settings(tenant: Tenant, changes: dict[str, object]) -> Tenant:
     return updated
 
 
+def encode_keeping_newer_fields(record: msgspec.Struct, stored: bytes) -> bytes:
+    """`record`, the update of the record `stored` (JSON), encoded with the fields of `stored`
+    that this version does not know: a newer version's, during a rolling upgrade of gateways
+    sharing one store, which an update from an older one would otherwise drop (a newer limit
+    lifted without a word)."""
+    known = {f.encode_name for f in msgspec.structs.fields(record)}
+    newer = {k: v for k, v in msgspec.json.decode(stored).items() if k not in known}
+    return msgspec.json.encode({**msgspec.to_builtins(record), **newer})
+
+
 class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A tenant's API key as stored: only its sha256 is kept; `prefix` is shown in listings."""
 

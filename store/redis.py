@@ -29,7 +29,7 @@ from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, check_adapter_storage, month_of,
                           months_in_flight, new_reservation, now_or, rate_costs, stored_files)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
-                          with_settings)
+                          encode_keeping_newer_fields, with_settings)
 from store.redis_blobs import RedisBlobs
 
 
@@ -230,7 +230,7 @@ class RedisStore:
                 raise NotFound(f"tenant {name!r} does not exist")
             updated = with_settings(msgspec.json.decode(raw, type=Tenant), changes)
             pipe.multi()
-            pipe.set(key, _enc(updated))
+            pipe.set(key, encode_keeping_newer_fields(updated, raw))
             return updated
 
         return await self._redis.transaction(update, key, value_from_callable=True)

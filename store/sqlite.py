@@ -34,7 +34,7 @@ from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (budget_allows, check_adapter_storage, month_of, new_reservation, now_or,
                           rate_costs, stored_files, take)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
-                          with_settings)
+                          encode_keeping_newer_fields, with_settings)
 
 T = TypeVar("T")
 
@@ -263,11 +263,12 @@ class SqliteStore:
 
     async def update_tenant(self, name: str, changes: dict[str, object]) -> Tenant:
         def update(conn: sqlite3.Connection) -> Tenant:
-            tenant = _get_tenant(conn, name)
-            if tenant is None:
+            row = conn.execute("SELECT record FROM tenants WHERE name = ?", (name,)).fetchone()
+            if row is None:
                 raise NotFound(f"tenant {name!r} does not exist")
-            updated = with_settings(tenant, changes)
-            conn.execute("UPDATE tenants SET record = ? WHERE name = ?", (_enc(updated), name))
+            updated = with_settings(msgspec.json.decode(row[0], type=Tenant), changes)
+            conn.execute("UPDATE tenants SET record = ? WHERE name = ?",
+                         (encode_keeping_newer_fields(updated, row[0]), name))
             return updated
 
         try:

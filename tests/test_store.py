@@ -140,6 +140,32 @@ async def test_tenant_updates_change_only_the_fields_named(store: Store) -> None
         await store.update_tenant("nobody", {"rpm": 1})
 
 
+class _NewerTenant(Tenant, frozen=True, kw_only=True):
+    """A tenant as a newer version of the store keeps it: a setting this version does not know."""
+
+    max_concurrent_requests: int | None = None
+
+
+def _stored_record(store: Store, store_url: str, name: str) -> dict:
+    """The tenant's record as the store holds it, every field."""
+    if store_url.startswith("redis"):
+        with redis.Redis.from_url(store_url) as client:
+            return msgspec.json.decode(client.get(f"sb:tenant:{name}"))
+    with sqlite3.connect(store.path) as conn:
+        [(record,)] = conn.execute("SELECT record FROM tenants WHERE name = ?", (name,))
+    return msgspec.json.decode(record)
+
+
+async def test_an_update_keeps_the_settings_a_newer_version_stored(store: Store, store_url: str):
+    """Gateways of two versions share the store during a rolling upgrade: a PATCH through the
+    older one once dropped the settings it did not know (a storage limit lifted without a word)."""
+    await store.create_tenant(_NewerTenant(name="acme", created_at=T0, max_concurrent_requests=4))
+    updated = await store.update_tenant("acme", {"rpm": 2})
+    assert updated == Tenant(name="acme", created_at=T0, rpm=2)
+    assert _stored_record(store, store_url, "acme")["max_concurrent_requests"] == 4
+    assert await store.get_tenant("acme") == updated
+
+
 async def test_concurrent_updates_never_leave_a_default_route_the_allowed_models_exclude(
         store_url: str, tmp_path: Path) -> None:
     # Two gateways change the two fields at once; each update alone is fine against what the
