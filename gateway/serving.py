@@ -452,7 +452,10 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             serving = [t for t, reading in zip(target.tiers, readings) if reading is not None]
             text = prompt_text if prompt_text is not None else _router_text(ask.prompts[0],
                                                                              serving[0].engine)
-            decision = state.learned.decide(target.route, tenant, text)
+            # NOTE: off the event loop: scoring reads every n-gram of the prompt, about 1 s for
+            # a long context's, which would stall every other call.
+            score = await asyncio.to_thread(target.route.router.score, text)
+            decision = state.learned.decide(target.route, tenant, score)
             by_step = {target.step(i): tier for i, tier in enumerate(target.tiers)}
             picked, other = by_step.get(decision.tier), by_step.get(1 - decision.tier)
             # The other tier answers if the picked one cannot serve the call (left out, it is

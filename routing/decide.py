@@ -32,8 +32,8 @@ class LearnedRouting:
     def __init__(self) -> None:
         self._recent: dict[tuple[str, str], deque[float]] = {}
 
-    def decide(self, route: LearnedRoute, tenant: Tenant, prompt: str) -> LearnedDecision:
-        score = route.router.score(prompt)
+    def decide(self, route: LearnedRoute, tenant: Tenant, score: float) -> LearnedDecision:
+        """Pick the tier for a prompt of `tenant` the route's router scored `score`."""
         threshold = route.router.settings.threshold
         share = tenant.strong_share if tenant.strong_share is not None else route.target_strong_share
         if route.recalibrate_window > 0:

@@ -39,6 +39,7 @@ from store.models import validate_name
 
 AUTO = "auto"  # the model name that means "the tenant's default route"
 DEFAULT_RECALIBRATE_WINDOW = 500
+MAX_RECALIBRATE_WINDOW = 10_000  # ranked on each call: about 1 ms at this size
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,9 @@ class LearnedRoute:
         share = self.target_strong_share
         if share is not None and not 0.0 <= share <= 1.0:
             raise ValueError(f"{where}: target_strong_share must be in [0, 1], got {share}")
-        if self.recalibrate_window < 0:
-            raise ValueError(f"{where}: recalibrate_window must be >= 0")
+        if not 0 <= self.recalibrate_window <= MAX_RECALIBRATE_WINDOW:
+            raise ValueError(f"{where}: recalibrate_window must be in [0, {MAX_RECALIBRATE_WINDOW}] "
+                             "(each call ranks the tenant's scores in the window)")
         if self.recalibrate_window == 0 and share is not None:
             raise ValueError(f"{where}: target_strong_share is reached by recalibrating on each "
                              "tenant's recent prompts; set recalibrate_window above 0 (or leave it "

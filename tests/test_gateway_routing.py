@@ -760,6 +760,26 @@ def test_a_learned_route_runs_only_the_model_it_picks(routed, engines):
     assert chat.json()["model"] == "large"  # the user's words are routed, not the template
 
 
+def test_a_learned_route_scores_prompts_off_the_event_loop(routed, monkeypatch):
+    """Scoring reads every n-gram of the prompt: about a second for a long context's, during which
+    every other call of the gateway once waited."""
+    _, key = new_tenant(routed)
+    router = routed.app.state.gateway.routes["learned"].router
+    score, on_the_loop = router.score, []
+
+    def recorded(text: str) -> float:
+        try:
+            asyncio.get_running_loop()
+            on_the_loop.append(True)
+        except RuntimeError:  # no event loop runs in this thread
+            on_the_loop.append(False)
+        return score(text)
+
+    monkeypatch.setattr(router, "score", recorded)
+    assert complete(routed, key, "hard 1000", model="learned").json()["model"] == "large"
+    assert on_the_loop == [False]
+
+
 def test_a_learned_route_runs_its_pick_on_that_model_s_own_tokens(routed):
     _, key = new_tenant(routed)
     easy = complete(routed, key, "easy 1000", model="learned-mixed")

@@ -85,6 +85,9 @@ def test_a_learned_route_recalibrates_by_default_and_refuses_a_share_it_could_ne
         parse_routes({"r": {**table, "recalibrate_window": 0}}, SERVED)
     assert parse_routes({"r": {**table, "target_strong_share": None, "recalibrate_window": 0}},
                         SERVED)["r"].recalibrate_window == 0
+    # Each call ranks the tenant's window of scores: a window of millions took a second a call.
+    with pytest.raises(ValueError, match=r"recalibrate_window must be in \[0, 10000\]"):
+        parse_routes({"r": {**table, "recalibrate_window": 10_001}}, SERVED)
 
 
 @pytest.mark.parametrize("name", ["a:b", "my route", "", "-x", "r" * 65])
