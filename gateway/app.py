@@ -38,7 +38,7 @@ from routing.routes import AUTO, Route as ModelRoute
 from store import open_store
 from store.blobs import SWEEP_PERIOD_S, BlobStore, drop_deleted_adapters, ensure_intact_copy
 from store.keys import hash_key
-from store.workers import WorkerRegistry, keep_running
+from store.workers import Periodic, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 # How long a shutdown waits for the requests it cancelled to settle their calls before it closes
@@ -152,9 +152,8 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
             # Files of adapters deleted through other gateways (or while this one was down).
             await drop_deleted_adapters(blobs, gateway.store)
             if gateway.store.shared_blobs is not None:  # others delete adapters while it runs
-                sweeping = asyncio.create_task(keep_running(
-                    functools.partial(drop_deleted_adapters, blobs, gateway.store), blob_sweep_s,
-                    "dropping the files of deleted adapters"))
+                sweeping = Periodic(functools.partial(drop_deleted_adapters, blobs, gateway.store),
+                                    blob_sweep_s, "dropping the files of deleted adapters")
             await shadows.check(gateway.store, gateway.catalog, taken_names(gateway.catalog))
             await warn_of_undeclared_default_routes(gateway.store, gateway.catalog)
             if workers_url is not None:
@@ -175,7 +174,7 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
                 await asyncio.wait(set(requests), timeout=_ENDING_TIMEOUT_S)
             await wait_for_settles(_ENDING_TIMEOUT_S)
             if sweeping is not None:
-                sweeping.cancel()
+                await sweeping.stop()
             if pool is not None:
                 await pool.close()
             await gateway.store.close()

@@ -53,7 +53,7 @@ from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH
                                 GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S
-from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, files_digest, keep_running
+from store.workers import ModelSeen, Periodic, WorkerRecord, WorkerRegistry, files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -118,17 +118,17 @@ class WorkerPool:
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=_CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
-        self._polling: asyncio.Task | None = None
+        self._polling: Periodic | None = None
 
     async def start(self) -> None:
         """Read the registry once (raising if Redis cannot be reached), then keep polling."""
         await self.refresh()
-        self._polling = asyncio.create_task(keep_running(
-            self.refresh, self._poll_s, "reading the worker registry (workers known so far kept)"))
+        self._polling = Periodic(self.refresh, self._poll_s,
+                                 "reading the worker registry (workers known so far kept)")
 
     async def close(self) -> None:
         if self._polling is not None:
-            self._polling.cancel()
+            await self._polling.stop()
         for transfer in self._transfers.values():
             transfer.cancel()
         await self.http.aclose()

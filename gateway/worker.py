@@ -44,7 +44,7 @@ from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, UNUSED_BLOB_S, BlobStore
                          drop_deleted_adapters, drop_unused_adapters)
 from store.errors import InvalidName
 from store.models import validate_digest
-from store.workers import WorkerRecord, WorkerRegistry, keep_running
+from store.workers import Periodic, WorkerRecord, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Worker:
     id: str = field(default_factory=lambda: secrets.token_hex(6))
     internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
     is_closing: bool = False  # it has left the pool: it takes no more requests
-    _beating: asyncio.Task | None = field(default=None, init=False, repr=False)
+    _beating: Periodic | None = field(default=None, init=False, repr=False)
 
     def record(self, tokenizer: str | None) -> WorkerRecord:
         stats = self.engine.stats()
@@ -137,8 +137,7 @@ class Worker:
         """Register (raising if Redis cannot be reached), then heartbeat until it leaves the pool,
         riding out Redis outages."""
         await self.beat()
-        self._beating = asyncio.create_task(
-            keep_running(self.beat, self.heartbeat_s, "heartbeating to Redis"))
+        self._beating = Periodic(self.beat, self.heartbeat_s, "heartbeating to Redis")
 
     async def begin_shutdown(self) -> None:
         """What the server awaits as its graceful shutdown begins, before it stops taking
@@ -154,9 +153,7 @@ class Worker:
         self.is_closing = True
         if self._beating is not None:
             # NOTE: stopped first: a heartbeat landing after the removal would put the record back.
-            self._beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beating
+            await self._beating.stop()
         with contextlib.suppress(Exception):  # Redis may be gone: the record lapses anyway
             await self.registry.remove(self.id)
         logger.info("worker %s left the pool", self.id)
@@ -354,16 +351,15 @@ def create_worker_app(worker: Worker) -> Starlette:
         await worker.drop_unneeded_blobs()
         await worker.join_the_pool()
         logger.info("worker %s serves %s at %s", worker.id, worker.model, worker.url)
-        sweeping = asyncio.create_task(keep_running(worker.drop_unneeded_blobs,
-                                                    worker.blob_sweep_s,
-                                                    "dropping the adapter files no request will need"))
+        sweeping = Periodic(worker.drop_unneeded_blobs, worker.blob_sweep_s,
+                            "dropping the adapter files no request will need")
         try:
             yield
         finally:
             if requests:  # cancelled at the deadline: they abort their engine requests, and answer
                 await asyncio.wait(set(requests), timeout=_ENDING_TIMEOUT_S)
             await worker.leave_the_pool()
-            sweeping.cancel()
+            await sweeping.stop()
             await worker.registry.close()
 
     routes = [Route(GENERATE_PATH, generate, methods=["POST"]),

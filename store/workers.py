@@ -22,6 +22,7 @@ Three more things live here because every gateway and worker reaches the same Re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -180,19 +181,39 @@ def files_digest(files: Mapping[str, bytes]) -> str:
     return h.hexdigest()
 
 
-async def keep_running(work: Callable[[], Awaitable[None]], period_s: float, what: str) -> None:
-    """Await `work()` every `period_s` until cancelled. A streak of failures (Redis down) is
-    logged once as it starts and once as it ends; the next period tries again."""
-    is_failing = False
-    while True:
-        await asyncio.sleep(period_s)
-        try:
-            await work()
-        except Exception as error:  # redis-py raises several types; all mean "try again"
-            if not is_failing:
-                logger.warning("%s failed (%s); retrying every %.1f s", what, error, period_s)
-            is_failing = True
-            continue
-        if is_failing:
-            logger.info("%s works again", what)
+class Periodic:
+    """Awaits `work()` every `period_s` in a task of its own, from its creation until `stop`. A
+    streak of failures (Redis down) is logged once as it starts and once as it ends; the next
+    period tries again.
+
+    NOTE: stopped by a flag, not by cancelling alone: on Python 3.11 a cancellation that lands
+    while redis-py waits on its socket (asyncio.wait_for) can be lost, and a worker that had
+    left the pool went on heartbeating its record back."""
+
+    def __init__(self, work: Callable[[], Awaitable[None]], period_s: float, what: str):
+        self._is_stopping = False
+        self._task = asyncio.create_task(self._run(work, period_s, what))
+
+    async def stop(self) -> None:
+        """Stop, and wait until the work in progress, if any, has ended."""
+        self._is_stopping = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _run(self, work: Callable[[], Awaitable[None]], period_s: float, what: str) -> None:
         is_failing = False
+        while not self._is_stopping:
+            await asyncio.sleep(period_s)
+            if self._is_stopping:
+                return
+            try:
+                await work()
+            except Exception as error:  # redis-py raises several types; all mean "try again"
+                if not is_failing:
+                    logger.warning("%s failed (%s); retrying every %.1f s", what, error, period_s)
+                is_failing = True
+                continue
+            if is_failing:
+                logger.info("%s works again", what)
+            is_failing = False

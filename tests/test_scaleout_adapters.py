@@ -133,11 +133,13 @@ def test_an_adapter_uploaded_through_one_gateway_answers_through_the_other(
 def redis_commands(url: str) -> Iterator[list[str]]:
     """The commands Redis runs while the block runs, as MONITOR reports them."""
     seen: list[str] = []
-    stop = threading.Event()
+    # Sent once the block ends: MONITOR reports commands in the order Redis ran them, so every
+    # command of the block comes before it, however far behind the reader is.
+    end = f"end-of-block-{next(_seeds)}"
 
     def record(monitor) -> None:
         for command in monitor.listen():
-            if stop.is_set():
+            if end in command["command"]:
                 return
             seen.append(command["command"])
 
@@ -147,9 +149,9 @@ def redis_commands(url: str) -> Iterator[list[str]]:
         try:
             yield seen
         finally:
-            stop.set()
-            client.ping()  # a command for the monitor to see, so it stops
-            thread.join(timeout=10)
+            client.echo(end)
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "MONITOR did not report the end of the block"
 
 
 def test_concurrent_requests_fetch_a_missing_blob_once(gateways, tenant_key, adapter,

@@ -4,8 +4,10 @@ internal key is one for everybody, tokenizer files round-trip by digest."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import random
 
-from store.workers import WorkerRecord, WorkerRegistry, files_digest
+from store.workers import Periodic, WorkerRecord, WorkerRegistry, files_digest
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 
@@ -55,3 +57,47 @@ def test_one_internal_key_and_tokenizers_by_digest(redis_url):  # noqa: F811
             await second.close()
 
     asyncio.run(scenario())
+
+
+def test_periodic_work_stops_though_a_cancellation_of_it_is_lost():
+    """On Python 3.11 a cancellation landing while redis-py waits on its socket can be lost
+    (asyncio.wait_for): the heartbeat loop went on, and a worker that had left the pool put its
+    record back. Here the work loses every cancellation itself."""
+    async def scenario() -> tuple[int, int]:
+        runs, started = 0, asyncio.Event()
+
+        async def work() -> None:
+            nonlocal runs
+            runs += 1
+            started.set()
+            try:
+                await asyncio.sleep(0.2)
+            except asyncio.CancelledError:
+                asyncio.current_task().uncancel()  # lost
+
+        periodic = Periodic(work, 0.01, "working")
+        await started.wait()
+        await asyncio.wait_for(periodic.stop(), 5)
+        runs_at_stop = runs
+        await asyncio.sleep(0.1)
+        return runs_at_stop, runs
+
+    assert asyncio.run(scenario()) == (1, 1)
+
+
+def test_a_heartbeat_loop_stopped_at_any_moment_writes_no_record_after(redis_url):  # noqa: F811
+    async def scenario() -> list[str]:
+        registry = WorkerRegistry.open(redis_url)
+        try:
+            for i in range(30):
+                beating = Periodic(functools.partial(registry.heartbeat, record(f"w{i}"), 30), 0,
+                                   "heartbeating")
+                await asyncio.sleep(random.Random(i).uniform(0, 0.005))
+                await asyncio.wait_for(beating.stop(), 5)
+                await registry.remove(f"w{i}")
+            await asyncio.sleep(0.05)
+            return [r.id for r in await registry.workers()]
+        finally:
+            await registry.close()
+
+    assert asyncio.run(scenario()) == []
