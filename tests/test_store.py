@@ -694,13 +694,13 @@ async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
         started = time.monotonic()
         with pytest.raises(UNAVAILABLE_ERRORS):
             await store.get_tenant("acme")
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 4  # one 2 s timeout, not retried (which takes 4 s)
         server.process.send_signal(signal.SIGCONT)
         server.stop()
         started = time.monotonic()
         with pytest.raises(UNAVAILABLE_ERRORS):
             await store.check_and_consume_rate(acme, now=T0)
-        assert time.monotonic() - started < 1
+        assert time.monotonic() - started < 2  # refused at once: no 2 s timeout waited
         server.start()  # every pooled connection is now dead, and the server has no scripts
         assert await asyncio.gather(*(store.get_tenant("acme") for _ in range(4))) == [acme] * 4
         assert (await store.check_and_consume_rate(acme, now=T0)).allowed  # the bucket was kept
@@ -889,7 +889,8 @@ async def test_sqlite_wal_is_checkpointed_under_steady_writes(tmp_path: Path) ->
 
 
 async def test_sqlite_auth_cache_follows_revocations(tmp_path: Path) -> None:
-    store = await SqliteStore.open(tmp_path / "store.db", auth_cache_ttl_s=1.0)
+    # NOTE: a TTL the steps below (one write elsewhere) take far less of, on a loaded machine too.
+    store = await SqliteStore.open(tmp_path / "store.db", auth_cache_ttl_s=3.0)
     other = await SqliteStore.open(tmp_path / "store.db")  # another gateway process
     try:
         acme = await make_tenant(store)
@@ -901,7 +902,7 @@ async def test_sqlite_auth_cache_follows_revocations(tmp_path: Path) -> None:
         assert await store.authenticate(second_key) == acme
         await other.revoke_key(second.id)
         assert await store.authenticate(second_key) == acme  # revoked elsewhere: within the TTL
-        await asyncio.sleep(1.05)
+        await asyncio.sleep(3.05)
         assert await store.authenticate(second_key) is None
         _, third_key = await store.create_key("acme", now=T0)
         assert await store.authenticate(third_key) == acme
