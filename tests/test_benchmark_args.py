@@ -2,6 +2,7 @@
 2 naming the option, before any model is loaded."""
 
 import argparse
+import importlib
 import subprocess
 import sys
 
@@ -40,36 +41,29 @@ def test_a_negative_warmup_is_refused(script):
     assert "argument --warmup: must be a finite number, 0 or more, got -1" in done.stderr
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--alphas", "1", "0"], "argument --alphas: must be a finite number above 0, got 0"),
-    (["--registered", "1"], "argument --scale-active: at most 1 of --registered 1 adapters can be "
-                            "active (the cold-load probes and the PEFT check use others), got 128"),
+@pytest.mark.parametrize("script, args, words", [
+    ("bench_lora", ["--alphas", "1", "0"], "argument --alphas: must be a finite number above 0, got 0"),
+    ("bench_lora", ["--registered", "1"], "argument --scale-active: at most 1 of --registered 1 "
+     "adapters can be active (the cold-load probes and the PEFT check use others), got 128"),
+    ("train_arithmetic", ["--sizes", "small,bogus"], "argument --sizes: unknown sizes 'bogus'; the "
+     "sizes are small, medium, large"),
+    ("train_arithmetic", ["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    ("train_arithmetic", ["--probe-size", "0"], "argument --probe-size: must be at least 1, got 0"),
+    ("train_arithmetic", ["--report-only", "--out", "/nonexistent"], "argument --report-only: no "
+     "trained small, medium, large in /nonexistent; train them first"),
 ])
-def test_the_lora_benchmark_refuses_arguments_that_would_fail_midway(args, words, capsys):
-    from benchmarks import bench_lora
-
+def test_scripts_refuse_arguments_that_would_fail_midway(script, args, words, capsys):
+    parse_args = importlib.import_module(f"benchmarks.{script}").parse_args
     with pytest.raises(SystemExit) as exited:
-        bench_lora.parse_args(args)
+        parse_args(args)
     assert exited.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_scripts_take_arguments_they_can_run():
+    from benchmarks import bench_lora, train_arithmetic
+
     assert bench_lora.parse_args(["--registered", "200"]).scale_active == 128
-
-
-@pytest.mark.parametrize("args, words", [
-    (["--sizes", "small,bogus"], "argument --sizes: unknown sizes 'bogus'; the sizes are small, "
-                                 "medium, large"),
-    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
-    (["--probe-size", "0"], "argument --probe-size: must be at least 1, got 0"),
-    (["--report-only", "--out", "/nonexistent"], "argument --report-only: no trained small, medium, "
-                                                 "large in /nonexistent; train them first"),
-])
-def test_the_arithmetic_trainer_refuses_arguments_that_would_fail_midway(args, words, capsys):
-    from benchmarks import train_arithmetic
-
-    with pytest.raises(SystemExit) as exited:
-        train_arithmetic.parse_args(args)
-    assert exited.value.code == 2
-    assert words in capsys.readouterr().err
     assert train_arithmetic.parse_args(["--report-only", "--sizes", "small"]).sizes == ["small"]
 
 
