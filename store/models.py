@@ -111,14 +111,15 @@ def with_settings(tenant: Tenant, changes: dict[str, object]) -> Tenant:
     return updated
 
 
-def encode_keeping_newer_fields(record: msgspec.Struct, stored: bytes) -> bytes:
-    """`record`, the update of the record `stored` (JSON), encoded with the fields of `stored`
-    that this version does not know: a newer version's, during a rolling upgrade of gateways
-    sharing one store, which an update from an older one would otherwise drop (a newer limit
-    lifted without a word)."""
-    known = {f.encode_name for f in msgspec.structs.fields(record)}
+def updated_tenant(stored: bytes, changes: dict[str, object]) -> tuple[Tenant, bytes]:
+    """The tenant whose record is `stored` (JSON) with `changes` applied (see with_settings), and
+    its record to store. The record keeps the fields of `stored` this version does not know: a
+    newer version's, during a rolling upgrade of gateways sharing one store, which an update from
+    an older one would otherwise drop (a newer limit lifted without a word)."""
+    updated = with_settings(msgspec.json.decode(stored, type=Tenant), changes)
+    known = {f.encode_name for f in msgspec.structs.fields(Tenant)}
     newer = {k: v for k, v in msgspec.json.decode(stored).items() if k not in known}
-    return msgspec.json.encode({**msgspec.to_builtins(record), **newer})
+    return updated, msgspec.json.encode({**msgspec.to_builtins(updated), **newer})
 
 
 class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -29,7 +29,7 @@ from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, check_adapter_storage, month_of,
                           months_in_flight, new_reservation, now_or, rate_costs, stored_files)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
-                          encode_keeping_newer_fields, with_settings)
+                          updated_tenant)
 from store.redis_blobs import RedisBlobs
 
 
@@ -228,9 +228,9 @@ class RedisStore:
             raw = await pipe.get(key)
             if raw is None:
                 raise NotFound(f"tenant {name!r} does not exist")
-            updated = with_settings(msgspec.json.decode(raw, type=Tenant), changes)
+            updated, record = updated_tenant(raw, changes)
             pipe.multi()
-            pipe.set(key, encode_keeping_newer_fields(updated, raw))
+            pipe.set(key, record)
             return updated
 
         return await self._redis.transaction(update, key, value_from_callable=True)

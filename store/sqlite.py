@@ -34,7 +34,7 @@ from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (budget_allows, check_adapter_storage, month_of, new_reservation, now_or,
                           rate_costs, stored_files, take)
 from store.models import (AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage,
-                          encode_keeping_newer_fields, with_settings)
+                          updated_tenant)
 
 T = TypeVar("T")
 
@@ -263,12 +263,11 @@ class SqliteStore:
 
     async def update_tenant(self, name: str, changes: dict[str, object]) -> Tenant:
         def update(conn: sqlite3.Connection) -> Tenant:
-            row = conn.execute("SELECT record FROM tenants WHERE name = ?", (name,)).fetchone()
-            if row is None:
+            stored = _tenant_record(conn, name)
+            if stored is None:
                 raise NotFound(f"tenant {name!r} does not exist")
-            updated = with_settings(msgspec.json.decode(row[0], type=Tenant), changes)
-            conn.execute("UPDATE tenants SET record = ? WHERE name = ?",
-                         (encode_keeping_newer_fields(updated, row[0]), name))
+            updated, record = updated_tenant(stored, changes)
+            conn.execute("UPDATE tenants SET record = ? WHERE name = ?", (record, name))
             return updated
 
         try:
@@ -593,8 +592,14 @@ def _transaction(conn: sqlite3.Connection | None, begin: str,
 
 
 def _get_tenant(conn: sqlite3.Connection, name: str) -> Tenant | None:
+    record = _tenant_record(conn, name)
+    return None if record is None else msgspec.json.decode(record, type=Tenant)
+
+
+def _tenant_record(conn: sqlite3.Connection, name: str) -> bytes | None:
+    """The tenant's record as stored (JSON), or None if there is no such tenant."""
     row = conn.execute("SELECT record FROM tenants WHERE name = ?", (name,)).fetchone()
-    return None if row is None else msgspec.json.decode(row[0], type=Tenant)
+    return None if row is None else row[0]
 
 
 def _require_tenant(conn: sqlite3.Connection, name: str) -> None:
