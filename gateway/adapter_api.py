@@ -21,11 +21,12 @@ from starlette.responses import Response
 
 from gateway.admission import charge_request, refund_request
 from gateway.auth import authenticate_tenant, require_admin
-from gateway.engine_client import AdapterRejected, EngineFailure
-from gateway.errors import ApiError, invalid_request, not_found, quoted, tenant_not_found
+from gateway.engine_client import AdapterRejected, EngineFailure, WorkersOutOfSpace
+from gateway.errors import (ApiError, invalid_request, not_found, quoted, refused_when_out_of_space,
+                           tenant_not_found, unavailable_until_mended)
 from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
-from gateway.uploads import STAGING_FOLDER, AdapterUpload, read_adapter_upload, refused_when_out_of_space
+from gateway.uploads import ADAPTER_FOLDER, RECEIVE, AdapterUpload, read_adapter_upload
 from routing.models import allowed_base_models
 from routing.routes import AUTO
 from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
@@ -161,6 +162,8 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     except AdapterRejected as error:
         raise invalid_request(f"the adapter is not valid for {uploaded.base_model!r}: {error}",
                               code="invalid_adapter") from None
+    except WorkersOutOfSpace as error:
+        raise unavailable_until_mended(f"cannot check the adapter: {error}", code="disk_full") from None
     except EngineFailure as error:  # e.g. no engine worker of the model is up to check it
         raise ApiError(503, f"cannot check the adapter now: {error}", type="server_error",
                        code="engine_unavailable") from None
@@ -246,7 +249,7 @@ async def _place_files(state: GatewayState, folder: Path) -> tuple[str, int]:
     A 503 `disk_full` where its volume has no room left for them."""
     # NOTE: staged under the blob root, so the files are linked into place, not copied; the
     # folder they are linked in still takes an inode, and a directory entry.
-    with refused_when_out_of_space(STAGING_FOLDER, state.blobs.root):
+    with refused_when_out_of_space(RECEIVE, ADAPTER_FOLDER, state.blobs.root):
         return await asyncio.to_thread(state.blobs.put, folder, link=True)
 
 

@@ -229,6 +229,11 @@ class EngineStopped(EngineFailure):
     first): sent again, the request runs on a worker that is up."""
 
 
+class WorkersOutOfSpace(EngineFailure):
+    """The engine workers that could take the request have no disk space left to keep its
+    adapter's files: sent again, it would fail the same way until their operator frees space."""
+
+
 class DamagedAdapterCopy(EngineFailure):
     """This gateway's copy of the request's adapter files is damaged, and no intact copy could
     replace it: sent again, the request would fail the same way."""

@@ -22,7 +22,8 @@ import msgspec
 
 from gateway.engine_client import (AdapterRef, ContextExceeded, DamagedAdapterCopy,
                                    EngineClient, EngineFailure, EngineStopped, EngineUnavailable,
-                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob)
+                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob,
+                                   WorkersOutOfSpace)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
 
@@ -185,7 +186,7 @@ class Ask:
 
 
 # Failures a second try would meet again, or that say where to send it instead.
-_NOT_RETRIED = (EngineUnavailable, EngineStopped, DamagedAdapterCopy)
+_NOT_RETRIED = (EngineUnavailable, EngineStopped, DamagedAdapterCopy, WorkersOutOfSpace)
 
 
 async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:

@@ -45,8 +45,9 @@ import httpx
 import msgspec
 
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, DamagedAdapterCopy,
-                                   EngineClient, EngineFailure, EngineStats, EngineStopped, EngineUnavailable,
-                                   GenerationChunk, RequestRejected, SamplingOptions)
+                                   EngineClient, EngineFailure, EngineStats, EngineStopped,
+                                   EngineUnavailable, GenerationChunk, RequestRejected,
+                                   SamplingOptions, WorkersOutOfSpace)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
@@ -279,6 +280,8 @@ class WorkerPool:
                 f"this gateway's copy of the files of adapter {adapter.digest} is damaged (worker "
                 f"{worker.id} found they do not hash to it), and the store holds no good copy to "
                 "replace it; upload the adapter again")
+        if response.status_code == 507:
+            raise _Retry(_worker_message(response), out_of_space=True)
         if response.status_code != 204:
             raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
 
@@ -342,7 +345,7 @@ class RemoteEngineClient(TextCodec):
         """The adapter checked by a worker of the model that takes the highest ranks, so that it
         is accepted if any worker can serve it; one that cannot be reached is passed over for
         the next, as for a request."""
-        pool, tried = self._pool, set()
+        pool, tried, out_of_space = self._pool, set(), []
         parts = await _adapter_parts(folder)
         for _ in range(_MAX_PLACEMENTS):
             candidates = await self._candidates(tried, adapter_rank=0)
@@ -362,12 +365,19 @@ class RemoteEngineClient(TextCodec):
                 continue
             if response.status_code == 503:  # it is shutting down: another worker checks it
                 continue
+            if response.status_code == 507:  # it has no room for the files: another may have
+                logger.warning("adapter check not done on worker %s (%s); trying another",
+                               worker.id, _worker_message(response))
+                out_of_space.append(worker.id)
+                continue
             if response.status_code == 422:
                 raise AdapterRejected(msgspec.json.decode(response.content, type=WorkerError).message)
             if response.status_code != 200:
                 raise EngineFailure(f"worker {worker.id} could not check the adapter: "
                                     f"HTTP {response.status_code}")
             return msgspec.json.decode(response.content, type=AdapterInfo)
+        if out_of_space and len(out_of_space) == len(tried):
+            raise _out_of_space(self.model, out_of_space)
         raise EngineUnavailable(self._no_worker())
 
     async def _candidates(self, tried: set[str], *,
@@ -423,7 +433,7 @@ class RemoteEngineClient(TextCodec):
         request, and that worker's id. The request counts against each worker's load from when
         it is placed there until that worker is passed over, or the block ends (which closes the
         stream, so that the worker aborts the request if it still runs)."""
-        pool, tried = self._pool, set()
+        pool, tried, out_of_space = self._pool, set(), []
         digest = None if adapter is None else adapter.digest
         rank = None if adapter is None else adapter.rank
         for _ in range(_MAX_PLACEMENTS):
@@ -443,6 +453,8 @@ class RemoteEngineClient(TextCodec):
                     # NOTE: the generator raised (or was closed), so its connection is closed.
                     if not isinstance(error, _Retry) or error.down:
                         pool.mark_down(worker.id)
+                    if isinstance(error, _Retry) and error.out_of_space:
+                        out_of_space.append(worker.id)
                     logger.warning("request %s not started on worker %s (%s); placing it again",
                                    request_id, worker.id, _describe(error))
                     continue
@@ -453,6 +465,8 @@ class RemoteEngineClient(TextCodec):
                 finally:
                     await lines.aclose()
                 return
+        if out_of_space and len(out_of_space) == len(tried):
+            raise _out_of_space(self.model, out_of_space)
         raise EngineUnavailable(self._no_worker(rank))
 
     async def ensure_available(self) -> None:
@@ -483,11 +497,28 @@ class RemoteEngineClient(TextCodec):
 
 class _Retry(Exception):
     """The worker refused the request in a way another worker may not; `down`: it is not a
-    working worker at all (pass over it until it heartbeats again)."""
+    working worker at all (pass over it until it heartbeats again); `out_of_space`: it has no
+    disk space left for the request's adapter files."""
 
-    def __init__(self, message: str, *, down: bool = False):
+    def __init__(self, message: str, *, down: bool = False, out_of_space: bool = False):
         super().__init__(message)
         self.down = down
+        self.out_of_space = out_of_space
+
+
+def _worker_message(response: httpx.Response) -> str:
+    """The message of a worker's WorkerError answer (read already), or its status."""
+    try:
+        return msgspec.json.decode(response.content, type=WorkerError).message
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return f"HTTP {response.status_code}"
+
+
+def _out_of_space(model: str, worker_ids: list[str]) -> WorkersOutOfSpace:
+    return WorkersOutOfSpace(
+        f"the engine workers of {model!r} that could run this adapter ({', '.join(worker_ids)}) "
+        "have no disk space left to take its files; retrying will not help until their operator "
+        "frees space there")
 
 
 async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,

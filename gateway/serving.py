@@ -27,12 +27,13 @@ from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
-                           invalid_request, model_not_found, quoted, server_shutdown, too_deep_message,
-                           unavailable_until_mended)
+                           invalid_request, model_not_found, quoted, refused_when_out_of_space,
+                           server_shutdown, too_deep_message, unavailable_until_mended)
 from gateway.generation import Ask, Generation, Prompt, Reading, Tier
 from gateway.protocol import PromptTokensDetails, SamplingFields, Usage
 from gateway.sse import DONE, EventStreamResponse, event
 from gateway.state import GatewayState, gateway_state
+from gateway.uploads import ADAPTER_FOLDER
 from routing.models import ModelNotAllowed, ModelNotFound, resolve_model
 from routing.routes import CascadeRoute, LearnedRoute, Route
 from store import AdapterRecord, StoreError, Tenant
@@ -233,7 +234,7 @@ def _adapter_not_served(adapter: AdapterRecord, engine: EngineClient) -> ApiErro
 async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
     """The folder of the adapter's files in this gateway's blob folder, fetched there from the
     store's shared copy if need be (once, however many requests wait for it); 503 when neither
-    holds them, or the shared copy is damaged."""
+    holds them, the shared copy is damaged, or the folder has no room left to copy it into."""
     # NOTE: no store round trip when the files are here, as they are after the first request.
     folder = state.blobs.path(adapter.digest)
     shared = state.require_store().shared_blobs
@@ -241,8 +242,10 @@ async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
         try:
             # The request holding it may have fetched the files meanwhile.
             async with state.blobs.locks.hold(adapter.digest):
-                folder = (state.blobs.path(adapter.digest)
-                          or await fetch_blob(state.blobs, shared, adapter.digest))
+                with refused_when_out_of_space(f"copy the files of adapter {adapter.name!r} from "
+                                               "the store", ADAPTER_FOLDER, state.blobs.root):
+                    folder = (state.blobs.path(adapter.digest)
+                              or await fetch_blob(state.blobs, shared, adapter.digest))
         except StoreError as error:
             raise unavailable_until_mended(
                 f"the files of adapter {adapter.name!r} are damaged in the store and were not "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import bz2
 import contextlib
-import errno
 import gzip
 import io
 import logging
@@ -24,7 +23,7 @@ import shutil
 import tarfile
 import tempfile
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -34,7 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.errors import ApiError, invalid_request, quoted, unavailable_until_mended
+from gateway.errors import ApiError, invalid_request, is_out_of_space, quoted, refused_when_out_of_space
 from store.blobs import ADAPTER_FILES
 
 logger = logging.getLogger(__name__)
@@ -48,12 +47,11 @@ _COPY_CHUNK = 1 << 20
 # What a tar adds around its members' data: a 512-byte header per member (long names and pax
 # headers take more, and are counted as they are read) and the end-of-archive padding.
 _TAR_OVERHEAD = 1024 * (_MAX_ARCHIVE_MEMBERS + 20)
-# A write's errnos when its volume has no room left: full, or the server's disk quota used up.
-_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Where an upload is written on its way in: starlette spools a file part past 1 MiB to the
 # temporary folder; then the files are written to a folder in the adapter folder.
 _SPOOL_FOLDER = "the temporary folder (TMPDIR) where uploads are spooled"
-STAGING_FOLDER = "the adapter folder (--adapter-dir)"
+ADAPTER_FOLDER = "the adapter folder (--adapter-dir)"
+RECEIVE = "receive this upload"
 _USAGE = ("send multipart/form-data with the fields 'name' and 'base_model' and either the files "
           "'adapter_config.json' and 'adapter_model.safetensors' or one 'file' with a .tar.gz of "
           "the adapter folder")
@@ -89,7 +87,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         raise _too_large(max_bytes)
     capped = Request(request.scope, _capped_receive(request, max_bytes))
     try:
-        with refused_when_out_of_space(_SPOOL_FOLDER, tempfile.gettempdir()):
+        with refused_when_out_of_space(RECEIVE, _SPOOL_FOLDER, tempfile.gettempdir()):
             form = await capped.form(max_files=2, max_fields=4, max_part_size=64 * 1024)
     except _BodyTooLarge:
         raise _too_large(max_bytes) from None
@@ -101,7 +99,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
         files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
         _refuse_files_sent_as_text(fields)
-        with refused_when_out_of_space(STAGING_FOLDER, staging):
+        with refused_when_out_of_space(RECEIVE, ADAPTER_FOLDER, staging):
             folder = Path(tempfile.mkdtemp(prefix=".tmp-upload-", dir=staging))
             await asyncio.to_thread(_write_files, files, folder, max_bytes)
         yield AdapterUpload(_field(fields, "name"), _field(fields, "base_model"), folder)
@@ -109,27 +107,6 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         await form.close()
         if folder is not None:
             await asyncio.to_thread(shutil.rmtree, folder, True)
-
-
-@contextlib.contextmanager
-def refused_when_out_of_space(where: str, folder: Path | str) -> Iterator[None]:
-    """A 503 `disk_full` for a write of the upload to `where` (`folder`, which only the log names)
-    that its volume has no room for: a full disk stays full until the operator frees space, so
-    not to be retried (a retry would send the whole upload again, to be refused again)."""
-    try:
-        yield
-    except OSError as error:
-        if not _is_out_of_space(error):
-            raise
-        logger.warning("refused an upload: %s, %s, has no room left: %s", where, folder, error)
-        raise unavailable_until_mended(
-            f"the server has no disk space left to receive this upload: the volume of {where} is "
-            "full; retrying will not help until the operator frees space there",
-            code="disk_full") from None
-
-
-def _is_out_of_space(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in _OUT_OF_SPACE
 
 
 def _capped_receive(request: Request, max_bytes: int):
@@ -237,7 +214,7 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                 with source, open(folder / name, "wb") as out:
                     shutil.copyfileobj(source, out, _COPY_CHUNK)
     except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, OSError) as error:
-        if _is_out_of_space(error):  # the server's disk, not the archive, is at fault
+        if is_out_of_space(error):  # the server's disk, not the archive, is at fault
             raise
         raise invalid_request(f"the 'file' part is not a readable .tar.gz ({error}); create it "
                               "with `tar czf adapter.tar.gz -C <adapter folder> .`",

@@ -32,13 +32,13 @@ from starlette.routing import Route
 from engine.tokenizer import has_tokenizer
 from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
-from gateway.errors import quoted, too_deep_message
+from gateway.errors import is_out_of_space, quoted, too_deep_message
 from gateway.local_engine import LocalEngineClient
 from gateway.middleware import InFlight
 from gateway.remote import DEFAULT_POLL_S
 from gateway.sse import EventStreamResponse, event
-from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
-                                GenerateBody, StreamLine, WorkerError)
+from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, DISK_FULL, GENERATE_PATH,
+                                KEEPALIVE_S, GenerateBody, StreamLine, WorkerError)
 from store import UNAVAILABLE_ERRORS, RedisStore
 from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, UNUSED_BLOB_S, BlobStore, digest_files,
                          drop_deleted_adapters, drop_unused_adapters)
@@ -286,10 +286,13 @@ async def put_adapter(request: Request) -> Response:
         validate_digest(digest)
     except InvalidName as error:
         return _error(400, "rejected", str(error))
-    async with _received_files(request) as folder:
-        if folder is None or await asyncio.to_thread(digest_files, folder) != digest:
-            return _error(400, "rejected", f"the files sent are not those of adapter {digest}")
-        await asyncio.to_thread(worker.blobs.put, folder)
+    try:
+        async with _received_files(request) as folder:
+            if folder is None or await asyncio.to_thread(digest_files, folder) != digest:
+                return _error(400, "rejected", f"the files sent are not those of adapter {digest}")
+            await asyncio.to_thread(worker.blobs.put, folder)
+    except OSError as error:
+        return _out_of_space(worker, error)
     return Response(status_code=204)
 
 
@@ -298,14 +301,29 @@ async def check_adapter(request: Request) -> Response:
     worker = _worker(request)
     if (refused := _unauthorized(request)) is not None:
         return refused
-    async with _received_files(request) as folder:
-        if folder is None:
-            return _error(400, "rejected", f"send the files {', '.join(ADAPTER_FILES)}")
-        try:
-            info = await worker.engine.check_adapter(str(folder))
-        except AdapterRejected as error:
-            return _error(422, "adapter_rejected", str(error))
+    try:
+        async with _received_files(request) as folder:
+            if folder is None:
+                return _error(400, "rejected", f"send the files {', '.join(ADAPTER_FILES)}")
+            try:
+                info = await worker.engine.check_adapter(str(folder))
+            except AdapterRejected as error:
+                return _error(422, "adapter_rejected", str(error))
+    except OSError as error:
+        return _out_of_space(worker, error)
     return Response(msgspec.json.encode(info), media_type="application/json")
+
+
+def _out_of_space(worker: Worker, error: OSError) -> Response:
+    """507 `disk_full` for adapter files this worker has no disk space left to take (in TMPDIR,
+    where they arrive, or its data folder, where they are kept): the gateway places the request
+    on another worker, or tells its caller that only an operator can mend it. Any other OSError
+    is raised again."""
+    if not is_out_of_space(error):
+        raise error
+    logger.warning("refused adapter files: no disk space left for them: %s", error)
+    return _error(507, DISK_FULL, f"worker {worker.id} has no disk space left to take adapter "
+                  f"files ({error}): free space in its data folder or TMPDIR")
 
 
 @contextlib.asynccontextmanager

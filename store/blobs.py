@@ -13,6 +13,7 @@ ensure_intact_copy fetches again one whose files were damaged on disk since.
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -248,6 +249,10 @@ async def ensure_intact_copy(blobs: BlobStore, shared: SharedBlobs | None, diges
                 reason = "the store holds none"
             except StoreError as error:
                 reason = f"the store's is damaged too ({error})"
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                reason = f"the folder has no room left to fetch the store's ({error})"
         logger.warning("kept the damaged copy of adapter %s in %s: %s", digest, blobs.root, reason)
         return False
 

@@ -355,7 +355,7 @@ def test_an_upload_with_no_room_to_be_spooled_is_refused_and_its_request_given_b
         before = _snapshot(server, "spooler")
         files = {**files_of(adapters["all-r8"]),
                  "adapter_model.safetensors": ("adapter_model.safetensors", bytes(2 << 20))}
-        with caplog.at_level(logging.WARNING, logger="gateway.uploads"):
+        with caplog.at_level(logging.WARNING, logger="gateway.errors"):
             refused = upload(server, key, "spooled", files)
         _refused_for_want_of_space(refused, "the temporary folder (TMPDIR) where uploads are spooled")
         assert f"where uploads are spooled, {volume}, has no room left: [Errno 28]" in caplog.text

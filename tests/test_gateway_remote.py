@@ -17,6 +17,8 @@ import itertools
 import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -38,7 +40,7 @@ from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S, BlobStore, digest_files, e
 from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, files_digest
 from tests.conftest import (DEMO_MODEL, NARROW_MAX_LORA_RANK, leave_while_sending, run_server,
                             send_partly, serve_gateway)
-from tests.helpers import damage_adapter_files
+from tests.helpers import damage_adapter_files, fill_volume, small_volume, use_up_inodes
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 from tests.test_gateway_routing import eventually
 from tests.test_scaleout_adapters import demo_adapter, upload
@@ -878,6 +880,60 @@ def test_workers_that_refuse_a_damaged_copy_at_once_each_get_the_stores(
     for worker in (one, two):
         assert [path for method, path in worker.seen if method == "PUT"] == [
             f"{ADAPTERS_PATH}/{digest}"] * 2
+
+def _out_of_space_error(worker_id: str, prefix: str = "") -> dict:
+    return {"message": f"{prefix}the engine workers of {DEMO_MODEL!r} that could run this adapter "
+                       f"({worker_id}) have no disk space left to take its files; retrying will not "
+                       "help until their operator frees space there",
+            "type": "server_error", "param": None, "code": "disk_full"}
+
+
+def test_a_call_a_worker_has_no_disk_space_to_take_the_adapter_files_of_is_told_so(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """The worker once answered the files with a 500 and a traceback, and the gateway told the
+    caller that no worker of the model was up, to retry shortly: each retry sent the files again."""
+    with small_volume(tmp_path / "volume", "1m") as volume, \
+            _serving_worker(demo_engine, redis_url, volume / "blobs", "cramped") as worker, \
+            serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                          load_tokenizer=lambda folder: None) as gateway:
+        key = gateway.new_tenant("acme")
+        digest = upload(gateway, key, "tuned", demo_adapter(tmp_path / "adapter"))
+        filler = fill_volume(volume)
+        refused = _completion(gateway.url, key, "tuned", 2)
+        assert refused.status_code == 503, refused.text
+        assert refused.json() == {"error": _out_of_space_error("cramped")}
+        assert refused.headers["x-should-retry"] == "false" and "retry-after" not in refused.headers
+        assert len(_answer_ids(_completion(gateway.url, key, DEMO_MODEL, 2))) == 2  # it is up
+        filler.unlink()
+        assert len(_answer_ids(_completion(gateway.url, key, "tuned", 2))) == 2
+    assert [path for method, path in worker.seen if method == "PUT"] == [
+        f"{ADAPTERS_PATH}/{digest}"] * 2  # once refused, once taken
+
+
+def test_an_upload_no_worker_has_the_disk_space_to_check_is_refused_until_room_is_made(
+        demo_engine, redis_url, tmp_path, monkeypatch):  # noqa: F811
+    with small_volume(tmp_path / "tmp", "4m", inodes=64) as volume, \
+            _serving_worker(demo_engine, redis_url, tmp_path / "blobs", "cramped"), \
+            serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                          load_tokenizer=lambda folder: None) as gateway:
+        key = gateway.new_tenant("acme", rpm=2)
+        fillers = use_up_inodes(volume, leave=0)
+        monkeypatch.setattr(tempfile, "tempdir", str(volume))  # as the worker's TMPDIR names it
+        files = {n: (n, (demo_adapter(tmp_path / "adapter") / n).read_bytes()) for n in ADAPTER_FILES}
+        refused = httpx.post(gateway.url + "/v1/adapters", files=files, timeout=60,
+                             headers={"Authorization": f"Bearer {key}"},
+                             data={"name": "tuned", "base_model": DEMO_MODEL})
+        assert refused.status_code == 503, refused.text
+        assert refused.json() == {"error": _out_of_space_error("cramped", "cannot check the adapter: ")}
+        assert refused.headers["x-should-retry"] == "false"
+        shutil.rmtree(fillers)
+        listed = httpx.get(gateway.url + "/v1/adapters", headers={"Authorization": f"Bearer {key}"})
+        assert listed.json()["data"] == []  # nothing of it was kept
+        # Its request was given back: an rpm of 2 leaves room for an upload and a call.
+        digest = upload(gateway, key, "tuned", tmp_path / "adapter")
+        assert len(_answer_ids(_completion(gateway.url, key, "tuned", 2))) == 2
+    assert digest in BlobStore(tmp_path / "blobs").digests()
+
 
 def test_a_restarted_worker_keeps_the_files_of_adapters_a_gateway_records_in_a_store_of_its_own(
         demo_engine, redis_url, tmp_path):  # noqa: F811

@@ -26,7 +26,7 @@ from gateway.worker import Worker, create_worker_app
 from store.blobs import ADAPTER_FILES, BlobStore, digest_files
 from store.workers import WorkerRegistry
 from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server, run_server
-from tests.helpers import TINY_DIMS, damage_adapter_files, save_peft_adapter
+from tests.helpers import TINY_DIMS, damage_adapter_files, fill_volume, save_peft_adapter, small_volume
 from tests.processes import free_port
 from tests.redis_server import redis_server  # noqa: F401
 from tests.test_gateway_routing import eventually
@@ -303,6 +303,30 @@ def test_a_gateway_whose_engine_fails_on_its_damaged_copy_fetches_the_stores_and
 
     assert greedy_ids(b, tenant_key, "tuned") == greedy_ids(a, tenant_key, "tuned")
     assert digest_files(cached) == digest
+
+
+def test_a_gateway_with_no_room_left_to_fetch_an_adapter_says_so_until_room_is_made(
+        gateways, demo_engine, redis_server, tenant_key, adapter, tmp_path, caplog):
+    """It once answered a 500 with a traceback, which OpenAI's SDKs sent twice more."""
+    a = gateways[0]
+    with small_volume(tmp_path / "volume", "1m") as volume, \
+            gateway_server(demo_engine, tmp_path / "c", redis_server,
+                           adapter_dir=volume / "adapters") as c:
+        upload(a, tenant_key, "tuned", adapter)
+        filler = fill_volume(volume)
+        with caplog.at_level(logging.WARNING, logger="gateway.errors"):
+            reply = completion(c, tenant_key, "tuned")
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"] == {
+            "message": "the server has no disk space left to copy the files of adapter 'tuned' from "
+                       "the store: the volume of the adapter folder (--adapter-dir) is full; "
+                       "retrying will not help until the operator frees space there",
+            "type": "server_error", "param": None, "code": "disk_full"}
+        assert reply.headers["x-should-retry"] == "false" and "retry-after" not in reply.headers
+        assert f"(--adapter-dir), {volume / 'adapters'}, has no room left" in caplog.text
+        assert leftovers(c) == []
+        filler.unlink()
+        assert greedy_ids(c, tenant_key, "tuned") == greedy_ids(a, tenant_key, "tuned")
 
 
 @pytest.mark.parametrize("damage", ["changed chunk", "missing chunk"])

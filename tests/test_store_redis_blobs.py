@@ -5,6 +5,7 @@ record references."""
 import asyncio
 import json
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from store.blobs import (ADAPTER_FILES, BlobStore, collect_garbage, digest_files
                          ensure_intact_copy, fetch_blob)
 from store.redis import RedisKeys
 from store.redis_blobs import RedisBlobs
+from tests.helpers import small_volume, use_up_inodes
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.anyio
@@ -244,6 +246,25 @@ async def test_a_damaged_local_copy_is_replaced_by_the_stores_and_kept_without_a
     client.delete(f"sb:blob:{digest}")  # the store's copy is gone too
     assert not await ensure_intact_copy(local, shared, digest)
     assert weights.read_bytes() == WEIGHTS[::-1]  # kept, for an upload of the files to replace
+
+
+async def test_a_damaged_local_copy_is_kept_while_its_folder_has_no_room_to_fetch_the_stores(
+        shared, tmp_path, caplog):
+    """A reader's call then fails as for a damaged copy (it once failed with the OSError, a 500)."""
+    src = adapter_folder(tmp_path / "src")
+    digest = digest_files(src)
+    await shared.put_files(digest, src)
+    with small_volume(tmp_path / "volume", "1m", inodes=64) as volume:
+        local = BlobStore(volume / "blobs")
+        local.put(src)
+        weights = local.path(digest) / "adapter_model.safetensors"
+        weights.write_bytes(WEIGHTS[::-1])
+        fillers = use_up_inodes(volume, leave=0)
+        assert not await ensure_intact_copy(local, shared, digest)
+        assert "the folder has no room left to fetch the store's ([Errno 28]" in caplog.text
+        shutil.rmtree(fillers)
+        assert await ensure_intact_copy(local, shared, digest)
+        assert read_files(local.path(digest)) == read_files(src) and local.digests() == [digest]
 
 
 async def test_deletes_keep_what_a_record_references(store, shared, client, tmp_path):
