@@ -140,7 +140,17 @@ def _sentencepiece_piece(steps: list[dict]) -> Callable[[str], bytes]:
     return piece
 
 
-def generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
+def end_of_sequence_ids(folder: str | Path, config_ids: tuple[int, ...],
+                        tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    """The tokens that end a sequence, as vLLM reads them: config.json's (`config_ids`),
+    generation_config.json's and the tokenizer's own EOS token. A chat fine-tune's tokenizer often
+    names a new end-of-turn token there while config.json keeps the base model's, and a model
+    that ended its turns unheard would run every answer to max_tokens."""
+    own = () if tokenizer is None or tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return frozenset(config_ids + _generation_eos_ids(folder) + own)
+
+
+def _generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json (Llama 3 instruct lists several there)."""
     path = Path(folder) / "generation_config.json"
     if not path.is_file():

@@ -6,6 +6,7 @@ Expected outputs come from a greedy run of the same prompt with no stop conditio
 model's byte-level tokenizer makes each ASCII token exactly one character.
 """
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -132,6 +133,33 @@ def test_a_left_out_stop_token_takes_the_bytes_it_would_finish_with_it(tmp_path,
     # Cut by length instead, the lone lead byte shows as U+FFFD, as transformers' decode does.
     cut = run(engine, {"cut": ([ord("Q")], greedy(max_tokens=2))})["cut"]
     assert cut.text == "a\ufffd"
+
+
+@pytest.mark.parametrize("config_eos, generation_eos, ends_on", [
+    (EOS, None, {EOS}),
+    # A tokenizer's EOS that config.json leaves out, or names another token for (as a chat
+    # fine-tune's new end-of-turn token): the reply once ran on to max_tokens past it.
+    (None, None, {EOS}),
+    (ord("x"), None, {EOS, ord("x")}),
+    (None, [ord("x"), ord("y")], {EOS, ord("x"), ord("y")}),  # as Llama 3 instruct lists them
+])
+def test_a_reply_ends_on_the_eos_tokens_of_the_config_the_generation_config_and_the_tokenizer(
+        tmp_path, config_eos, generation_eos, ends_on):
+    written = [ord("Q"), ord("w"), ord("x"), ord("y"), EOS, ord("z"), ord("z")]
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": config_eos}))
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    if generation_eos is not None:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+    assert engine.eos_token_ids == ends_on
+    result = run(engine, {"r": ([ord("Q")], SamplingParams(temperature=0, max_tokens=6))})["r"]
+    first = next(i for i, token in enumerate(written[1:]) if token in ends_on)
+    assert result.tokens == written[1:first + 2]
+    assert (result.finish_reason, result.stop_reason) == ("stop", None)
+    ignored = run(engine, {"r": ([ord("Q")], greedy(max_tokens=6))})["r"]
+    assert (ignored.tokens, ignored.finish_reason) == (written[1:], "length")
 
 
 MIXED = 258  # byte_tokenizer_with_token's token: "c" then the lead byte of a 2-byte character
