@@ -100,6 +100,8 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(next_tokens, device=logits.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        # NOTE: k up to the vocabulary's size: a model of fewer than 20 tokens lists them all.
+        k = min(k, logprobs.shape[-1])
         top_values, top_ids = torch.topk(logprobs, k) if k else (logprobs[:, :0], logprobs[:, :0].long())
         return [TokenLogprobs(token, value, list(zip(ids, values)))
                 for token, value, ids, values in zip(next_tokens, chosen, top_ids.tolist(), top_values.tolist())]
@@ -109,7 +111,7 @@ class Sampler:
         k = request.sampling_params.logprobs
         top = []
         if k:
-            values, ids = torch.topk(row, k)
+            values, ids = torch.topk(row, min(k, row.numel()))  # (see prompt_logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
         return TokenLogprobs(token, float(row[token]), top)
 

@@ -134,6 +134,17 @@ def test_logprobs_report_the_raw_distribution():
     assert out.logprobs.top[1][1] == pytest.approx(expected[1].item())
 
 
+def test_logprobs_past_the_vocabulary_size_list_every_token():
+    """A request asking for 20 on a model of 3 tokens once failed every request of its batch."""
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
+    out = sampler.sample(logits, [make(SamplingParams(temperature=0, logprobs=20)),
+                                  make(SamplingParams(temperature=0, logprobs=1))])
+    assert [[t for t, _ in o.logprobs.top] for o in out] == [[2, 1, 0], [0]]
+    prompt = Sampler.prompt_logprobs(logits, [0, 1], 20)
+    assert [[t for t, _ in p.top] for p in prompt] == [[2, 1, 0], [0, 1, 2]]
+
+
 def test_a_temperature_below_1e_5_is_greedy():
     assert SamplingParams(temperature=1e-40).is_greedy and SamplingParams(temperature=9e-6).is_greedy
     assert not SamplingParams(temperature=1e-5).is_greedy
