@@ -120,6 +120,7 @@ class WorkerPool:
             timeout=httpx.Timeout(read_timeout_s, connect=_CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
         self._polling: Periodic | None = None
+        self._refreshing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Read the registry once (raising if Redis cannot be reached), then keep polling."""
@@ -130,13 +131,26 @@ class WorkerPool:
     async def close(self) -> None:
         if self._polling is not None:
             await self._polling.stop()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
         for transfer in self._transfers.values():
             transfer.cancel()
         await self.http.aclose()
         await self.registry.close()
 
     async def refresh(self) -> None:
-        """Take the registry's view of the workers and of the models to serve."""
+        """Take the registry's view of the workers and of the models to serve. A refresh asked
+        for while one runs (the poll's, a call's or a health probe's that found no worker up)
+        waits for that one: two at once each started serving a model new to both, and the one
+        left serving it was never stopped (a model gone stayed listed, answering 503)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self._refresh())
+            self._refreshing.add_done_callback(_retrieve_exception)
+        # NOTE: shielded: a caller that goes away stops waiting; the refresh goes on for others.
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> None:
         if self._records_elsewhere:
             # NOTE: as long-lived as a worker's unused files: those of a gateway down meanwhile
             # would be dropped as unused anyway.
@@ -264,8 +278,7 @@ class WorkerPool:
 
     def _transfer_done(self, key: tuple[str, str], transfer: asyncio.Task[None]) -> None:
         del self._transfers[key]  # the next request that finds the files missing sends them anew
-        if not transfer.cancelled():
-            transfer.exception()  # NOTE: retrieved, so no warning when every waiter went away
+        _retrieve_exception(transfer)
 
     async def _put_adapter(self, worker: WorkerRecord, adapter: AdapterRef) -> None:
         response = await self._put_files(worker, adapter)
@@ -504,6 +517,13 @@ class _Retry(Exception):
         super().__init__(message)
         self.down = down
         self.out_of_space = out_of_space
+
+
+def _retrieve_exception(task: asyncio.Task) -> None:
+    """Mark a shared task's exception as retrieved, so that asyncio does not warn of it when every
+    caller waiting for it went away (each that waits gets it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _worker_message(response: httpx.Response) -> str:

@@ -527,6 +527,34 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
     asyncio.run(pool.http.aclose())
 
 
+def test_refreshes_at_once_serve_a_new_model_once_and_stop_serving_it_once_it_is_gone(
+        tmp_path, caplog):
+    """Calls and health probes refresh the pool while a model has no worker up, as the poll
+    does: two refreshes at once each started serving a model new to both (loading its tokenizer
+    meanwhile), and the one left serving it was never stopped."""
+    caplog.set_level(logging.INFO, logger="gateway.remote")
+    registry, models = _Registry(), {}
+    digest = registry.publish_tokenizer({"tokenizer.json": b"{}"})
+
+    def slow_load(folder: Path) -> None:
+        time.sleep(0.2)
+
+    pool = WorkerPool(registry, tmp_path, slow_load, models)
+    registry.records = [_record("a", tokenizer=digest)]
+
+    async def scenario() -> None:
+        await asyncio.gather(*(pool.refresh() for _ in range(4)))
+        assert models[GHOST] is pool.clients[GHOST]
+        registry.records, registry.seen = [], {}  # its worker left, its TTL passed
+        await pool.refresh()
+        await pool.http.aclose()
+
+    asyncio.run(scenario())
+    assert models == {} and pool.clients == {}
+    assert caplog.text.count(f"serving {GHOST} on the workers") == 1
+    assert "own engine" not in caplog.text
+
+
 def test_a_damaged_copy_of_a_workers_tokenizer_is_fetched_again(demo_model_dir, tmp_path, caplog):
     """A gateway keeps the tokenizer files its workers published in its data folder: a copy cut
     short (a crash as it was written) once kept the gateway from starting until removed by hand."""
