@@ -59,6 +59,10 @@ REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutEr
 REDIS_FULL_ERRORS = (redis_errors.OutOfMemoryError,)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
 MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
+# How long a call waits for a free pooled connection: a wait is load (a burst of calls on a busy
+# gateway holds them all), not Redis down, so it is not bounded by the Redis timeout; a Redis
+# that is down fails each call on its connection within that timeout.
+POOL_WAIT_S = 60.0
 
 
 def check_redis_url(url: str) -> str:
@@ -88,12 +92,14 @@ def check_redis_url(url: str) -> str:
 
 def connect(url: str, timeout_s: float, *, decode_responses: bool = False,
             retry: Retry | None = None) -> aioredis.Redis:
-    """A client of the Redis at `url` whose calls wait (at most `timeout_s`) for a free pooled
-    connection: redis-py's default pool fails a call past its 100 connections at once ("Too
-    many connections"), which a burst of calls on a healthy Redis would see as Redis down."""
+    """A client of the Redis at `url` (`timeout_s` to connect and for each reply) whose calls wait
+    (at most POOL_WAIT_S) for a free pooled connection: redis-py's default pool fails a call past
+    its 100 connections at once ("Too many connections"), and a wait of `timeout_s` failed calls
+    of a burst of 600 on a busy gateway ("No connection available"), which both took for Redis
+    down: a 503 for a call, and for one answered already its usage not billed."""
     options = {"retry": retry} if retry is not None else {}
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=MAX_CONNECTIONS, timeout=timeout_s, decode_responses=decode_responses,
+        url, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S, decode_responses=decode_responses,
         socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **options)
     return aioredis.Redis.from_pool(pool)
 

@@ -803,6 +803,23 @@ async def test_redis_calls_past_the_pooled_connections_wait_for_one(redis_url: s
         await registry.close()
 
 
+async def test_redis_calls_wait_for_a_pooled_connection_longer_than_the_redis_timeout(
+        redis_url: str, monkeypatch) -> None:
+    """Waiting for a connection is load, not Redis down: calls that waited past the 2 s timeout
+    once failed as if it were ("No connection available"), a 503 or a call left unbilled."""
+    from store import redis as redis_module
+
+    monkeypatch.setattr(redis_module, "MAX_CONNECTIONS", 2)
+    client = redis_module.connect(redis_url, timeout_s=2.0)
+    try:
+        started = time.monotonic()
+        # Each holds its connection for 0.5 s: the last pair waits 3.5 s for one.
+        waits = await asyncio.gather(*(client.blpop(["no-such-list"], timeout=0.5) for _ in range(16)))
+        assert waits == [None] * 16 and time.monotonic() - started >= 4.0
+    finally:
+        await client.aclose()
+
+
 # SQLite: calls run on the caller's event loop, and on the worker thread only to wait.
 
 
