@@ -68,6 +68,7 @@ STREAM_SILENCE_S = 6 * KEEPALIVE_S
 _STREAM_TIMEOUT = httpx.Timeout(STREAM_SILENCE_S, connect=_CONNECT_TIMEOUT_S)
 _MAX_PLACEMENTS = 3  # workers tried for one request before it fails
 _MAX_IDLE_CONNECTIONS = 20  # connections to workers kept open for reuse (as httpx by default)
+_MAX_OPENING = 32  # generate streams a gateway opens at once (see WorkerPool.opening)
 
 
 class WorkerPool:
@@ -121,6 +122,10 @@ class WorkerPool:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
         self._polling: Periodic | None = None
         self._refreshing: asyncio.Task[None] | None = None
+        # Generate streams being opened (connected, sent, until their answer's headers) at once.
+        # NOTE: a call of 2048 prompts opened them all at once: on the gateway's busy event loop
+        # their connects timed out, and every worker was taken for down, for every caller.
+        self.opening = asyncio.Semaphore(_MAX_OPENING)
 
     async def start(self) -> None:
         """Read the registry once (raising if Redis cannot be reached), then keep polling."""
@@ -547,8 +552,11 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
     first if the worker lacks them). Refusals before the stream are RequestRejected (the request
     is wrong), EngineFailure (its engine failed it) or _Retry."""
     for attempt in range(2):
-        async with pool.http.stream("POST", worker.url + GENERATE_PATH, content=body,
-                                    headers=pool.headers(), timeout=_STREAM_TIMEOUT) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            async with pool.opening:
+                response = await stack.enter_async_context(pool.http.stream(
+                    "POST", worker.url + GENERATE_PATH, content=body, headers=pool.headers(),
+                    timeout=_STREAM_TIMEOUT))
             if response.status_code == 200:
                 async for line in sse_lines(response.aiter_bytes()):
                     if line.startswith("data: "):

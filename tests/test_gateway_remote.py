@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -121,19 +121,21 @@ class _Requests:
 
 @contextlib.contextmanager
 def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
-                    shutdown_timeout_s: float = 5, drops_blobs: bool = False) -> Iterator[_Requests]:
+                    shutdown_timeout_s: float = 5, drops_blobs: bool = False,
+                    in_front: Callable | None = None) -> Iterator[_Requests]:
     """A real worker of DEMO_MODEL over `engine`, registered in the Redis at `registry_url` and
     serving on a loopback port until the block ends, then shut down as `switchboard worker` is
     (its calls in flight get `shutdown_timeout_s`); yields the record of what it was asked.
     `drops_blobs`: it drops the adapter files no request will need, as `switchboard worker`
-    does (else it keeps them all)."""
+    does (else it keeps them all). `in_front`: wraps the worker's ASGI app."""
     registry = WorkerRegistry.open(registry_url)
     worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(folder),
                     registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S,
                     lapse_beats=_LAPSE_BEATS, id=worker_id,
                     store_url=registry_url if drops_blobs else None)
     requests = _Requests(create_worker_app(worker))
-    with run_server(requests, shutdown_timeout_s, on_shutdown=worker.begin_shutdown) as url:
+    app = requests if in_front is None else in_front(requests)
+    with run_server(app, shutdown_timeout_s, on_shutdown=worker.begin_shutdown) as url:
         worker.url = url  # NOTE: known once it serves; its next heartbeat publishes it
 
         async def published() -> None:
@@ -719,6 +721,46 @@ def test_a_gateway_that_hangs_up_midway_through_a_body_costs_the_worker_one_line
         assert httpx.get(url + "/health").json()["status"] == "ok"
     assert worker.seen[0] == (method, path)
     assert not list((tmp_path / "worker").glob("*/*")), "no file of the cut upload is kept"
+
+
+class _SlowToAnswer:
+    """An ASGI app that holds each HTTP request `delay_s` before handing it to `app`, counting how
+    many it holds at once: a worker whose answers' headers are slow to come."""
+
+    def __init__(self, app, delay_s: float) -> None:
+        self.app, self.delay_s = app, delay_s
+        self.holding = self.most_held = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.holding += 1
+            self.most_held = max(self.most_held, self.holding)
+            await asyncio.sleep(self.delay_s)
+            self.holding -= 1
+        await self.app(scope, receive, send)
+
+
+def test_a_gateway_opens_a_bounded_number_of_streams_at_once_however_many_calls_start(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A call of 2048 prompts opened its 2048 streams at once: on the gateway's busy event loop
+    their connects timed out, and it took every worker for down, for every caller."""
+    slow = None
+
+    def in_front(app) -> _SlowToAnswer:
+        nonlocal slow
+        slow = _SlowToAnswer(app, 0.2)
+        return slow
+
+    async def burst() -> tuple[list[list[int]], dict[str, float]]:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            answers = await asyncio.gather(*(_token_ids(client, f"r{i}", 1) for i in range(96)))
+            return answers, dict(pool._down)
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo", in_front=in_front):
+        answers, down = asyncio.run(burst())
+    assert all(len(a) == 1 for a in answers) and down == {}
+    assert slow.most_held <= 32  # remote._MAX_OPENING: it once held all 96 at once
 
 
 def test_a_burst_counts_each_call_against_its_worker_from_the_moment_it_is_placed(
