@@ -101,7 +101,7 @@ class WorkerPool:
         self._ensure_intact_copy = ensure_intact_copy
         self._on_serving = on_serving
         self._poll_s = poll_s
-        self._model_ttl_s = model_ttl_s
+        self.model_ttl_s = model_ttl_s
         self._records_elsewhere = records_elsewhere
         self.slack = slack
         self.workers: dict[str, WorkerRecord] = {}
@@ -170,7 +170,7 @@ class WorkerPool:
         self._down = {i: beat for i, beat in self._down.items()
                       if i in self.workers and self.workers[i].beat_at <= beat}
         # The models to serve, each with the digest of the tokenizer to read its prompts with.
-        horizon = time.time() - self._model_ttl_s
+        horizon = time.time() - self.model_ttl_s
         served = {m: s.tokenizer for m, s in self.seen.items() if s.beat_at >= horizon}
         served |= {r.model: r.tokenizer for r in records}  # NOTE: up, whatever its clock says
         for model in [m for m in self.clients if m not in served]:
@@ -205,7 +205,7 @@ class WorkerPool:
         if self._models.get(model) is client:
             del self._models[model]
             logger.info("no longer serving %s: none of its workers has sent a heartbeat for "
-                        "%.0f s", model, self._model_ttl_s)
+                        "%.0f s", model, self.model_ttl_s)
 
     async def _tokenizer(self, digest: str | None) -> Any:
         if digest is None:
@@ -337,7 +337,14 @@ class RemoteEngineClient(TextCodec):
 
     @property
     def supports_adapters(self) -> bool:
-        return any(r.supports_adapters for r in self._records())
+        """Whether a worker of the model with adapter slots is registered, or sent a heartbeat
+        within the model's TTL: one restarting (the only one, among workers without slots)
+        leaves its adapters' calls and uploads a 503 to retry, not a 400 saying none runs them."""
+        if any(r.supports_adapters for r in self._records()):
+            return True
+        seen = self._pool.seen.get(self.model)
+        return seen is not None and seen.adapters_beat_at is not None and \
+            seen.adapters_beat_at >= time.time() - self._pool.model_ttl_s
 
     @property
     def why_no_adapters(self) -> str:
@@ -396,7 +403,7 @@ class RemoteEngineClient(TextCodec):
             return msgspec.json.decode(response.content, type=AdapterInfo)
         if out_of_space and len(out_of_space) == len(tried):
             raise _out_of_space(self.model, out_of_space)
-        raise EngineUnavailable(self._no_worker())
+        raise EngineUnavailable(self._no_worker(adapter_rank=0))
 
     async def _candidates(self, tried: set[str], *,
                           adapter_rank: int | None) -> list[Candidate]:
@@ -493,7 +500,12 @@ class RemoteEngineClient(TextCodec):
 
     def _no_worker(self, adapter_rank: int | None = None) -> str:
         """Why no worker took a request (for an adapter of `adapter_rank`)."""
-        limits = [r.rank_limit for r in self._pool.up(self.model) if r.supports_adapters]
+        up = self._pool.up(self.model)
+        limits = [r.rank_limit for r in up if r.supports_adapters]
+        if adapter_rank is not None and up and not limits:
+            return (f"no engine worker of {self.model!r} with adapter slots is up now (those up "
+                    "were started with --max-loras 0); retry shortly, or start one with "
+                    "--max-loras above 0")
         if adapter_rank is not None and limits and max(limits) < adapter_rank:
             # NOTE: its upload was checked by a worker that served it; that one has left.
             return (f"no engine worker of {self.model!r} that is up serves adapters of rank "

@@ -77,13 +77,16 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True):
         return self.num_running + self.num_waiting
 
 
-class ModelSeen(msgspec.Struct, frozen=True, kw_only=True):
+class ModelSeen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A model as its latest heartbeat left it: when that was, and what a gateway needs to serve
     it while none of its workers is up."""
 
     beat_at: float  # the worker's wall-clock time of the heartbeat
     max_model_len: int
     tokenizer: str | None  # digest of the worker's tokenizer files
+    # The latest heartbeat of a worker of it with adapter slots; None: none ever. Kept apart in
+    # Redis, where a heartbeat of a worker without them would erase it.
+    adapters_beat_at: float | None = None
 
     @classmethod
     def of(cls, record: WorkerRecord) -> "ModelSeen":
@@ -99,6 +102,7 @@ class WorkerRegistry:
         self._prefix = prefix
         self._workers = prefix + "workers"
         self._models = prefix + "models"
+        self._models_with_adapters = prefix + "models_with_adapters"  # model -> latest beat_at
         self._records_elsewhere = prefix + "adapter_records_elsewhere"
 
     @classmethod
@@ -119,6 +123,8 @@ class WorkerRegistry:
             pipe.set(self._worker_key(record.id), msgspec.json.encode(record), px=int(ttl_s * 1000))
             pipe.sadd(self._workers, record.id)
             pipe.hset(self._models, record.model, msgspec.json.encode(ModelSeen.of(record)))
+            if record.supports_adapters:
+                pipe.hset(self._models_with_adapters, record.model, repr(record.beat_at))
             await pipe.execute()
 
     async def remove(self, worker_id: str) -> None:
@@ -140,10 +146,16 @@ class WorkerRegistry:
         return [msgspec.json.decode(raw, type=WorkerRecord) for raw in raws if raw is not None]
 
     async def models_seen(self) -> dict[str, ModelSeen]:
-        """Every model a worker ever sent a heartbeat for, as its latest heartbeat left it."""
-        seen = await self._redis.hgetall(self._models)
-        return {model.decode(): msgspec.json.decode(raw, type=ModelSeen)
-                for model, raw in seen.items()}
+        """Every model a worker ever sent a heartbeat for, as its latest heartbeat left it (and
+        when a worker of it with adapter slots last did)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._models)
+            pipe.hgetall(self._models_with_adapters)
+            seen, with_adapters = await pipe.execute()
+        with_adapters = {model.decode(): float(beat_at) for model, beat_at in with_adapters.items()}
+        return {name: msgspec.structs.replace(msgspec.json.decode(raw, type=ModelSeen),
+                                              adapters_beat_at=with_adapters.get(name))
+                for name, raw in ((model.decode(), raw) for model, raw in seen.items())}
 
     async def internal_key(self) -> str:
         """The secret gateways and workers share (created here if nobody has yet)."""

@@ -98,7 +98,10 @@ class _Registry:
         return self.tokenizers.get(digest)
 
     async def workers(self) -> list[WorkerRecord]:
-        self.seen |= {r.model: ModelSeen.of(r) for r in self.records}
+        for r in self.records:
+            before = self.seen.get(r.model)
+            self.seen[r.model] = msgspec.structs.replace(ModelSeen.of(r), adapters_beat_at=(
+                r.beat_at if r.supports_adapters else before and before.adapters_beat_at))
         return self.records
 
     async def models_seen(self) -> dict[str, ModelSeen]:
@@ -358,6 +361,32 @@ def test_an_upload_for_a_model_whose_workers_run_no_adapter_slots_says_to_start_
                    "(--max-loras 0), so it runs no adapters: the operator must start a worker of "
                    "it with --max-loras above 0",
         "type": "invalid_request_error", "param": "base_model", "code": "adapters_not_served"}
+
+
+def test_an_upload_while_the_only_worker_with_adapter_slots_restarts_is_told_to_retry_shortly(
+        redis_url, tmp_path):  # noqa: F811
+    """Among workers without adapter slots: it once got the 400 saying none runs adapters."""
+    _register_unreachable_worker(redis_url, _record("lora", max_loras=4, beat_at=time.time()))
+
+    async def leave() -> None:  # as a worker that shuts down cleanly
+        registry = WorkerRegistry.open(redis_url)
+        await registry.remove("lora")
+        await registry.close()
+
+    asyncio.run(leave())
+    _register_unreachable_worker(redis_url, _record("plain", max_loras=0, beat_at=time.time()))
+    with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("acme")
+        refused = httpx.post(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {key}"},
+                             data={"name": "a", "base_model": GHOST}, timeout=10,
+                             files={"adapter_config.json": b"{}", "adapter_model.safetensors": b"x"})
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"] == {
+        "message": f"cannot check the adapter now: no engine worker of {GHOST!r} with adapter slots "
+                   "is up now (those up were started with --max-loras 0); retry shortly, or start "
+                   "one with --max-loras above 0",
+        "type": "server_error", "param": None, "code": "engine_unavailable"}
 
 
 def test_adapter_requests_go_only_to_workers_that_serve_adapters_and_the_context_outlives_a_restart(

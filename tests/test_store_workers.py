@@ -7,7 +7,7 @@ import asyncio
 import functools
 import random
 
-from store.workers import Periodic, WorkerRecord, WorkerRegistry, files_digest
+from store.workers import ModelSeen, Periodic, WorkerRecord, WorkerRegistry, files_digest
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 
 
@@ -34,6 +34,25 @@ def test_records_lapse_without_heartbeats_and_leave_at_once_on_remove(redis_url)
             assert [r.id for r in await registry.workers()] == ["long"]
             await registry.heartbeat(record("short"), ttl_s=30)  # a lapsed worker may rejoin
             assert [r.id for r in await registry.workers()] == ["long", "short"]
+        finally:
+            await registry.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_model_seen_keeps_the_latest_heartbeat_of_a_worker_of_it_with_adapter_slots(
+        redis_url):  # noqa: F811
+    async def scenario() -> None:
+        registry = WorkerRegistry.open(redis_url)
+        try:
+            await registry.heartbeat(record("plain", max_loras=0, beat_at=1.0), ttl_s=30)
+            assert await registry.models_seen() == {
+                "m": ModelSeen(beat_at=1.0, max_model_len=64, tokenizer=None)}
+            await registry.heartbeat(record("lora", max_loras=2, beat_at=2.0), ttl_s=30)
+            await registry.heartbeat(record("plain", max_loras=0, beat_at=3.0,
+                                            max_model_len=32), ttl_s=30)
+            assert await registry.models_seen() == {
+                "m": ModelSeen(beat_at=3.0, max_model_len=32, tokenizer=None, adapters_beat_at=2.0)}
         finally:
             await registry.close()
 
