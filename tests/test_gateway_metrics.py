@@ -8,6 +8,7 @@ import pytest
 
 from gateway.prometheus import Counter, Gauge, Histogram, render
 from tests.conftest import DEMO_MODEL, gateway_server
+from tests.test_gateway_routing import eventually
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -70,6 +71,16 @@ def test_metrics_after_traffic(server):
         assert response.status_code == 200
     assert httpx.post(server.url + "/v1/completions", json={**body, "model": "nope"},
                       headers=headers).status_code == 404
+
+    def num_answered() -> float | None:
+        """The calls counted as answered: a stream only once billed, after its client had it."""
+        try:
+            return sample(server.admin("GET", "/metrics").text, "switchboard_requests_total",
+                          tenant="metered", model=DEMO_MODEL, status=200)
+        except AssertionError:  # none counted yet
+            return None
+
+    assert eventually(lambda: num_answered() == 2)
     text = server.admin("GET", "/metrics").text
     assert sample(text, "switchboard_requests_total", tenant="metered", model=DEMO_MODEL,
                   status=200) == 2
