@@ -346,15 +346,20 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     asyncio.run(pool.http.aclose())
 
 
+def _upload_for_ghost(redis_url: str, folder: Path) -> httpx.Response:
+    """An upload for GHOST through a gateway over the workers in the Redis at `redis_url`."""
+    with serve_gateway({}, folder, store_url=redis_url, workers_url=redis_url,
+                       load_tokenizer=lambda folder: None) as server:
+        key = server.new_tenant("acme")
+        return httpx.post(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {key}"},
+                          data={"name": "a", "base_model": GHOST}, timeout=10,
+                          files={"adapter_config.json": b"{}", "adapter_model.safetensors": b"x"})
+
+
 def test_an_upload_for_a_model_whose_workers_run_no_adapter_slots_says_to_start_one_that_does(
         redis_url, tmp_path):  # noqa: F811
     _register_unreachable_worker(redis_url, _record("plain", max_loras=0))
-    with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
-                       load_tokenizer=lambda folder: None) as server:
-        key = server.new_tenant("acme")
-        refused = httpx.post(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {key}"},
-                             data={"name": "a", "base_model": GHOST}, timeout=10,
-                             files={"adapter_config.json": b"{}", "adapter_model.safetensors": b"x"})
+    refused = _upload_for_ghost(redis_url, tmp_path)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"] == {
         "message": f"{GHOST!r} is served by engine workers all started without adapter slots "
@@ -375,12 +380,7 @@ def test_an_upload_while_the_only_worker_with_adapter_slots_restarts_is_told_to_
 
     asyncio.run(leave())
     _register_unreachable_worker(redis_url, _record("plain", max_loras=0, beat_at=time.time()))
-    with serve_gateway({}, tmp_path, store_url=redis_url, workers_url=redis_url,
-                       load_tokenizer=lambda folder: None) as server:
-        key = server.new_tenant("acme")
-        refused = httpx.post(server.url + "/v1/adapters", headers={"Authorization": f"Bearer {key}"},
-                             data={"name": "a", "base_model": GHOST}, timeout=10,
-                             files={"adapter_config.json": b"{}", "adapter_model.safetensors": b"x"})
+    refused = _upload_for_ghost(redis_url, tmp_path)
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"] == {
         "message": f"cannot check the adapter now: no engine worker of {GHOST!r} with adapter slots "
