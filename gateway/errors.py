@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import re
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from starlette.responses import Response
 from gateway.engine_client import (EngineStopped, EngineUnavailable, UpstreamFailure,
                                    UpstreamUnavailable, WorkersOutOfSpace)
 from store import FULL_ERRORS, UNAVAILABLE_ERRORS, StoreFull
+from store.blobs import is_out_of_space
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,6 @@ SQLITE_FULL_MESSAGE = ("the gateway's store has no room left for this call: the 
                        "fails writes, so it cannot keep what calls must (usage, rate limits, "
                        "tenants, adapters); retrying will not help until the operator frees disk "
                        "space on that volume (the gateway's log names the file)")
-# A write's errnos when its volume has no room left: full, or the server's disk quota used up.
-_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 _MSGSPEC_MISSING = re.compile(r"(?:missing required|contains unknown) field `(.*)`")
 
@@ -170,31 +168,22 @@ def unavailable_until_mended(message: str, code: str) -> ApiError:
                     headers={"x-should-retry": "false"})
 
 
-def is_out_of_space(error: BaseException) -> bool:
-    """Whether `error` is a write its volume had no room left for (of bytes or of inodes)."""
-    return isinstance(error, OSError) and error.errno in _OUT_OF_SPACE
-
-
-def disk_full(action: str, where: str) -> ApiError:
-    """503 `disk_full` for a call the server had no disk space left to `action` for, on the
-    volume of `where`: a full disk stays full until the operator frees space, so not to be
-    retried (each try would send the call, or its upload, again to be refused again)."""
-    return unavailable_until_mended(
-        f"the server has no disk space left to {action}: the volume of {where} is full; "
-        "retrying will not help until the operator frees space there", code="disk_full")
-
-
 @contextlib.contextmanager
 def refused_when_out_of_space(action: str, where: str, folder: Path | str) -> Iterator[None]:
-    """disk_full(action, where) for a write to `where` (`folder`, which only the log names)
-    that its volume has no room left for."""
+    """503 `disk_full` for a call whose write to `where` (`folder`, which only the log names) its
+    volume has no room left for, so the server could not `action`: a full disk stays full until
+    the operator frees space, so not to be retried (each try would send the call, or its
+    upload, again to be refused again)."""
     try:
         yield
     except OSError as error:
         if not is_out_of_space(error):
             raise
         logger.warning("could not %s: %s, %s, has no room left: %s", action, where, folder, error)
-        raise disk_full(action, where) from None
+        raise unavailable_until_mended(
+            f"the server has no disk space left to {action}: the volume of {where} is full; "
+            "retrying will not help until the operator frees space there",
+            code="disk_full") from None
 
 
 def store_unavailable(error: Exception) -> ApiError:

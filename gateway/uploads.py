@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import Message
 
-from gateway.errors import ApiError, invalid_request, is_out_of_space, quoted, refused_when_out_of_space
-from store.blobs import ADAPTER_FILES
+from gateway.errors import ApiError, invalid_request, quoted, refused_when_out_of_space
+from store.blobs import ADAPTER_FILES, is_out_of_space
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from engine.tokenizer import has_tokenizer
 from gateway.engine_client import (AdapterRef, AdapterRejected, EngineFailure,
                                    GenerationChunk, RequestRejected)
-from gateway.errors import is_out_of_space, quoted, too_deep_message
+from gateway.errors import quoted, too_deep_message
 from gateway.local_engine import LocalEngineClient
 from gateway.middleware import InFlight
 from gateway.remote import DEFAULT_POLL_S
@@ -41,7 +41,7 @@ from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, DISK_FULL, GE
                                 KEEPALIVE_S, GenerateBody, StreamLine, WorkerError)
 from store import UNAVAILABLE_ERRORS, RedisStore
 from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, UNUSED_BLOB_S, BlobStore, digest_files,
-                         drop_deleted_adapters, drop_unused_adapters)
+                         drop_deleted_adapters, drop_unused_adapters, is_out_of_space)
 from store.errors import InvalidName
 from store.models import validate_digest
 from store.workers import Periodic, WorkerRecord, WorkerRegistry

@@ -227,6 +227,12 @@ async def fetch_blob(blobs: BlobStore, shared: SharedBlobs, digest: str) -> Path
         await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
+def is_out_of_space(error: BaseException) -> bool:
+    """Whether `error` is a write its volume had no room left for (of bytes or of inodes): full,
+    or the disk quota used up."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 async def ensure_intact_copy(blobs: BlobStore, shared: SharedBlobs | None, digest: str) -> bool:
     """Whether `blobs` holds an intact copy of blob `digest` now, once a copy damaged on disk
     since it was put is replaced by the store's shared copy, fetched again (see fetch_blob).
@@ -250,7 +256,7 @@ async def ensure_intact_copy(blobs: BlobStore, shared: SharedBlobs | None, diges
             except StoreError as error:
                 reason = f"the store's is damaged too ({error})"
             except OSError as error:
-                if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if not is_out_of_space(error):
                     raise
                 reason = f"the folder has no room left to fetch the store's ({error})"
         logger.warning("kept the damaged copy of adapter %s in %s: %s", digest, blobs.root, reason)
