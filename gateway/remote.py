@@ -396,14 +396,12 @@ class RemoteEngineClient(TextCodec):
                 out_of_space.append(worker.id)
                 continue
             if response.status_code == 422:
-                raise AdapterRejected(msgspec.json.decode(response.content, type=WorkerError).message)
+                raise AdapterRejected(_worker_message(response))
             if response.status_code != 200:
                 raise EngineFailure(f"worker {worker.id} could not check the adapter: "
                                     f"HTTP {response.status_code}")
             return msgspec.json.decode(response.content, type=AdapterInfo)
-        if out_of_space and len(out_of_space) == len(tried):
-            raise _out_of_space(self.model, out_of_space)
-        raise EngineUnavailable(self._no_worker(adapter_rank=0))
+        raise self._none_took(tried, out_of_space, adapter_rank=0)
 
     async def _candidates(self, tried: set[str], *,
                           adapter_rank: int | None) -> list[Candidate]:
@@ -490,13 +488,22 @@ class RemoteEngineClient(TextCodec):
                 finally:
                     await lines.aclose()
                 return
-        if out_of_space and len(out_of_space) == len(tried):
-            raise _out_of_space(self.model, out_of_space)
-        raise EngineUnavailable(self._no_worker(rank))
+        raise self._none_took(tried, out_of_space, rank)
 
     async def ensure_available(self) -> None:
         if not await self._candidates(set(), adapter_rank=None):
             raise EngineUnavailable(self._no_worker())
+
+    def _none_took(self, tried: set[str], out_of_space: list[str],
+                   adapter_rank: int | None) -> EngineFailure:
+        """The failure of a request no worker took: WorkersOutOfSpace when every worker tried
+        had no room for its adapter's files, else EngineUnavailable saying why (_no_worker)."""
+        if out_of_space and len(out_of_space) == len(tried):
+            return WorkersOutOfSpace(
+                f"the engine workers of {self.model!r} that could run this adapter "
+                f"({', '.join(out_of_space)}) have no disk space left to take its files; retrying "
+                "will not help until their operator frees space there")
+        return EngineUnavailable(self._no_worker(adapter_rank))
 
     def _no_worker(self, adapter_rank: int | None = None) -> str:
         """Why no worker took a request (for an adapter of `adapter_rank`)."""
@@ -549,13 +556,6 @@ def _worker_message(response: httpx.Response) -> str:
         return msgspec.json.decode(response.content, type=WorkerError).message
     except (msgspec.DecodeError, msgspec.ValidationError):
         return f"HTTP {response.status_code}"
-
-
-def _out_of_space(model: str, worker_ids: list[str]) -> WorkersOutOfSpace:
-    return WorkersOutOfSpace(
-        f"the engine workers of {model!r} that could run this adapter ({', '.join(worker_ids)}) "
-        "have no disk space left to take its files; retrying will not help until their operator "
-        "frees space there")
 
 
 async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
