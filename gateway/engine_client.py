@@ -239,6 +239,12 @@ class DamagedAdapterCopy(EngineFailure):
     replace it: sent again, the request would fail the same way."""
 
 
+class AdapterUnusable(EngineFailure):
+    """The request's adapter does not fit the model now served under its base model's name (the
+    server was restarted on a model of other shapes): sent again, it would fail the same way
+    until the adapter is uploaded again, made for the model served now."""
+
+
 class UpstreamFailure(EngineFailure):
     """An upstream server (gateway/upstream.py) failed the request. The message names only the
     model it serves: its address, its answer and what to fix are the operator's, in the log."""

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, ContextExceeded, DamagedAdapterCopy,
-                                   EngineClient, EngineFailure, EngineStopped, EngineUnavailable,
-                                   GenerationChunk, RequestRejected, SamplingOptions, TokenLogprob,
-                                   WorkersOutOfSpace)
+from gateway.engine_client import (AdapterRef, AdapterRejected, AdapterUnusable, ContextExceeded,
+                                   DamagedAdapterCopy, EngineClient, EngineFailure, EngineStopped,
+                                   EngineUnavailable, GenerationChunk, RequestRejected,
+                                   SamplingOptions, TokenLogprob, WorkersOutOfSpace)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
 
@@ -181,7 +181,10 @@ class Ask:
                         yield chunk
                     return
                 except EngineFailure as error:
-                    if is_started or attempt == 2 or not await _adapter_copy_is_intact(tier, error):
+                    if is_started or not await _adapter_copy_is_intact(tier, error):
+                        raise
+                    if attempt == 2:
+                        await _refuse_adapter_that_does_not_fit(tier)
                         raise
 
 
@@ -191,7 +194,8 @@ _NOT_RETRIED = (EngineUnavailable, EngineStopped, DamagedAdapterCopy, WorkersOut
 
 async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:
     """After an engine failed a request before its first token: whether the tier's adapter has
-    an intact copy here now, so the request is worth sending once more.
+    an intact copy here now: sent once more, the request may run; failed again, it did not fail
+    on the copy.
 
     An engine reads the adapter's files before a request's first token: it may have failed on
     a copy damaged on this gateway's disk (replaced here now: see Tier.ensure_intact_adapter) or
@@ -199,6 +203,22 @@ async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:
     if tier.ensure_intact_adapter is None or isinstance(error, _NOT_RETRIED):
         return False
     return await tier.ensure_intact_adapter()
+
+
+async def _refuse_adapter_that_does_not_fit(tier: Tier) -> None:
+    """After the engine failed a request twice before its first token, with an intact copy of its
+    adapter's files: AdapterUnusable if the model served now cannot take the adapter (the server
+    was restarted on a model of other shapes under its base model's name), as when it was
+    uploaded. Else the engine's own failure stands."""
+    assert tier.adapter is not None
+    try:
+        await tier.engine.check_adapter(tier.adapter.path)
+    except AdapterRejected as rejected:
+        raise AdapterUnusable(
+            f"the adapter does not fit the model served as {tier.model!r} now: {rejected}; upload "
+            "it again, made for the model served now") from None
+    except EngineFailure:  # cannot check it now: say what the engine said
+        pass
 
 
 @dataclass

@@ -992,6 +992,41 @@ def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, a
     assert error["code"] == "model_not_found" and f"base model '{DEMO_MODEL}'" in error["message"]
 
 
+def test_an_adapter_the_model_served_under_its_base_name_now_cannot_take_is_refused_until_uploaded(
+        demo_engine, adapters, tmp_path):
+    """Restarted serving a model of other shapes under the adapter's base model's name, a gateway
+    answers a call of the adapter with a 503 not to be retried, saying to upload it again (it once
+    answered a 500 that clients retried, each try failing as the last); the model serves on."""
+    from adapters import AdapterConfig
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+    from tests.conftest import serve_gateway
+    from tests.helpers import make_hf_model, save_hf_model
+
+    with serve_gateway({DEMO_MODEL: demo_engine}, tmp_path) as before:
+        key = before.new_tenant("reshaped")
+        assert upload(before, key, "bot", files_of(adapters["all-r8"])).status_code == 201
+    folder = save_hf_model(make_hf_model(seed=3), tmp_path / "narrower")  # hidden size 64, not 256
+    other = LocalEngineClient.load(EngineConfig(model=str(folder), num_kv_blocks=64, lora=AdapterConfig(
+        max_lora_rank=DEMO_MAX_LORA_RANK, max_gpu_adapters=1, max_cpu_adapters=1)), show_progress=False)
+    try:
+        with serve_gateway({DEMO_MODEL: other}, tmp_path) as after:
+            call = {"prompt": [1, 2, 3], "max_tokens": 2}
+            refused = httpx.post(after.url + "/v1/completions", headers=auth(key),
+                                 json={"model": "bot", **call})
+            served = httpx.post(after.url + "/v1/completions", headers=auth(key),
+                                json={"model": DEMO_MODEL, **call})
+    finally:
+        other.close()
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["x-should-retry"] == "false" and "retry-after" not in refused.headers
+    error = refused.json()["error"]
+    assert error["code"] == "adapter_incompatible", error
+    assert error["message"].startswith(f"the adapter does not fit the model served as '{DEMO_MODEL}' now")
+    assert "upload it again" in error["message"]
+    assert served.status_code == 200, served.text
+
+
 def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_colon_name(
         demo_engine, adapters, tmp_path, caplog):
     """Restarted with a served model and a route named as a tenant's adapters, a gateway runs
