@@ -1,11 +1,14 @@
 """Incremental detokenization and stop strings, correct across multi-byte characters.
 
 Decoding token by token breaks characters whose UTF-8 bytes span tokens; instead each step decodes
-a short window of recent tokens and emits only text that is final (no trailing U+FFFD).
+a short window of recent tokens and emits only text that is final (no trailing U+FFFD that may
+still grow into a character).
 """
 
 from __future__ import annotations
 
+import codecs
+from collections.abc import Callable
 from typing import Protocol
 
 # Tokens before the read offset that are decoded again for context (merges, leading spaces).
@@ -20,8 +23,15 @@ class IncrementalDetokenizer:
     """Turns a growing token list into text deltas; holds text back that a stop string may start."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False,
+                 token_bytes: Callable[[int], bytes] | None = None):
+        """`token_bytes`: the bytes each token adds to the decoded text, where the tokenizer's
+        vocabulary says them (engine.tokenizer.decoded_bytes_reader). With them, a trailing
+        U+FFFD is told apart: bytes that may still become a character are held back, bytes that
+        never will (no character starts so) are final at once. Without them, every trailing
+        U+FFFD is held back until a character follows (or the output ends)."""
         self.tokenizer = tokenizer
+        self.token_bytes = token_bytes
         self.token_ids = list(prompt_token_ids)
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
@@ -63,9 +73,9 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         unread_text = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)[len(prefix):]
-        is_incomplete = unread_text.endswith("\ufffd") and not is_last
-        # A trailing U+FFFD is a character whose bytes may still come: the whole characters before
-        # it are final (and may end a stop string), it is not.
+        is_incomplete = unread_text.endswith("\ufffd") and not is_last and self._ends_partway()
+        # A trailing U+FFFD that is a character whose bytes may still come: the whole characters
+        # before it are final (and may end a stop string), it is not.
         final_text = unread_text.rstrip("\ufffd") if is_incomplete else unread_text
         num_old_chars = len(self.text)
         self.text += final_text[self.num_unread_chars_taken:]
@@ -75,6 +85,16 @@ class IncrementalDetokenizer:
             self.num_unread_chars_taken = 0
         if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
+
+    def _ends_partway(self) -> bool:
+        """Whether the decoded tokens may end partway into a character: their bytes end in the
+        start of one (which is what a window of tokens decoded to a trailing U+FFFD may be)."""
+        if self.token_bytes is None:
+            return True
+        window = b"".join(self.token_bytes(t) for t in self.token_ids[self.prefix_offset:])
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(window, final=False)
+        return bool(decoder.getstate()[0])  # the bytes it holds for the rest of a character
 
     def _check_stop(self, num_old_chars: int) -> None:
         """Find the earliest stop string that ends in the text after `num_old_chars`.

@@ -22,7 +22,7 @@ from engine.model.spec import ModelSpec
 from engine.request import InvalidParameter, Request, RequestStatus, SamplingParams, TokenLogprobs
 from engine.runner import ModelRunner, kv_block_bytes
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import end_of_sequence_ids, load_tokenizer
+from engine.tokenizer import decoded_bytes_reader, end_of_sequence_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.model)
+        self._decoded_bytes = None if self.tokenizer is None else decoded_bytes_reader(self.tokenizer)
         self.eos_token_ids = end_of_sequence_ids(config.model, self.spec.eos_token_ids, self.tokenizer)
         num_blocks = self._num_kv_blocks(dtype, device)
         self.max_model_len = max_len = self._max_model_len(num_blocks)
@@ -143,7 +144,7 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
-                                                 params.include_stop_str_in_output)
+                                                 params.include_stop_str_in_output, self._decoded_bytes)
         self._outputs[request_id] = _OutputState(detokenizer)
         return request
 

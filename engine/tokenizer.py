@@ -57,10 +57,21 @@ def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], by
     """How to read one token's raw bytes from the tokenizer's vocabulary: what decoding the token
     alone cannot show when it holds part of a multi-byte character (decode gives U+FFFD).
 
+    As exact_token_bytes_reader; tokenizers of other kinds (WordPiece...) are read by decoding
+    the token.
+    """
+    exact = exact_token_bytes_reader(tokenizer)
+    return exact or (lambda token_id: tokenizer.decode([token_id]).encode())
+
+
+def exact_token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], bytes] | None:
+    """Each token's raw bytes, read from the vocabulary, where its spelling says them exactly;
+    None for a tokenizer whose tokens only decoding can read.
+
     Byte-level BPE (GPT-2, Llama 3, Qwen2) spells each byte as GPT-2's stand-in character;
     sentencepiece (Llama 2, Mistral) spells a space "▁" and a byte without a piece of its own
-    "<0xC3>"; added tokens ("<s>") are their text. Tokenizers of other kinds (WordPiece...) are
-    read by decoding the token. An id past the vocabulary (a padded embedding) has no bytes.
+    "<0xC3>"; added tokens ("<s>") are their text. An id past the vocabulary (a padded
+    embedding) has no bytes.
     """
     added = {i: token.content.encode() for i, token in tokenizer.added_tokens_decoder.items()}
     steps = _decoder_steps(tokenizer)
@@ -70,7 +81,7 @@ def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], by
     elif kinds and kinds <= _PIECE_DECODERS:
         piece = _sentencepiece_piece(steps)
     else:
-        return lambda token_id: tokenizer.decode([token_id]).encode()
+        return None
 
     def read(token_id: int) -> bytes:
         if token_id in added:
@@ -79,6 +90,16 @@ def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], by
         return b"" if token is None else piece(token)
 
     return read
+
+
+def decoded_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], bytes] | None:
+    """The bytes each token adds to what `decode(..., skip_special_tokens=True)` reads: its own,
+    none for a special token; None where only decoding can read the tokens."""
+    exact = exact_token_bytes_reader(tokenizer)
+    if exact is None:
+        return None
+    special = frozenset(tokenizer.all_special_ids)
+    return lambda token_id: b"" if token_id in special else exact(token_id)
 
 
 def reading_digest(tokenizer: PreTrainedTokenizerBase) -> str:

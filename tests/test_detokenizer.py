@@ -4,7 +4,9 @@ import pytest
 
 from engine.demo import build_byte_tokenizer
 from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import decoded_bytes_reader
 from tests.helpers import byte_tokenizer_with_token
+from tests.test_gateway_logprobs import sentencepiece_bpe
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +117,56 @@ def test_bytes_shown_as_u_fffd_at_the_end_can_end_a_stop_string(mixed_tokenizer)
 
     assert run(is_last=False) == (None, "a")  # the lead byte may still become "é"; "c" held back
     assert run(is_last=True) == ("c\ufffd", "a")
+
+
+@pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
+def any_tokenizer(request):
+    return build_byte_tokenizer() if request.param == "byte-level" else sentencepiece_bpe()
+
+
+def byte_ids(tokenizer, data: bytes) -> list[int]:
+    """The tokens of each byte of `data`: the byte-level vocabulary's, or sentencepiece's byte pieces."""
+    ids = tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in data])
+    return list(data) if tokenizer.unk_token_id in ids else ids
+
+
+def decoded_after(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """What the tokenizer decodes `ids` to after `prompt`: the text a detokenizer must give."""
+    return tokenizer.decode(prompt + ids, skip_special_tokens=True)[len(tokenizer.decode(
+        prompt, skip_special_tokens=True)):]
+
+
+def test_with_the_token_bytes_characters_are_still_never_split(any_tokenizer):
+    reader = decoded_bytes_reader(any_tokenizer)
+    text = "Hello naïve ✓ 🙂!"
+    deltas, _ = stream(any_tokenizer, text, token_bytes=reader)
+    expected = decoded_after(any_tokenizer, any_tokenizer.encode("prompt: "),
+                             any_tokenizer.encode(text, add_special_tokens=False))
+    assert "".join(deltas) == expected and expected.strip() == text
+    assert all("\ufffd" not in d for d in deltas)
+    detok = IncrementalDetokenizer(any_tokenizer, any_tokenizer.encode("x"), token_bytes=reader)
+    detok.add_tokens(byte_ids(any_tokenizer, "✓".encode()[:2]))
+    assert detok.take_delta(finished=False) == ""  # its third byte may still come
+
+
+@pytest.mark.parametrize("stray", [b"\x80", b"\xff", b"\xe2\x28\xa1"])
+def test_with_the_token_bytes_bytes_no_character_starts_with_are_final_at_once(any_tokenizer, stray):
+    """No byte that may come could make a character of them: they stream as U+FFFD at once, and a
+    stop string may end in it. Without the bytes, any trailing U+FFFD waits for what follows."""
+    # NOTE: "Hello" has a piece of its own in sentencepiece_bpe: its byte fallback shows a run of
+    # byte pieces that is not UTF-8 as one U+FFFD per byte, letters included.
+    prompt = any_tokenizer.encode("x")
+    ids = any_tokenizer.encode("Hello", add_special_tokens=False) + byte_ids(any_tokenizer, stray)
+    text = decoded_after(any_tokenizer, prompt, ids)
+    stop = text[-2:]
+
+    def run(reader) -> tuple[str, str | None]:
+        detok = IncrementalDetokenizer(any_tokenizer, prompt, token_bytes=reader)
+        detok.add_tokens(ids)
+        delta = detok.take_delta(finished=False)
+        stopped = IncrementalDetokenizer(any_tokenizer, prompt, stop=(stop,), token_bytes=reader)
+        stopped.add_tokens(ids)
+        return delta, stopped.stop_reason
+
+    assert run(decoded_bytes_reader(any_tokenizer)) == (text, stop)
+    assert run(None) == (text.rstrip("\ufffd"), None)

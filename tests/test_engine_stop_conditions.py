@@ -194,6 +194,29 @@ def test_a_stop_string_can_end_before_a_partial_character_in_the_same_token(
 
 
 @pytest.fixture(scope="module")
+def stray_byte_engine(tmp_path_factory) -> LLMEngine:
+    """Answers "Q" with "a", a byte no character starts with (0x80: shown as U+FFFD), "b", EOS."""
+    written = [ord("Q"), ord("a"), 0x80, ord("b"), EOS]
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path_factory.mktemp("stray"))
+    return LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+
+
+@pytest.mark.parametrize("params, deltas, stop_reason", [
+    # The U+FFFD streams with its token: no byte to come could make a character of it (it was
+    # once held back until a character followed).
+    (dict(), ["a", "\ufffd", "b", ""], None),
+    # A stop string ending in it stops the output at once (it once ran a token further, billed).
+    (dict(stop=["a\ufffd"]), ["", ""], "a\ufffd"),
+    (dict(stop=["\ufffd"], include_stop_str_in_output=True), ["a", "\ufffd"], "\ufffd"),
+])
+def test_bytes_that_never_make_a_character_are_final_at_once(stray_byte_engine, params, deltas,
+                                                              stop_reason):
+    result = run(stray_byte_engine, {"r": ([ord("Q")], SamplingParams(temperature=0, **params))})["r"]
+    assert result.tokens == [ord("a"), 0x80, ord("b"), EOS][:len(deltas)]
+    assert (result.deltas, result.stop_reason) == (deltas, stop_reason)
+
+
+@pytest.fixture(scope="module")
 def hf_demo(demo_model_dir):
     from transformers import AutoModelForCausalLM
 
