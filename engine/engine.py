@@ -93,7 +93,8 @@ class LLMEngine:
         device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.model)
         self._decoded_bytes = None if self.tokenizer is None else decoded_bytes_reader(self.tokenizer)
-        self.eos_token_ids = end_of_sequence_ids(config.model, self.spec.eos_token_ids, self.tokenizer)
+        self.eos_token_ids = end_of_sequence_ids(config.model, self.spec.eos_token_ids, self.tokenizer,
+                                                 self.spec.vocab_size)
         num_blocks = self._num_kv_blocks(dtype, device)
         self.max_model_len = max_len = self._max_model_len(num_blocks)
         if config.lora is not None:

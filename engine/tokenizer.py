@@ -162,13 +162,22 @@ def _sentencepiece_piece(steps: list[dict]) -> Callable[[str], bytes]:
 
 
 def end_of_sequence_ids(folder: str | Path, config_ids: tuple[int, ...],
-                        tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+                        tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> frozenset[int]:
     """The tokens that end a sequence, as vLLM reads them: config.json's (`config_ids`),
     generation_config.json's and the tokenizer's own EOS token. A chat fine-tune's tokenizer often
     names a new end-of-turn token there while config.json keeps the base model's, and a model
-    that ended its turns unheard would run every answer to max_tokens."""
+    that ended its turns unheard would run every answer to max_tokens.
+
+    An id the model cannot sample (past its `vocab_size`: a tokenizer's added token the model's
+    embeddings were never resized for) is left out, with a warning: it would never end a reply,
+    and banning it before min_tokens would index past the logits."""
     own = () if tokenizer is None or tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    return frozenset(config_ids + _generation_eos_ids(folder) + own)
+    named = config_ids + _generation_eos_ids(folder) + own
+    sampleable = frozenset(t for t in named if isinstance(t, int) and 0 <= t < vocab_size)
+    if unusable := sorted({repr(t) for t in named if t not in sampleable}):
+        logger.warning("%s names EOS token ids the model cannot generate (its vocabulary has %d "
+                       "tokens): %s; they are ignored", folder, vocab_size, ", ".join(unusable))
+    return sampleable
 
 
 def _generation_eos_ids(folder: str | Path) -> tuple[int, ...]:

@@ -162,6 +162,24 @@ def test_a_reply_ends_on_the_eos_tokens_of_the_config_the_generation_config_and_
     assert (ignored.tokens, ignored.finish_reason) == (written[1:], "length")
 
 
+def test_eos_ids_the_model_cannot_generate_are_ignored_with_a_warning(tmp_path, caplog):
+    """A generation_config.json naming an id past the vocabulary (a tokenizer's added token the
+    embeddings were never resized for) once failed every request in the batch as soon as one with
+    min_tokens banned it (an index past the logits)."""
+    written = [ord("Q"), ord("w"), ord("x"), EOS, ord("z")]
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 400, -1]}))
+    with caplog.at_level("WARNING", logger="engine.tokenizer"):
+        engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+    assert engine.eos_token_ids == {EOS}
+    assert (f"names EOS token ids the model cannot generate (its vocabulary has "
+            f"{engine.spec.vocab_size} tokens): -1, 400; they are ignored") in caplog.text
+    results = run(engine, {"plain": ([ord("Q")], greedy(max_tokens=4)),
+                           "min": ([ord("Q")], SamplingParams(temperature=0, max_tokens=4, min_tokens=2))})
+    assert (results["plain"].tokens, results["plain"].error) == (written[1:], None)
+    assert (results["min"].tokens, results["min"].finish_reason) == (written[1:4], "stop")
+
+
 MIXED = 258  # byte_tokenizer_with_token's token: "c" then the lead byte of a 2-byte character
 
 
