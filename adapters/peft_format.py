@@ -82,7 +82,7 @@ def load_adapter(folder: str | Path, spec: ModelSpec, max_lora_rank: int) -> Lor
 
 def _check_files(folder: Path) -> None:
     if not folder.is_dir():
-        raise AdapterValidationError(f"adapter folder {folder} does not exist")
+        raise AdapterValidationError(f"{folder} does not exist: no adapter is there")
     if (folder / WEIGHTS_NAME).is_file():
         return
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)

@@ -239,6 +239,11 @@ class DamagedAdapterCopy(EngineFailure):
     replace it: sent again, the request would fail the same way."""
 
 
+class AdapterDeleted(EngineFailure):
+    """The request's adapter was deleted, and its files with it, before the engine read them:
+    the request cannot run, and sent again it would name a model that no longer exists."""
+
+
 class AdapterUnusable(EngineFailure):
     """The request's adapter does not fit the model now served under its base model's name (the
     server was restarted on a model of other shapes): sent again, it would fail the same way

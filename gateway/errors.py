@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from gateway.engine_client import (AdapterUnusable, EngineStopped, EngineUnavailable, UpstreamFailure,
-                                   UpstreamUnavailable, WorkersOutOfSpace)
+from gateway.engine_client import (AdapterDeleted, AdapterUnusable, EngineStopped, EngineUnavailable,
+                                   UpstreamFailure, UpstreamUnavailable, WorkersOutOfSpace)
 from store import FULL_ERRORS, UNAVAILABLE_ERRORS, StoreFull
 from store.blobs import is_out_of_space
 
@@ -100,6 +100,8 @@ def engine_failed(error: Exception) -> ApiError:
         return server_shutdown(f"{error}; send it again")
     if isinstance(error, WorkersOutOfSpace):
         return unavailable_until_mended(str(error), code="disk_full")
+    if isinstance(error, AdapterDeleted):
+        return ApiError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, AdapterUnusable):
         return unavailable_until_mended(str(error), code="adapter_incompatible")
     if isinstance(error, UpstreamUnavailable):

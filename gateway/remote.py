@@ -304,8 +304,13 @@ class WorkerPool:
             raise _Retry(f"the worker did not take the adapter's files: HTTP {response.status_code}")
 
     async def _put_files(self, worker: WorkerRecord, adapter: AdapterRef) -> httpx.Response:
-        return await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}",
-                                   files=await _adapter_parts(adapter.path), headers=self.headers())
+        try:
+            parts = await _adapter_parts(adapter.path)
+        except FileNotFoundError:  # the adapter was deleted meanwhile, or its copy here lost
+            raise EngineFailure(f"this gateway has no copy of the files of adapter "
+                                f"{adapter.digest} to send to worker {worker.id}") from None
+        return await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}", files=parts,
+                                   headers=self.headers())
 
 
 class RemoteEngineClient(TextCodec):

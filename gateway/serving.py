@@ -24,7 +24,7 @@ from starlette.responses import Response
 from gateway.admission import Admission, admit
 from gateway.auth import authenticate_tenant
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
-from gateway.engine_client import (AdapterRef, CannotServe, EngineClient, EngineFailure,
+from gateway.engine_client import (AdapterDeleted, AdapterRef, CannotServe, EngineClient, EngineFailure,
                                    EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
                            invalid_request, model_not_found, quoted, refused_when_out_of_space,
@@ -209,10 +209,26 @@ async def _adapter_tier(state: GatewayState, adapter: AdapterRecord) -> Tier:
     if adapter.rank > engine.max_adapter_rank:
         raise _adapter_not_served(adapter, engine)
     folder = await adapter_folder(state, adapter)
-    return Tier(adapter.base_model, engine,
-                AdapterRef(adapter.digest, str(folder), adapter.rank), functools.partial(
-                    ensure_intact_copy, state.blobs, state.require_store().shared_blobs,
-                    adapter.digest))
+    return Tier(adapter.base_model, engine, AdapterRef(adapter.digest, str(folder), adapter.rank),
+                functools.partial(_ensure_intact_adapter, state, adapter))
+
+
+async def _ensure_intact_adapter(state: GatewayState, adapter: AdapterRecord) -> bool:
+    """Tier.ensure_intact_adapter: whether this gateway holds an intact copy of the adapter's
+    files now (see ensure_intact_copy); AdapterDeleted if they are gone because no adapter uses
+    them any more: the adapter was deleted while its call waited for the engine to read them."""
+    store = state.require_store()
+    if await ensure_intact_copy(state.blobs, store.shared_blobs, adapter.digest):
+        return True
+    try:
+        is_deleted = state.blobs.path(adapter.digest) is None \
+            and not await store.is_digest_referenced(adapter.digest)
+    except StoreError:  # cannot tell: the engine's failure stands
+        return False
+    if is_deleted:
+        raise AdapterDeleted(f"the adapter {quoted(adapter.name)} was deleted while this call "
+                             "waited to run; GET /v1/models lists the models you can use")
+    return False
 
 
 def _adapter_not_served(adapter: AdapterRecord, engine: EngineClient) -> ApiError:

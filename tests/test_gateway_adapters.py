@@ -882,6 +882,52 @@ class _CountingEngine:
         return self._engine.generate(*args, **kwargs)
 
 
+class _HeldEngine:
+    """`engine`, whose first request waits for `resume` once it has come (`arrived`)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.arrived, self.resume = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def generate(self, *args, **kwargs):
+        if not self.arrived.is_set():
+            self.arrived.set()
+            await asyncio.to_thread(self.resume.wait, 30)
+        async for chunk in self._engine.generate(*args, **kwargs):
+            yield chunk
+
+
+def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found(
+        demo_engine, adapters, tmp_path):
+    """A call admitted for an adapter the tenant deletes before the engine reads its files gets the
+    404 a call sent after the delete gets (it once got a 500 that clients retried), and the
+    engine is left with nothing of it."""
+    from tests.conftest import serve_gateway
+
+    engine = _HeldEngine(demo_engine)
+    with serve_gateway({DEMO_MODEL: engine}, tmp_path) as server:
+        key = server.new_tenant("deleting")
+        assert upload(server, key, "bot", unique_files(adapters["all-r8"])).status_code == 201
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(httpx.post, server.url + "/v1/completions", headers=auth(key),
+                               json={"model": "bot", "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+            assert engine.arrived.wait(30)
+            deleted = httpx.delete(server.url + "/v1/adapters/bot", headers=auth(key))
+            engine.resume.set()
+            reply = call.result()
+        stats = server.engine_metrics()
+    assert deleted.status_code == 200, deleted.text
+    assert reply.status_code == 404, reply.text
+    assert reply.json()["error"] == {
+        "message": "the adapter 'bot' was deleted while this call waited to run; GET /v1/models "
+                   "lists the models you can use", "type": "invalid_request_error", "param": "model",
+        "code": "model_not_found"}
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("restarted_on, still_listed, why_not", [
     ("narrow_engine", ["slim"], f"{DEMO_MODEL!r} is served here with --max-lora-rank "
                                 f"{NARROW_MAX_LORA_RANK}, so it cannot run: the operator must restart "

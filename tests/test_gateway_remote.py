@@ -951,6 +951,53 @@ def test_a_gateway_whose_copy_of_an_adapter_is_damaged_sends_the_stores_copy_ins
         f"{ADAPTERS_PATH}/{digest}"] * 2
 
 
+class _HoldingFirstGenerate:
+    """An ASGI app that holds the first generate request until `resume` is set, once it has come
+    (`arrived`)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.arrived, self.resume = threading.Event(), threading.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == GENERATE_PATH and not self.arrived.is_set():
+            self.arrived.set()
+            await asyncio.to_thread(self.resume.wait, 30)
+        await self.app(scope, receive, send)
+
+
+def test_a_call_whose_adapter_is_deleted_before_a_worker_has_its_files_is_not_found(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """The worker asks for the files of the call's adapter, deleted meanwhile: the call gets the
+    404 a call sent after the delete gets (sending the files it no longer had raised out of the
+    call: a 500 with a traceback)."""
+    held = None
+
+    def in_front(app) -> _HoldingFirstGenerate:
+        nonlocal held
+        held = _HoldingFirstGenerate(app)
+        return held
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo", in_front=in_front), \
+            serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                          load_tokenizer=lambda folder: None) as gateway, \
+            ThreadPoolExecutor(1) as pool:
+        key = gateway.new_tenant("acme")
+        upload(gateway, key, "tuned", demo_adapter(tmp_path / "adapter"))
+        call = pool.submit(httpx.post, gateway.url + "/v1/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "tuned", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert held.arrived.wait(30)
+        deleted = httpx.delete(gateway.url + "/v1/adapters/tuned",
+                               headers={"Authorization": f"Bearer {key}"})
+        held.resume.set()
+        reply = call.result()
+    assert deleted.status_code == 200, deleted.text
+    assert reply.status_code == 404, reply.text
+    assert reply.json()["error"]["message"].startswith("the adapter 'tuned' was deleted while this "
+                                                       "call waited to run")
+
+
 def test_workers_that_refuse_a_damaged_copy_at_once_each_get_the_stores(
         demo_engine, redis_url, tmp_path):  # noqa: F811
     folder = demo_adapter(tmp_path / "adapter")
