@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -13,6 +14,7 @@ from engine.demo import ensure_demo_model
 from engine.engine import LLMEngine, RequestOutput
 from engine.lora import LoraRequest
 from engine.request import SamplingParams, TokenLogprobs
+from store.blobs import digest_files
 
 
 @dataclass
@@ -28,6 +30,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine failed the request, when finish_reason is "error"
 
     def add(self, output: RequestOutput) -> None:
         self.output_token_ids.extend(output.new_token_ids)
@@ -38,6 +41,7 @@ class CompletionOutput:
         self.finish_reason = output.finish_reason
         self.stop_reason = output.stop_reason
         self.num_cached_tokens = output.num_cached_tokens
+        self.error = output.error
 
 
 class LLM:
@@ -59,6 +63,8 @@ class LLM:
         prompts; a sequence gives one per prompt."""
         sampling_params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)
         loras = _per_prompt(lora, LoraRequest, prompts)
+        for adapter in {a for a in loras if a is not None}:
+            _check_adapter_id(adapter)
         results: dict[str, CompletionOutput] = {}
         try:
             for prompt, params, adapter in zip(prompts, sampling_params, loras):
@@ -80,6 +86,20 @@ class LLM:
                 for output in self.engine.step():
                     results[output.request_id].add(output)
                     bar.update(int(output.finished))
+
+
+def _check_adapter_id(adapter: LoraRequest) -> None:
+    """ValueError unless the adapter's id is the digest of its files, as the engine requires (a
+    vLLM user names adapters freely): said now, with what to do, where the engine would fail
+    each of its requests as if the files were damaged."""
+    try:
+        digest = digest_files(Path(adapter.path))
+    except OSError:  # no such folder or files: the engine's loader says what is wrong (`error`)
+        return
+    if digest != adapter.adapter_id:
+        raise ValueError(f"the adapter id {adapter.adapter_id!r} is not the digest of the files in "
+                         f"{adapter.path} ({digest}); name an adapter by its files' digest: "
+                         "LoraRequest.of_folder(path)")
 
 
 def _per_prompt(value, single_type: type, prompts: Sequence) -> list:

@@ -8,12 +8,14 @@ kernels leave untouched.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from adapters.slots import SlotBuffers
 from kernels.sgmv import Segments, add_lora
+from store.blobs import digest_files
 
 
 class AdapterSlots(Protocol):
@@ -38,6 +40,12 @@ class LoraRequest:
 
     adapter_id: str
     path: str
+
+    @classmethod
+    def of_folder(cls, folder: str | Path) -> "LoraRequest":
+        """The request for the PEFT adapter in `folder`, its id the digest of its files (which the
+        engine checks them against as it loads them)."""
+        return cls(digest_files(Path(folder)), str(folder))
 
 
 @dataclass

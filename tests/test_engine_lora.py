@@ -144,6 +144,31 @@ def test_lora_request_on_an_engine_without_lora_is_refused(setup):
     assert not engine.has_unfinished_requests()
 
 
+def test_offline_generate_names_adapters_by_folder_and_says_why_a_request_failed(setup, tmp_path):
+    """LLM.generate: LoraRequest.of_folder names an adapter by its files, as the engine checks
+    them; an id named freely (as vLLM's LoRARequest takes) is refused at once, saying so (its
+    requests once failed as if the files were damaged, and the result said nothing of why)."""
+    from engine.llm import LLM
+
+    base, prompts, adapters, references = setup
+    llm = LLM(str(base), show_progress=False, lora=AdapterConfig(max_lora_rank=16))
+    folders = [adapters[0].path, adapters[1].path]
+    outputs = llm.generate(prompts[:2], greedy(), use_tqdm=False,
+                           lora=[LoraRequest.of_folder(f) for f in folders])
+    assert [o.output_token_ids for o in outputs] == [references[0][0], references[1][1]]
+    assert [o.error for o in outputs] == [None, None]
+    with pytest.raises(ValueError, match=r"the adapter id 'my-adapter' is not the digest of the files"
+                                         r" in .*: LoraRequest.of_folder\(path\)"):
+        llm.generate(prompts[:1], greedy(), use_tqdm=False,
+                     lora=LoraRequest("my-adapter", folders[0]))
+    assert not llm.engine.has_unfinished_requests()
+    missing = llm.generate(prompts[:1], greedy(), use_tqdm=False,
+                           lora=LoraRequest("0" * 64, str(tmp_path / "nothing-here")))[0]
+    assert missing.finish_reason == "error"
+    assert missing.error.startswith(f"adapter {'0' * 64} could not be loaded: ")
+    assert "nothing-here does not exist" in missing.error
+
+
 def test_an_adapter_that_fails_to_load_fails_only_its_request(setup, tmp_path):
     base, prompts, adapters, references = setup
     engine = lora_engine(base, num_load_threads=0)
