@@ -48,8 +48,11 @@ Loader = Callable[[str], Path]  # adapter digest -> folder holding its files
 
 @dataclass
 class AdapterCacheStats:
-    num_hits: int = 0  # acquires whose adapter was in a device slot before their request needed it
-    num_misses: int = 0  # acquires whose adapter was paged in for them, by acquire or by prefetch
+    # Counted acquires (a request's first: see acquire) whose adapter was in a device slot before
+    # their request needed it, and those whose adapter was paged in for them (by acquire or by
+    # prefetch).
+    num_hits: int = 0
+    num_misses: int = 0
     num_evictions: int = 0  # device slots taken from an idle adapter
     num_page_ins: int = 0  # copies into a device slot, by acquire or prefetch
     num_loads: int = 0  # adapters read from storage, validated and packed into the host tier
@@ -120,24 +123,28 @@ class AdapterCache:
         be admitted waits for a device slot, not for storage."""
         return adapter_id in self._promised or self._loaded(adapter_id) is not None
 
-    def acquire(self, adapter_id: str) -> int:
+    def acquire(self, adapter_id: str, counted: bool = True) -> int:
         """Pin the adapter in a device slot (paging it in if needed) and return the slot.
 
         Unless `can_acquire` said True just before, blocks on storage if the adapter is not loaded
         yet. Evicts the least recently used idle adapter if no slot is free. Raises
         AdapterValidationError for an adapter that cannot be served, leaving every tier as it was.
+        `counted`: whether it counts as a hit or a miss, which count requests: not for a request
+        admitted again after preemption (its adapter, released only just now, would mostly be a
+        hit, making the cache look better the more requests are preempted).
         """
         slot = self._resident.get(adapter_id)
+        is_hit = slot is not None and adapter_id not in self._paged_in_ahead
         if slot is None:
             packed = self._packed(adapter_id)
             slot, is_reused = self._take_slot()
-            self.stats.num_misses += 1
             self._page_in(adapter_id, slot, packed, wait_for_compute=is_reused)
-        elif adapter_id in self._paged_in_ahead:  # prefetch paged it in while this request waited
-            self._paged_in_ahead.remove(adapter_id)
-            self.stats.num_misses += 1
-        else:
-            self.stats.num_hits += 1
+        self._paged_in_ahead.discard(adapter_id)  # prefetch paged it in while this request waited
+        if counted:
+            if is_hit:
+                self.stats.num_hits += 1
+            else:
+                self.stats.num_misses += 1
         self._resident.move_to_end(adapter_id)
         self._refcounts[adapter_id] = self._refcounts.get(adapter_id, 0) + 1
         return slot

@@ -253,7 +253,8 @@ class Scheduler:
         if request.adapter_id is None:
             return True
         try:
-            request.lora_slot = self.adapter_slots.acquire(request.adapter_id)
+            request.lora_slot = self.adapter_slots.acquire(request.adapter_id,
+                                                           counted=request.num_preemptions == 0)
         except Exception as error:
             self._fail_adapter_requests(request.adapter_id, error)
             return False

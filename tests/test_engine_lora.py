@@ -352,6 +352,21 @@ def test_an_adapter_paged_in_while_its_request_waits_is_a_miss(setup):
     assert (engine.metrics().adapter_hits, engine.metrics().adapter_misses) == (1, 1)
 
 
+def test_hits_and_misses_count_requests_however_often_they_are_preempted(setup):
+    """A request preempted and admitted again acquires its adapter again: it once counted again,
+    as a hit (the adapter released only just now), so preemptions made the hit rate look better."""
+    base, prompts, adapters, references = setup
+    engine = lora_engine(base, dict(block_size=4, num_kv_blocks=14, max_num_seqs=4),
+                         max_gpu_adapters=1, num_load_threads=0)
+    for i in range(4):
+        engine.add_request(str(i), prompts[2], greedy(20), lora=adapters[0])
+    tokens, _ = _run_to_end(engine)
+    metrics = engine.metrics()
+    assert metrics.num_preemptions > 0
+    assert (metrics.adapter_hits, metrics.adapter_misses) == (3, 1)
+    assert all(t[:NUM_NEW_TOKENS] == references[0][2] for t in tokens.values())
+
+
 def test_loads_of_aborted_requests_stay_within_the_host_tier_and_idle_steps_wait(setup):
     """Requests aborted while their adapters load leave no load behind: host memory holds no more
     adapters than max_cpu_adapters, and an idle step still sleeps on the next load."""
@@ -493,10 +508,10 @@ def test_an_adapter_failing_at_admission_fails_its_requests_and_leaves_nothing_b
     cache = engine.adapter_cache
     acquire, broken = cache.acquire, adapters[0].adapter_id
 
-    def acquire_failing_for_broken(adapter_id):
+    def acquire_failing_for_broken(adapter_id, counted=True):
         if adapter_id == broken:
             raise RuntimeError("the page-in failed")
-        return acquire(adapter_id)
+        return acquire(adapter_id, counted)
 
     cache.acquire = acquire_failing_for_broken
     params = greedy()
