@@ -164,7 +164,8 @@ def _too_large(what_it_may_use: str, limit: str) -> ApiError:
 async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
                        estimated_spend_usd: float) -> ApiError:
     """The 429 for a call this month's budgets do not cover: what is left of them, and whether
-    calls in flight hold part of it (then it comes back as they finish, and a retry may pass)."""
+    calls in flight hold enough of them that the call would fit once they finish (a retry then
+    may pass; else none can, and the SDKs are told not to retry)."""
     usage = await store.get_usage(tenant.name)
     tokens_left, spend_left = budget_left(tenant, usage)
     left = []
@@ -176,11 +177,14 @@ async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
         left.append(f"{max(0.0, spend_left):.6f} of {tenant.monthly_spend_budget_usd} USD left "
                     f"({usage.spend_usd:.6f} spent, {usage.reserved_spend_usd:.6f} held by calls "
                     "in flight)")
+    # NOTE: what the holds give back is at most all of them (a call bills no more than it holds).
+    may_fit = (tokens_left + usage.reserved_tokens >= estimated_tokens
+               and spend_left + usage.reserved_spend_usd + SPEND_TOLERANCE_USD >= estimated_spend_usd)
     is_held = usage.reserved_tokens > 0 or usage.reserved_spend_usd > 0
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
         f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower max_tokens or n"
-        + (", retry once the calls in flight finish" if is_held else "")
+        + (", retry once the calls in flight finish" if is_held and may_fit else "")
         + ", or ask your administrator to raise the budget",
         type="insufficient_quota", code="insufficient_quota",
-        headers={"x-should-retry": "true" if is_held else "false"})
+        headers={"x-should-retry": "true" if is_held and may_fit else "false"})

@@ -35,6 +35,7 @@ from store import (
 )
 from gateway.admission import admit
 from gateway.auth import ensure_admin_key
+from gateway.errors import ApiError
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from store.redis import MAX_CONNECTIONS
@@ -622,6 +623,24 @@ async def test_an_admitted_call_keeps_its_hold_past_the_ttl_until_it_settles(sto
     await asyncio.sleep(0.3)  # a renewal would be due: nothing revives a settled hold
     usage = await store.get_usage("acme")
     assert (usage.reserved_tokens, usage.tokens_in, usage.tokens_out) == (0, 10, 20)
+
+
+@pytest.mark.parametrize("asked, retry", [(15, "true"), (56, "false")])
+async def test_an_over_budget_call_is_told_to_retry_only_if_the_holds_could_make_room(
+        store: Store, asked: int, retry: str) -> None:
+    """Calls in flight hold 1 of the 15 tokens left: a call of 15 may fit once they finish; one of
+    56 never can, and was told to retry (the SDKs then sent it again and again, in vain)."""
+    acme = await make_tenant(store, monthly_token_budget=100)
+    used = await admit(store, acme, 85)
+    await used.settle(25, 60, 0.0)
+    in_flight = await admit(store, acme, 1)
+    with pytest.raises(ApiError) as refused:
+        await admit(store, acme, asked)
+    await in_flight.settle(1, 0, 0.0)
+    assert (refused.value.status, refused.value.headers["x-should-retry"]) == (429, retry)
+    message = refused.value.body.error.message
+    assert ("retry once the calls in flight finish" in message) == (retry == "true")
+    assert "14 of 100 tokens left (85 used, 1 held by calls in flight)" in message
 
 
 async def test_usage_is_per_month(store: Store) -> None:
