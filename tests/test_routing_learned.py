@@ -144,3 +144,27 @@ def test_the_held_out_part_has_each_outcome_in_its_share_of_the_whole():
         assert sorted(holdout + training, key=examples.index) == examples
     _, report = train_router(examples, target_strong_share=0.3, epochs=5)
     assert not math.isnan(report.auc)
+
+
+def test_a_process_keeps_the_recent_scores_of_its_most_recently_routed_tenants_only():
+    """Each (route, tenant) window is kept while it is among the `max_windows` most recently used:
+    tenants deleted or made anew (a new incarnation) once kept theirs for the process's life."""
+    from types import SimpleNamespace
+
+    from routing.decide import MIN_RECENT, LearnedRouting
+
+    route = SimpleNamespace(name="auto", router=SimpleNamespace(settings=SimpleNamespace(threshold=0.5)),
+                            target_strong_share=0.5, recalibrate_window=100)
+    tenants = [SimpleNamespace(incarnation=f"t{i}", strong_share=None) for i in range(3)]
+    routing = LearnedRouting(max_windows=2)
+    scores = [0.01 * i for i in range(MIN_RECENT)]  # all below the router's threshold of 0.5
+    for score in scores:
+        first = routing.decide(route, tenants[0], score)
+    assert first.threshold == threshold_for_share(scores, 0.5)  # recalibrated on its window
+    routing.decide(route, tenants[1], 0.3)
+    assert routing.decide(route, tenants[0], 0.3).threshold != 0.5  # used last: kept
+    routing.decide(route, tenants[2], 0.3)  # a third window: the least recently used goes
+    assert routing.decide(route, tenants[0], 0.3).threshold != 0.5
+    routing.decide(route, tenants[1], 0.3)
+    routing.decide(route, tenants[2], 0.3)
+    assert routing.decide(route, tenants[0], 0.3).threshold == 0.5  # dropped: starts anew
