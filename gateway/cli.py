@@ -457,17 +457,23 @@ def _run_server(app: Callable, config: ServeConfig, sockets: list[socket.socket]
                                    timeout_graceful_shutdown=config.shutdown_timeout_s),
                     on_shutdown)
     logger.info("listening on %s", _base_url(config.host, sockets))
-    # NOTE: uvicorn shuts down gracefully on SIGTERM (what systemd, Docker and Kubernetes send)
-    # as on Ctrl-C, then raises the signal again; by default that would kill the process before
-    # the caller closes its engines, so here SIGTERM raises KeyboardInterrupt as Ctrl-C does.
-    default_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # NOTE: uvicorn shuts down gracefully on Ctrl-C and SIGTERM (what systemd, Docker and
+    # Kubernetes send) once it listens for them, then raises the signal again. Until then, and
+    # after, they are noted here: one that came first (while asyncio set up the loop, which would
+    # have cancelled the server unstarted, or lost the signal) stops the server as it starts,
+    # and the one raised again must not kill the process before the caller closes its engines.
+    def note(sig: int, frame: object) -> None:
+        server.early_signals.append(sig)
+
+    handlers = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=sockets)
-    except KeyboardInterrupt:  # raised again once the server has shut down gracefully
-        pass
     finally:
-        signal.signal(signal.SIGTERM, default_sigterm)
-    return 0 if server.started else 1
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        return 130 if server.early_signals else 1
+    return 0
 
 
 def _redis_problem(url: str | None) -> str | None:

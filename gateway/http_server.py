@@ -7,9 +7,10 @@ shutdown begins, so that gateways stop placing requests there while those in fli
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
 
@@ -36,6 +37,15 @@ class Server(uvicorn.Server):
                  on_shutdown: Callable[[], Awaitable[None]] | None = None):
         super().__init__(config)
         self._on_shutdown = on_shutdown
+        # Signals that came before uvicorn listened for them (see `run`): acted on once it does.
+        self.early_signals: list[int] = []
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            for sig in self.early_signals:
+                self.handle_exit(sig, None)
+            yield
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._on_shutdown is not None:

@@ -568,9 +568,34 @@ def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, 
                 break
     finally:
         process.send_signal(signal.SIGINT)  # in the seconds the model takes to load
-        _, stderr = process.communicate(timeout=30)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()  # it lost the signal: leave no server behind on the port
+            raise
     assert "Traceback" not in stderr, stderr
     assert process.returncode in (130, 0)  # 0: it had loaded, and shut down as a server does
+
+
+def test_ctrl_c_before_the_server_listens_for_it_stops_the_server_as_it_starts(
+        demo_model_dir, tmp_path, monkeypatch, caplog):
+    """A Ctrl-C while asyncio set up the server's loop, before uvicorn listened for signals,
+    cancelled the server unstarted (exit 1), or was lost and the server served on."""
+    from gateway.http_server import Server
+
+    real_run = Server.run
+
+    def run_after_a_ctrl_c(self, sockets=None):
+        signal.raise_signal(signal.SIGINT)
+        return real_run(self, sockets=sockets)
+
+    monkeypatch.setattr(Server, "run", run_after_a_ctrl_c)
+    with caplog.at_level(logging.INFO, logger="uvicorn.error"):
+        status = main(["serve", "--port", "0", "--data-dir", str(tmp_path),
+                       "--model", f"{DEMO_MODEL}={demo_model_dir}"])
+    assert status == 0
+    assert "Application startup complete." in caplog.text and "Shutting down" in caplog.text
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_help_gives_the_engine_s_own_defaults(capsys):
