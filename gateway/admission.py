@@ -177,14 +177,15 @@ async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
         left.append(f"{max(0.0, spend_left):.6f} of {tenant.monthly_spend_budget_usd} USD left "
                     f"({usage.spend_usd:.6f} spent, {usage.reserved_spend_usd:.6f} held by calls "
                     "in flight)")
-    # NOTE: what the holds give back is at most all of them (a call bills no more than it holds).
-    may_fit = (tokens_left + usage.reserved_tokens >= estimated_tokens
-               and spend_left + usage.reserved_spend_usd + SPEND_TOLERANCE_USD >= estimated_spend_usd)
     is_held = usage.reserved_tokens > 0 or usage.reserved_spend_usd > 0
+    # NOTE: what the holds give back is at most all of them (a call bills no more than it holds).
+    may_pass_later = is_held and (
+        tokens_left + usage.reserved_tokens >= estimated_tokens
+        and spend_left + usage.reserved_spend_usd + SPEND_TOLERANCE_USD >= estimated_spend_usd)
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
         f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower max_tokens or n"
-        + (", retry once the calls in flight finish" if is_held and may_fit else "")
+        + (", retry once the calls in flight finish" if may_pass_later else "")
         + ", or ask your administrator to raise the budget",
         type="insufficient_quota", code="insufficient_quota",
-        headers={"x-should-retry": "true" if is_held and may_fit else "false"})
+        headers={"x-should-retry": "true" if may_pass_later else "false"})
