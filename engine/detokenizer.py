@@ -13,6 +13,9 @@ from typing import Protocol
 
 # Tokens before the read offset that are decoded again for context (merges, leading spaces).
 _CONTEXT_TOKENS = 5
+# The prompt's last tokens read for a character its end leaves partway: its bytes are at most 3 of
+# 4, in as many tokens, and special tokens between them read as no bytes.
+_PROMPT_TAIL_TOKENS = 8
 
 
 class Tokenizer(Protocol):
@@ -44,6 +47,21 @@ class IncrementalDetokenizer:
         self.num_unread_chars_taken = 0
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
+        if token_bytes is not None and self._ends_partway(self.token_ids[-_PROMPT_TAIL_TOKENS:]):
+            self._start_at_the_prompts_partial_character()
+
+    def _start_at_the_prompts_partial_character(self) -> None:
+        """A prompt of token ids may end partway into a character, which the output's first
+        tokens may finish: the character is then the output's, shown whole (as vLLM's decode
+        stream). Reading past the prompt's whole text would drop it (its bytes decode to a U+FFFD
+        in the prompt's text, the whole character in the output's). So the prompt's last tokens
+        are read as output is, and the text they give is not output."""
+        prompt = self.token_ids
+        start = max(0, len(prompt) - _PROMPT_TAIL_TOKENS)
+        self.token_ids = prompt[:start]
+        self.prefix_offset, self.read_offset = max(0, start - _CONTEXT_TOKENS), start
+        self.add_tokens(prompt[start:], check_stop=False)
+        self.text = ""
 
     def add_tokens(self, new_token_ids: list[int], check_stop: bool = True, is_last: bool = False) -> None:
         """Decode new tokens into `self.text`; sets `stop_reason` when a stop string appears.
@@ -86,12 +104,15 @@ class IncrementalDetokenizer:
         if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
 
-    def _ends_partway(self) -> bool:
-        """Whether the decoded tokens may end partway into a character: their bytes end in the
-        start of one (which is what a window of tokens decoded to a trailing U+FFFD may be)."""
+    def _ends_partway(self, token_ids: list[int] | None = None) -> bool:
+        """Whether `token_ids` (the tokens decoded) may end partway into a character: their bytes
+        end in the start of one (which is what a window of tokens decoded to a trailing U+FFFD may
+        be)."""
         if self.token_bytes is None:
             return True
-        window = b"".join(self.token_bytes(t) for t in self.token_ids[self.prefix_offset:])
+        if token_ids is None:
+            token_ids = self.token_ids[self.prefix_offset:]
+        window = b"".join(self.token_bytes(t) for t in token_ids)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(window, final=False)
         return bool(decoder.getstate()[0])  # the bytes it holds for the rest of a character

@@ -170,3 +170,19 @@ def test_with_the_token_bytes_bytes_no_character_starts_with_are_final_at_once(a
 
     assert run(decoded_bytes_reader(any_tokenizer)) == (text, stop)
     assert run(None) == (text.rstrip("\ufffd"), None)
+
+
+def test_a_character_the_prompt_ends_partway_into_is_the_outputs_first(any_tokenizer):
+    """A prompt of token ids may stop partway into a character that the output finishes: the output
+    starts with it whole, never split (its bytes were read past with the prompt's text, and lost)."""
+    reader = decoded_bytes_reader(any_tokenizer)
+    head = any_tokenizer.encode("x")
+    ok = any_tokenizer.encode("ok", add_special_tokens=False)
+    detok = IncrementalDetokenizer(any_tokenizer, head + byte_ids(any_tokenizer, b"\xe4\xbd"),
+                                   token_bytes=reader)
+    deltas = []
+    for token in byte_ids(any_tokenizer, b"\xa0") + ok:
+        detok.add_tokens([token])
+        deltas.append(detok.take_delta(finished=False))
+    whole = head + byte_ids(any_tokenizer, "\u4f60".encode())
+    assert deltas[0] == "\u4f60" and "".join(deltas[1:]) == decoded_after(any_tokenizer, whole, ok)

@@ -234,6 +234,24 @@ def test_bytes_that_never_make_a_character_are_final_at_once(stray_byte_engine, 
     assert (result.deltas, result.stop_reason) == (deltas, stop_reason)
 
 
+@pytest.mark.parametrize("prompt_bytes", [b"\xe4", b"\xe4\xbd"])
+@pytest.mark.parametrize("params, text, stop_reason", [
+    (dict(), "\u4f60ok", None),
+    (dict(stop=["\u4f60o"]), "", "\u4f60o"),
+    (dict(stop=["k"]), "\u4f60o", "k"),
+])
+def test_a_character_a_token_id_prompt_ends_partway_into_is_the_outputs(
+        tmp_path_factory, prompt_bytes, params, text, stop_reason):
+    """The model finishes the prompt's "\u4f60" (0xE4 0xBD 0xA0): the output starts with it whole, as
+    vLLM's. It was lost: its bytes read as the prompt's U+FFFD, read past, then as the output's."""
+    written = [ord("Q"), *"\u4f60ok".encode(), EOS]
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path_factory.mktemp("split"))
+    engine = LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+    prompt = [ord("Q"), *prompt_bytes]
+    result = run(engine, {"r": (prompt, SamplingParams(temperature=0, **params))})["r"]
+    assert (result.text, result.stop_reason) == (text, stop_reason)
+
+
 @pytest.fixture(scope="module")
 def hf_demo(demo_model_dir):
     from transformers import AutoModelForCausalLM
