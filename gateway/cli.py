@@ -274,9 +274,11 @@ def _configure_logging(config: ServeConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # NOTE: httpx logs every request it sends at INFO: a second line per call to a worker or an
-    # upstream, beside the access log's own. Its warnings still show, and all of it at debug.
+    # upstream, beside the access log's own. torch logs its compiler caches' statistics at INFO as
+    # the process exits. Their warnings still show, and all of it at debug.
     if config.log_level.lower() != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        for chatty in ("httpx", "torch"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 def serve(config: ServeConfig) -> int:

@@ -667,13 +667,16 @@ def test_a_worker_leaves_the_gateway_s_variables_alone():
     assert (worker.admin_key, worker.metrics_key, worker.data_dir) == (None, None, Path("/srv/sb"))
 
 
-@pytest.mark.parametrize("level, httpx_level", [("info", logging.WARNING), ("debug", logging.NOTSET)])
-def test_the_http_client_logs_no_line_per_call_beside_the_access_log(level, httpx_level):
+@pytest.mark.parametrize("level, library_level", [("info", logging.WARNING), ("debug", logging.NOTSET)])
+@pytest.mark.parametrize("library", ["httpx", "torch"])
+def test_chatty_libraries_log_no_info_lines_unless_debugging(level, library, library_level):
+    """httpx logs a line per call to a worker or upstream, beside the access log; torch its compiler
+    caches' statistics as a server stopped early exits."""
     from gateway.cli import _configure_logging
-    client_logger = logging.getLogger("httpx")
+    library_logger = logging.getLogger(library)
     try:
-        client_logger.setLevel(logging.NOTSET)
+        library_logger.setLevel(logging.NOTSET)
         _configure_logging(ServeConfig(log_level=level))
-        assert client_logger.level == httpx_level
+        assert library_logger.level == library_level
     finally:
-        client_logger.setLevel(logging.NOTSET)
+        library_logger.setLevel(logging.NOTSET)
