@@ -46,15 +46,17 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     store = state.require_store()
     tenant = await authenticate_tenant(request, store, state.metrics_key_hash)
     catalog = state.catalog
+    # NOTE: as served now: with engine workers, models come and go while the adapters are read.
+    engines = dict(state.engines)
     cards = [ModelCard(id=name, created=state.started_at,
-                       max_model_len=state.engines[name].max_model_len)
+                       max_model_len=engines[name].max_model_len)
              for name in reachable_base_models(tenant, catalog)]
     for name in allowed_routes(tenant, catalog):
         route = state.routes[default_route(tenant, catalog) if name == AUTO else name]
         # NOTE: with engine workers, a route's models are served once their workers register.
         # A route runs a call on a tier that can hold it: it takes what its roomiest tier served
         # now does (none while none is).
-        lengths = [state.engines[m].max_model_len for m in route.tiers if m in state.engines]
+        lengths = [engines[m].max_model_len for m in route.tiers if m in engines]
         cards.append(ModelCard(id=name, created=state.started_at,
                                max_model_len=max(lengths) if lengths else None))
     # An adapter whose name a route or served model took since its upload is listed as the id
@@ -62,10 +64,10 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     # with here (since a restart) is left out: its calls get a 503 until the operator restarts
     # the server with a higher limit.
     taken = taken_names(catalog)
-    max_ranks = {name: engine.max_adapter_rank for name, engine in state.engines.items()}
+    max_ranks = {name: engine.max_adapter_rank for name, engine in engines.items()}
     cards += [ModelCard(id=adapter_model_id(a, taken), created=int(a.created_at),
                         owned_by=tenant.name, parent=a.base_model,
-                        max_model_len=state.engines[a.base_model].max_model_len)
+                        max_model_len=engines[a.base_model].max_model_len)
               for a in await visible_adapters(store, tenant, max_ranks)]
     return cards
 

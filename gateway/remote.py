@@ -162,7 +162,10 @@ class WorkerPool:
             await self.registry.mark_adapter_records_elsewhere(UNUSED_BLOB_S)
         self.internal_key = await self.registry.internal_key()
         records = await self.registry.workers()
-        self.seen = await self.registry.models_seen()
+        # NOTE: Redis forgets no model it was told of, unless it lost its data (restarted without
+        # persistence, or flushed): models seen before then are still served within the TTL of
+        # their last heartbeat, until their workers' next ones tell it again.
+        self.seen = {**self.seen, **await self.registry.models_seen()}
         for r in records:
             if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
                 self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)

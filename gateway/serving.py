@@ -315,6 +315,9 @@ class Call:
     created: int
     model: str  # what responses name: the requested model, or for a route the tier that answered
     answered_by: str  # the base model that answers, whose price applies
+    # Its engine: its tokens are the ones logprobs name. NOTE: held, not looked up by name when
+    # the answer is encoded: with engine workers the model may no longer be served by then.
+    engine: EngineClient
     tenant: Tenant
     target: Target
     generation: Generation
@@ -324,11 +327,6 @@ class Call:
     # A cascade passed over a tier it ran; a learned route's strong model answers.
     escalated: bool = False
     is_finished: bool = False
-
-    @property
-    def engine(self) -> EngineClient:
-        """The engine of the model that answers: its tokens are the ones logprobs name."""
-        return self.state.engines[self.answered_by]
 
     def usage(self) -> Usage:
         g = self.generation
@@ -503,8 +501,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(answered_by), arrived_at,
                             same_prompt_as)
-    call = Call(request, call_id, int(time.time()), model, answered_by, tenant, target, generation,
-                admission, state, attempts, escalated)
+    call = Call(request, call_id, int(time.time()), model, answered_by, tier.engine, tenant, target,
+                generation, admission, state, attempts, escalated)
     try:
         # A client that leaves while its requests wait for a batch slot or prefill takes them
         # back: they never run, nor are billed.

@@ -1260,6 +1260,72 @@ def test_gateways_agree_on_a_model_whose_workers_left_until_the_ttl_then_forget_
         "which this server does not serve; it serves no base model or route now")
 
 
+def test_a_redis_that_lost_its_data_leaves_worker_models_served_within_their_ttl(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A Redis restarted without persistence (or flushed) forgets every model until its workers'
+    next heartbeats: a gateway that saw one within the TTL still serves it, as it does one whose
+    workers all left (a 503 to retry while none is up). It once dropped them at once: calls got
+    404s, which clients do not retry, and the log said no heartbeat had come for the TTL."""
+    import redis
+
+    prompt = {"model": DEMO_MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+    with serve_gateway({}, tmp_path / "gateway", workers_url=redis_url,
+                       load_tokenizer=lambda folder: None, worker_model_ttl_s=600.0) as server:
+        key = server.new_tenant("caller")
+        headers = {"Authorization": f"Bearer {key}"}
+        with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "leaving"):
+            assert eventually(lambda: DEMO_MODEL in httpx.get(server.url + "/health").json()["models"])
+            served = httpx.post(server.url + "/v1/completions", headers=headers, json=prompt, timeout=30)
+        with redis.Redis.from_url(redis_url) as client:
+            client.flushall()
+        time.sleep(4 * DEFAULT_POLL_S)  # the gateway reads the emptied registry
+        after = [httpx.post(server.url + "/v1/completions", headers=headers, json=prompt, timeout=30)
+                 for _ in range(2)]  # the first one reads it too, finding no worker up
+        health = httpx.get(server.url + "/health").json()
+    assert served.status_code == 200, served.text
+    assert [(r.status_code, r.json()["error"]["code"]) for r in after] == [(503, "engine_unavailable")] * 2
+    assert (health["models"], health["unavailable_models"]) == ([DEMO_MODEL], [DEMO_MODEL])
+
+
+def test_a_call_whose_model_the_gateway_stops_serving_meanwhile_is_still_answered(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A worker leaves while answering a call, and the gateway stops serving the model (its TTL
+    passed) before the answer ends: the call still gets it, as billed (its logprobs once looked
+    the model up again by name: a 500 with a KeyError)."""
+    from tests.test_gateway_adapters import _HeldEngine
+
+    engine = _HeldEngine(demo_engine)
+    with serve_gateway({}, tmp_path / "gateway", workers_url=redis_url,
+                       load_tokenizer=lambda folder: None, worker_model_ttl_s=0.001) as server, \
+            ThreadPoolExecutor(2) as pool:
+        key = server.new_tenant("caller")
+
+        def served() -> list[str]:
+            return httpx.get(server.url + "/health").json()["models"]
+
+        def answer_once_not_served() -> bool:
+            not_served = eventually(lambda: DEMO_MODEL not in served())
+            engine.resume.set()
+            return not_served
+
+        with _serving_worker(engine, redis_url, tmp_path / "worker", "leaving", shutdown_timeout_s=30):
+            assert eventually(lambda: DEMO_MODEL in served())
+            call = pool.submit(httpx.post, server.url + "/v1/completions", timeout=60,
+                               headers={"Authorization": f"Bearer {key}"},
+                               json={"model": DEMO_MODEL, "prompt": [1, 2, 3], "max_tokens": 2,
+                                     "logprobs": 1})
+            assert engine.arrived.wait(30)
+            answering = pool.submit(answer_once_not_served)
+        # Leaving the block shut the worker down: it left the registry at once, and answered
+        # the call in flight once the gateway had stopped serving its model.
+        reply = call.result()
+        assert answering.result()
+        usage = server.admin("GET", "/admin/tenants/caller").json()["usage"]
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"][0]["logprobs"]["tokens"]) == 2
+    assert (usage["tokens_in"], usage["tokens_out"]) == (3, 2)
+
+
 class _StallingEngine:
     """`engine`, whose answers stop after `stall_after` tokens (0: before their first chunk) and
     wait there until they are aborted: calls still running when a worker's shutdown reaches its
