@@ -6,7 +6,9 @@ a streamed one on its first `prefix_tokens`, before any byte reaches the client,
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
 refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
-fallback. If the last tier fails too before its first token, the tier escalated past that was
+fallback; not one whose adapter cannot run (deleted while the call waited, or made for a model no
+longer served): the call asked for that adapter, so it ends as a call to it would. If the last
+tier fails too before its first token, the tier escalated past that was
 surest of its answer answers after all: that one is aborted only once a later tier answers.
 Tiers that cannot serve the call are left out (their context cannot hold the prompt and its
 answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.engine_client import EngineFailure, GenerationChunk, RequestRejected
+from gateway.engine_client import AdapterCannotRun, EngineFailure, GenerationChunk, RequestRejected
 from gateway.generation import Ask, Choice, Tier
 from routing.confidence import confidence
 from routing.routes import CascadeRoute
@@ -184,14 +186,14 @@ async def _first_chunks(tier: Tier, stream: AsyncIterator[GenerationChunk], num_
     """Collect the first `num_tokens` tokens of `tier`'s answer (all when None) into `chunks`;
     False, with the tier added to `attempts` (with `score` and `threshold`) and its request
     aborted, if its engine failed or refused the request (the next tier takes over). Raises what
-    else ended the wait (the client left), after the same."""
+    else ended the wait (the client left, the call's adapter cannot run), after the same."""
     try:
         await guard(_collect(stream, num_tokens, chunks))
         return True
     except BaseException as error:
         attempts.append(Attempt(tier.model, score, threshold, *_used(chunks)))
         await stream.aclose()  # aborts the engine request
-        if isinstance(error, (EngineFailure, RequestRejected)):
+        if isinstance(error, (EngineFailure, RequestRejected)) and not isinstance(error, AdapterCannotRun):
             return False
         raise
 

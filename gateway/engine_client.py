@@ -239,12 +239,17 @@ class DamagedAdapterCopy(EngineFailure):
     replace it: sent again, the request would fail the same way."""
 
 
-class AdapterDeleted(EngineFailure):
+class AdapterCannotRun(EngineFailure):
+    """The request's adapter, not its engine, is what cannot run: no other engine (a route's next
+    tier) answers in its place, as the call asked for the adapter."""
+
+
+class AdapterDeleted(AdapterCannotRun):
     """The request's adapter was deleted, and its files with it, before the engine read them:
     the request cannot run, and sent again it would name a model that no longer exists."""
 
 
-class AdapterUnusable(EngineFailure):
+class AdapterUnusable(AdapterCannotRun):
     """The request's adapter does not fit the model now served under its base model's name (the
     server was restarted on a model of other shapes): sent again, it would fail the same way
     until the adapter is uploaded again, made for the model served now."""

@@ -490,10 +490,12 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             streams, prompt_indices, same_prompt_as = _engine_streams(tier, ask, n, call_id,
                                                                       tenant.incarnation)
             escalated = False
-    except BaseException:  # only a route's tiers have used tokens yet; bill those
+    except BaseException as error:  # only a route's tiers have used tokens yet; bill those
         if target.route is not None:
             state.metrics.count_tier_calls(target.route.name, [a.model for a in attempts])
         await _bill(request, admission, tenant.name, _uses_of(state, attempts))
+        if isinstance(error, EngineFailure):  # the call's adapter cannot run (see cascade.py)
+            raise engine_failed(error) from None
         raise
     answered_by = tier.model
     if target.route is not None:

@@ -900,20 +900,26 @@ class _HeldEngine:
             yield chunk
 
 
+@pytest.mark.parametrize("model", ["bot", "fast:bot"])
 def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found(
-        demo_engine, adapters, tmp_path):
+        demo_engine, adapters, tmp_path, model):
     """A call admitted for an adapter the tenant deletes before the engine reads its files gets the
     404 a call sent after the delete gets (it once got a 500 that clients retried), and the
-    engine is left with nothing of it."""
+    engine is left with nothing of it. Through a route, no other tier answers instead (one did,
+    without the adapter, billed at its price)."""
+    from routing.routes import parse_routes
     from tests.conftest import serve_gateway
 
     engine = _HeldEngine(demo_engine)
-    with serve_gateway({DEMO_MODEL: engine}, tmp_path) as server:
+    engines = {DEMO_MODEL: engine, "large": demo_engine}
+    routes = parse_routes({"fast": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob",
+                                    "threshold": 0.0}}, engines)
+    with serve_gateway(engines, tmp_path, routes=routes) as server:
         key = server.new_tenant("deleting")
         assert upload(server, key, "bot", unique_files(adapters["all-r8"])).status_code == 201
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             call = pool.submit(httpx.post, server.url + "/v1/completions", headers=auth(key),
-                               json={"model": "bot", "prompt": PROMPT, "max_tokens": 2}, timeout=60)
+                               json={"model": model, "prompt": PROMPT, "max_tokens": 2}, timeout=60)
             assert engine.arrived.wait(30)
             deleted = httpx.delete(server.url + "/v1/adapters/bot", headers=auth(key))
             engine.resume.set()
