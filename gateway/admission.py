@@ -104,16 +104,20 @@ async def wait_for_settles(timeout_s: float) -> None:
 
 
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
-                estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S) -> Admission:
-    """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send."""
+                estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S,
+                max_tokens_param: str = "max_tokens") -> Admission:
+    """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send.
+    `max_tokens_param`: the field the call set its output's length with, which errors name."""
     budget, spend_budget = tenant.monthly_token_budget, tenant.monthly_spend_budget_usd
     if tenant.tpm is not None and estimated_tokens > tenant.tpm:
-        raise _too_large(f"use {estimated_tokens} tokens", f"limit is {tenant.tpm} tokens per minute")
+        raise _too_large(f"use {estimated_tokens} tokens", f"limit is {tenant.tpm} tokens per minute",
+                         max_tokens_param)
     if budget is not None and estimated_tokens > budget:
-        raise _too_large(f"use {estimated_tokens} tokens", f"monthly budget is {budget} tokens in all")
+        raise _too_large(f"use {estimated_tokens} tokens", f"monthly budget is {budget} tokens in all",
+                         max_tokens_param)
     if spend_budget is not None and estimated_spend_usd > spend_budget + SPEND_TOLERANCE_USD:
         raise _too_large(f"cost {estimated_spend_usd:.6f} USD",
-                         f"monthly budget is {spend_budget} USD in all")
+                         f"monthly budget is {spend_budget} USD in all", max_tokens_param)
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
         raise _rate_limited(tenant, decision)
@@ -121,7 +125,8 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                                              spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
     if reservation is None:
         await refund_rate(store, tenant, requests=1, tokens=estimated_tokens)
-        raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd)
+        raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd,
+                                 max_tokens_param)
     return Admission(store, tenant, reservation, hold_ttl_s)
 
 
@@ -154,15 +159,15 @@ def _rate_limited(tenant: Tenant, decision: RateDecision) -> ApiError:
                     headers={"Retry-After": str(wait)})
 
 
-def _too_large(what_it_may_use: str, limit: str) -> ApiError:
+def _too_large(what_it_may_use: str, limit: str, max_tokens_param: str) -> ApiError:
     """The 400 for a call that no wait would let through: larger than one of its tenant's limits."""
-    return ApiError(400, f"this request may {what_it_may_use} (prompt plus max_tokens for every "
-                    f"choice) but your {limit}; lower max_tokens or n, or shorten the prompt",
-                    param="max_tokens", code="request_too_large")
+    return ApiError(400, f"this request may {what_it_may_use} (prompt plus {max_tokens_param} for "
+                    f"every choice) but your {limit}; lower {max_tokens_param} or n, or shorten the "
+                    "prompt", param=max_tokens_param, code="request_too_large")
 
 
 async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
-                       estimated_spend_usd: float) -> ApiError:
+                       estimated_spend_usd: float, max_tokens_param: str) -> ApiError:
     """The 429 for a call this month's budgets do not cover: what is left of them, and whether
     calls in flight hold enough of them that the call would fit once they finish (a retry then
     may pass; else none can, and the SDKs are told not to retry)."""
@@ -184,7 +189,7 @@ async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
         and spend_left + usage.reserved_spend_usd + SPEND_TOLERANCE_USD >= estimated_spend_usd)
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
-        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower max_tokens or n"
+        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower {max_tokens_param} or n"
         + (", retry once the calls in flight finish" if may_pass_later else "")
         + ", or ask your administrator to raise the budget",
         type="insufficient_quota", code="insufficient_quota",

@@ -448,7 +448,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         limits = await _call_limits(state, tenant)
         if limits is not None:
             ask, readings = _fit_to_limits(state, target, ask, readings, n, *limits)
-    admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n))
+    admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n),
+                            max_tokens_param=ask.max_tokens_param)
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:

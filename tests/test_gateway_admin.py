@@ -293,6 +293,26 @@ def test_a_call_larger_than_the_whole_monthly_budget_is_a_bad_request(server):
     assert complete(server, key, max_tokens=90).status_code == 200
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_too_large_for_the_limits_names_the_field_it_set_its_length_with(server, field):
+    key = server.new_tenant(f"t{next(_names)}", tpm=60, monthly_token_budget=1000)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as too_large:
+        client.chat.completions.create(model=DEMO_MODEL, messages=messages, **{field: 100})
+    budgeted = client.with_options(api_key=server.new_tenant(f"t{next(_names)}",
+                                                             monthly_token_budget=100))
+    budgeted.chat.completions.create(model=DEMO_MODEL, messages=messages, max_tokens=50,
+                                     extra_body={"ignore_eos": True})
+    with pytest.raises(openai.RateLimitError) as over_budget:
+        budgeted.chat.completions.create(model=DEMO_MODEL, messages=messages, **{field: 50})
+    client.close()
+    assert (too_large.value.code, too_large.value.param) == ("request_too_large", field)
+    assert f"(prompt plus {field} for every choice)" in too_large.value.message
+    assert f"lower {field} or n" in too_large.value.message
+    assert f"lower {field} or n" in over_budget.value.message
+
+
 def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):
     # Left out, max_tokens is the rest of the context (thousands of tokens): rather than refuse
     # that for a tenant allowed 60 tokens a minute, the answers get what the limit leaves them.
