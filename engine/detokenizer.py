@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         self.num_unread_chars_taken = 0
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
-        if token_bytes is not None and self._ends_partway(self.token_ids[-_PROMPT_TAIL_TOKENS:]):
+        if token_bytes is not None and self._unfinished_character(self.token_ids[-_PROMPT_TAIL_TOKENS:]):
             self._start_at_the_prompts_partial_character()
 
     def _start_at_the_prompts_partial_character(self) -> None:
@@ -91,10 +91,13 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         unread_text = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)[len(prefix):]
-        is_incomplete = unread_text.endswith("\ufffd") and not is_last and self._ends_partway()
-        # A trailing U+FFFD that is a character whose bytes may still come: the whole characters
-        # before it are final (and may end a stop string), it is not.
-        final_text = unread_text.rstrip("\ufffd") if is_incomplete else unread_text
+        unfinished = b"" if is_last or not unread_text.endswith("\ufffd") else \
+            self._unfinished_character(self.token_ids[self.prefix_offset:])
+        is_incomplete = unfinished != b""
+        # A trailing U+FFFD that is a character whose bytes may still come: the characters before
+        # it are final (and may end a stop string), it is not.
+        final_text = self._before_unfinished_character(unread_text, unfinished) if is_incomplete \
+            else unread_text
         num_old_chars = len(self.text)
         self.text += final_text[self.num_unread_chars_taken:]
         self.num_unread_chars_taken = max(self.num_unread_chars_taken, len(final_text))
@@ -104,18 +107,31 @@ class IncrementalDetokenizer:
         if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
 
-    def _ends_partway(self, token_ids: list[int] | None = None) -> bool:
-        """Whether `token_ids` (the tokens decoded) may end partway into a character: their bytes
-        end in the start of one (which is what a window of tokens decoded to a trailing U+FFFD may
-        be)."""
+    def _unfinished_character(self, token_ids: list[int]) -> bytes | None:
+        """The bytes that `token_ids` end in of a character begun but not finished (which is what
+        tokens decoded to a trailing U+FFFD may end in): b"" when none, None when not known (no
+        token bytes)."""
         if self.token_bytes is None:
-            return True
-        if token_ids is None:
-            token_ids = self.token_ids[self.prefix_offset:]
-        window = b"".join(self.token_bytes(t) for t in token_ids)
+            return None
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(window, final=False)
-        return bool(decoder.getstate()[0])  # the bytes it holds for the rest of a character
+        decoder.decode(b"".join(self.token_bytes(t) for t in token_ids), final=False)
+        return decoder.getstate()[0]  # the bytes it holds for the rest of a character
+
+    def _before_unfinished_character(self, unread_text: str, unfinished: bytes | None) -> str:
+        """`unread_text` less the U+FFFDs that its `unfinished` character (see above) decodes to
+        for now. U+FFFDs before those, of bytes no character can be made of, are final."""
+        num_trailing = len(unread_text) - len(unread_text.rstrip("\ufffd"))
+        unread_bytes = b"" if unfinished is None else \
+            b"".join(self.token_bytes(t) for t in self.token_ids[self.read_offset:])
+        if unfinished is None or len(unfinished) > len(unread_bytes):
+            return unread_text[:len(unread_text) - num_trailing]
+        before = unread_bytes[:len(unread_bytes) - len(unfinished)].decode("utf-8", "replace")
+        num_final = len(before) - len(before.rstrip("\ufffd"))
+        # NOTE: a decoder may show a U+FFFD per byte where Python shows one per broken character
+        # (sentencepiece's byte fallback, for a run of byte pieces that is not UTF-8 as a whole,
+        # whose characters the unfinished one may still make whole): then none is final.
+        num_unfinished = num_trailing - num_final if num_trailing > num_final else num_trailing
+        return unread_text[:len(unread_text) - num_unfinished]
 
     def _check_stop(self, num_old_chars: int) -> None:
         """Find the earliest stop string that ends in the text after `num_old_chars`.

@@ -1,6 +1,10 @@
 """Incremental detokenization on the demo byte-level tokenizer, where characters span tokens."""
 
+import codecs
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.demo import build_byte_tokenizer
 from engine.detokenizer import IncrementalDetokenizer
@@ -186,3 +190,27 @@ def test_a_character_the_prompt_ends_partway_into_is_the_outputs_first(any_token
         deltas.append(detok.take_delta(finished=False))
     whole = head + byte_ids(any_tokenizer, "\u4f60".encode())
     assert deltas[0] == "\u4f60" and "".join(deltas[1:]) == decoded_after(any_tokenizer, whole, ok)
+
+
+# Bytes that start, continue, break and finish characters of every length, and a letter.
+_BYTES = [ord("a"), 0x80, 0xBF, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xED, 0xF0, 0x9F, 0x99, 0x82, 0xFF]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.lists(st.sampled_from(_BYTES), max_size=10), ends_on_stop_token=st.booleans())
+def test_byte_by_byte_the_text_is_what_the_tokenizer_decodes(tokenizer, data, ends_on_stop_token):
+    """Fed a byte a token, the text streamed is what decoding all of them gives. Ended by a stop
+    token (left out of the text: it may be the byte that would have finished a character), less
+    only the character its bytes leave unfinished: the U+FFFDs of bytes before it are final (one
+    was dropped with it when both ended the text)."""
+    prompt = tokenizer.encode("x")
+    detok = IncrementalDetokenizer(tokenizer, prompt, token_bytes=decoded_bytes_reader(tokenizer))
+    streamed = []
+    for i, token in enumerate(data):
+        detok.add_tokens([token], is_last=not ends_on_stop_token and i == len(data) - 1)
+        streamed.append(detok.take_delta(finished=False))
+    streamed.append(detok.take_delta(finished=True))
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(bytes(data), final=False)
+    shown = len(data) - len(decoder.getstate()[0]) if ends_on_stop_token else len(data)
+    assert "".join(streamed) == decoded_after(tokenizer, prompt, data[:shown])
