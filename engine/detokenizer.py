@@ -15,7 +15,7 @@ from typing import Protocol
 _CONTEXT_TOKENS = 5
 # The prompt's last tokens read for a character its end leaves partway: its bytes are at most 3 of
 # 4, in as many tokens, and special tokens between them read as no bytes.
-_PROMPT_TAIL_TOKENS = 8
+PROMPT_TAIL_TOKENS = 8
 
 
 class Tokenizer(Protocol):
@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         self.num_unread_chars_taken = 0
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
-        if token_bytes is not None and self._unfinished_character(self.token_ids[-_PROMPT_TAIL_TOKENS:]):
+        if token_bytes is not None and self._unfinished_character(self.token_ids[-PROMPT_TAIL_TOKENS:]):
             self._start_at_the_prompts_partial_character()
 
     def _start_at_the_prompts_partial_character(self) -> None:
@@ -57,7 +57,7 @@ class IncrementalDetokenizer:
         in the prompt's text, the whole character in the output's). So the prompt's last tokens
         are read as output is, and the text they give is not output."""
         prompt = self.token_ids
-        start = max(0, len(prompt) - _PROMPT_TAIL_TOKENS)
+        start = max(0, len(prompt) - PROMPT_TAIL_TOKENS)
         self.token_ids = prompt[:start]
         self.prefix_offset, self.read_offset = max(0, start - _CONTEXT_TOKENS), start
         self.add_tokens(prompt[start:], check_stop=False)

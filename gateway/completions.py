@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine.detokenizer import PROMPT_TAIL_TOKENS
 from gateway.engine_client import EngineClient, EngineFailure, TokenLogprob
 from gateway.errors import engine_failed, invalid_request
 from gateway.generation import Ask, Prompt
@@ -54,13 +55,13 @@ async def create_completion(request: Request) -> Response:
     stream = None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(call, name, include_usage, echo)
+        stream = _stream(call, ask, name, include_usage, echo)
 
     def whole() -> Completion:
         choices = []
         for c in call.generation.choices:
             text, entries = c.text, _entries(c.logprobs)
-            offsets = _text_offsets(call, echo, c.prompt_index).advance(t for t, _, _ in entries)
+            offsets = _text_offsets(call, ask, echo, c.prompt_index).advance(t for t, _, _ in entries)
             if echo is not None:
                 text, entries, offsets = echo.apply(
                     c.prompt_index, call.generation.prompt_logprobs(c.prompt_index), text, entries,
@@ -130,19 +131,31 @@ class TextOffsets:
 
     A special token adds nothing (the engine's text leaves it out) except in an echoed prompt,
     whose text spells it (see _prompt_offsets).
+
+    `after`: the prompt that the tokens counted follow, as the engine read it. A prompt of token
+    ids may end partway into a character, which the first tokens finish: the engine's text
+    starts with it whole (engine/detokenizer.py), so its bytes are begun here. A prompt of
+    special tokens alone shows no text: a tokenizer may then strip the leading space of the
+    first token that shows some (sentencepiece's decoder strips the text's).
     """
 
-    def __init__(self, engine: EngineClient, start: int = 0, *, in_prompt: bool = False):
+    def __init__(self, engine: EngineClient, start: int = 0, *, in_prompt: bool = False,
+                 after: Sequence[int] = ()):
+        self._engine = engine
         self._token_bytes = (lambda t: name_bytes(engine.token_text(t))) if in_prompt \
             else engine.text_bytes
         self.num_chars = start  # the text so far, without the bytes of a character begun
-        self._begun = b""  # the bytes of a character begun, which the next bytes may finish
+        # The bytes of a character begun, which the next bytes may finish.
+        self._begun = _decode_to_begun(b"".join(map(self._token_bytes, after[-PROMPT_TAIL_TOKENS:])))[1]
+        self._at_text_start = bool(after) and not any(map(self._token_bytes, after))
 
     def advance(self, token_ids: Iterable[int]) -> list[int]:
         """The offsets of the next tokens."""
         offsets = []
         for token_id in token_ids:
             data = self._token_bytes(token_id)
+            if data and self._at_text_start:
+                data, self._at_text_start = self._at_the_start(token_id, data), False
             # The last character these read as holds the token's first byte; any before it are
             # the begun bytes, broken by that byte.
             head = (self._begun + data[:1]).decode(errors="replace")
@@ -150,6 +163,13 @@ class TextOffsets:
             text, self._begun = _decode_to_begun(self._begun + data)
             self.num_chars += len(text)
         return offsets
+
+    def _at_the_start(self, token_id: int, data: bytes) -> bytes:
+        """The bytes of the first token that shows text, as it shows them at the text's start."""
+        if data.startswith(b" ") and not self._engine.detokenize(
+                [token_id], skip_special_tokens=True).startswith(" "):
+            return data[1:]
+        return data
 
     @property
     def num_chars_at_end(self) -> int:
@@ -168,9 +188,10 @@ def _decode_to_begun(data: bytes) -> tuple[str, bytes]:
     return (text + broken, b"") if len(broken) > 1 else (text, begun)
 
 
-def _text_offsets(call: Call, echo: Echo | None, prompt_index: int) -> TextOffsets:
+def _text_offsets(call: Call, ask: Ask, echo: Echo | None, prompt_index: int) -> TextOffsets:
     """The offsets of a choice's own tokens: after its echoed prompt, if any."""
-    return TextOffsets(call.engine, 0 if echo is None else len(echo.texts[prompt_index]))
+    return TextOffsets(call.engine, 0 if echo is None else len(echo.texts[prompt_index]),
+                       after=ask.prompts[prompt_index].tokens(call.engine))
 
 
 def _prompt_offsets(engine: EngineClient, token_ids: list[int], text: str) -> list[int]:
@@ -225,11 +246,11 @@ def _refuse_too_many_choices(num_prompts: int, n: int) -> None:
                               "fewer prompts per call", param="n")
 
 
-async def _stream(call: Call, name: Callable[[int], str] | None, include_usage: bool,
+async def _stream(call: Call, ask: Ask, name: Callable[[int], str] | None, include_usage: bool,
                   echo: Echo | None) -> AsyncIterator[bytes]:
     """One event per engine chunk that carries text, logprobs or the finish reason; with echo,
     each choice's first event starts with its prompt."""
-    counters = [_text_offsets(call, echo, c.prompt_index) for c in call.generation.choices]
+    counters = [_text_offsets(call, ask, echo, c.prompt_index) for c in call.generation.choices]
     echoed: set[int] = set()
     try:
         async for index, chunk in call.generation:

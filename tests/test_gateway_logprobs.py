@@ -192,6 +192,56 @@ def test_text_offsets_index_the_text_the_tokenizer_reads_for_any_bytes(seed):
     assert counter.num_chars_at_end == len(text)
 
 
+def test_text_offsets_after_a_prompt_that_shows_no_text_or_ends_partway_into_a_character():
+    """Where the engine's text starts otherwise than its tokens' bytes: without the leading space
+    that sentencepiece's decoder strips at the start of a text (after a prompt of special tokens
+    alone: offsets were a character too far), or with the character a prompt of token ids ends
+    partway into, which the first tokens finish (engine/detokenizer.py: offsets counted its
+    bytes' U+FFFDs)."""
+    tokenizer = sentencepiece_bpe()
+    sentencepiece = TextCodec(tokenizer)
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    bos = [tokenizer.bos_token_id]
+    for prompt in (bos, tokenizer.encode("Hi")):
+        text = sentencepiece.detokenize(prompt + hello * 3, skip_special_tokens=True)[
+            len(sentencepiece.detokenize(prompt, skip_special_tokens=True)):]
+        offsets = TextOffsets(sentencepiece, after=prompt).advance(hello * 3)
+        assert [text[offset:].lstrip(" ")[:5] for offset in offsets] == ["Hello"] * 3
+        assert offsets == ([0, 5, 11] if prompt == bos else [0, 6, 12])
+    byte_level = TextCodec(build_byte_tokenizer())
+    prompt = [ord("Q"), *"\u4f60".encode()[:2]]
+    assert TextOffsets(byte_level, after=prompt).advance([0xA0, ord("o"), ord("k")]) == [0, 1, 2]
+    assert TextOffsets(byte_level, start=2, after=prompt).advance([0xA0, ord("o")]) == [2, 3]
+
+
+def test_a_reply_finishing_the_character_its_token_id_prompt_ends_partway_into(tmp_path):
+    """The reply's text starts with the whole character; its tokens' offsets point into it, echoed
+    or not, whole or streamed."""
+    from engine.config import EngineConfig
+    from tests.helpers import save_successor_model
+
+    written = [ord("Q"), *"\u4f60ok".encode(), 257]  # then EOS
+    folder = save_successor_model(dict(zip(written, written[1:])), tmp_path / "model")
+    engine = LocalEngineClient.load(EngineConfig(model=str(folder), num_kv_blocks=16), show_progress=False)
+    kwargs = dict(model=DEMO_MODEL, prompt=[ord("Q"), 0xE4], max_tokens=6, temperature=0, logprobs=1)
+    try:
+        with serve_gateway({DEMO_MODEL: engine}, tmp_path / "gateway") as server:
+            key = server.new_tenant("partway")
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            replies = {echo: client.completions.create(echo=echo, **kwargs).choices[0]
+                       for echo in (False, True)}
+            streamed = streamed_logprobs(events(server, key, "/v1/completions", **kwargs, echo=True))
+    finally:
+        engine.close()
+    assert replies[False].text == "\u4f60ok"
+    assert replies[False].logprobs.text_offset == [0, 0, 1, 2, 3]  # 0xBD, 0xA0, "o", "k", EOS
+    assert replies[True].text == "Q\ufffd\u4f60ok"  # the prompt's text shows its lead byte
+    assert replies[True].logprobs.text_offset == [0, 1, 2, 2, 3, 4, 5]
+    streamed_text, streamed_fields = streamed
+    assert (streamed_text, streamed_fields["tokens"], streamed_fields["text_offset"]) == (
+        replies[True].text, replies[True].logprobs.tokens, replies[True].logprobs.text_offset)
+
+
 # Chat: bytes.
 
 def test_chat_bytes_are_each_token_s_own_and_join_into_the_reply(client, server, key):
