@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
         self.token_bytes = token_bytes
         self.token_ids = list(prompt_token_ids)
         self.read_offset = len(self.token_ids)
-        self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+        self.prefix_offset = self._context_start(self.read_offset)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
         self.holdback = max((len(s) for s in stop), default=1) - 1
@@ -59,9 +59,20 @@ class IncrementalDetokenizer:
         prompt = self.token_ids
         start = max(0, len(prompt) - PROMPT_TAIL_TOKENS)
         self.token_ids = prompt[:start]
-        self.prefix_offset, self.read_offset = max(0, start - _CONTEXT_TOKENS), start
+        self.prefix_offset, self.read_offset = self._context_start(start), start
         self.add_tokens(prompt[start:], check_stop=False)
         self.text = ""
+
+    def _context_start(self, end: int) -> int:
+        """Where the tokens decoded for context before token `end` start: _CONTEXT_TOKENS back, or
+        further to the last that shows text, where the token bytes say which do. A decoder may
+        strip the leading space of a text's start (sentencepiece's), which context of special
+        tokens alone (skipped) would look like: the first token after them lost its space."""
+        start = max(0, end - _CONTEXT_TOKENS)
+        if self.token_bytes is not None:
+            shows_text = next((i for i in range(end - 1, -1, -1) if self.token_bytes(self.token_ids[i])), 0)
+            start = min(start, shows_text)
+        return start
 
     def add_tokens(self, new_token_ids: list[int], check_stop: bool = True, is_last: bool = False) -> None:
         """Decode new tokens into `self.text`; sets `stop_reason` when a stop string appears.

@@ -214,3 +214,16 @@ def test_byte_by_byte_the_text_is_what_the_tokenizer_decodes(tokenizer, data, en
     decoder.decode(bytes(data), final=False)
     shown = len(data) - len(decoder.getstate()[0]) if ends_on_stop_token else len(data)
     assert "".join(streamed) == decoded_after(tokenizer, prompt, data[:shown])
+
+
+def test_a_token_after_a_prompt_ending_in_special_tokens_keeps_its_leading_space():
+    """Decoded with context of the skipped special tokens alone, sentencepiece's decoder took the
+    token for the text's start and stripped its space: " Hello" read "Hello"."""
+    tokenizer = sentencepiece_bpe()
+    reader = decoded_bytes_reader(tokenizer)
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    for prompt in (tokenizer.encode("Hi") + [tokenizer.eos_token_id] * 6, [tokenizer.bos_token_id]):
+        detok = IncrementalDetokenizer(tokenizer, prompt, token_bytes=reader)
+        detok.add_tokens(hello * 2)
+        assert detok.take_delta(finished=True) == decoded_after(tokenizer, prompt, hello * 2)
+    assert detok.text == "Hello Hello"  # at the text's start, as the tokenizer decodes it
