@@ -195,9 +195,11 @@ class ServeConfig:
                              "redis://host:port/0")
         if self.store not in (None, self.redis) and not self.store.startswith("sqlite://"):
             check_redis_url(self.store)  # NOTE: --redis, checked above, is often the store too
-        self.data_dir = Path(self.data_dir)
+        # NOTE: "~" expanded here, as for model paths: a shell leaves it as is in a config file,
+        # an environment variable set by a service manager, or after "=" in --data-dir=~/x.
+        self.data_dir = Path(self.data_dir).expanduser()
         if self.adapter_dir is not None:
-            self.adapter_dir = Path(self.adapter_dir)
+            self.adapter_dir = Path(self.adapter_dir).expanduser()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len",

@@ -51,10 +51,11 @@ async def open_store(url: str | None, data_dir: Path) -> Store:
     """Open the store named by `url`.
 
     None or "sqlite://" -> `<data_dir>/switchboard.db`; "sqlite:///abs/file.db" -> that file
-    ("sqlite://rel.db" is relative to `data_dir`); "redis://host:port/db" (or "rediss://") -> Redis.
+    ("sqlite://rel.db" is relative to `data_dir`, "sqlite://~/file.db" to the home folder);
+    "redis://host:port/db" (or "rediss://") -> Redis.
     """
     if url is None or url.startswith("sqlite://"):
-        path = (url or "sqlite://").removeprefix("sqlite://") or DEFAULT_SQLITE_NAME
+        path = Path((url or "sqlite://").removeprefix("sqlite://") or DEFAULT_SQLITE_NAME).expanduser()
         return await SqliteStore.open(data_dir / path)  # an absolute path replaces data_dir
     if url.startswith(("redis://", "rediss://", "unix://")):
         return await RedisStore.open(url)

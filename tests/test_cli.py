@@ -86,6 +86,11 @@ def test_command_line_beats_environment_beats_config_file(tmp_path):
     assert "lora" not in load_serve_config({"max_loras": 0}, None, {}).engine_options()
     defaults = load_serve_config({}, None, {})
     assert (defaults.host, defaults.port, defaults.data_dir) == ("127.0.0.1", 8000, Path("data"))
+    # "~" as a shell would expand it: no shell reads a config file or a service's environment.
+    config.write_text('data_dir = "~/sb"\nadapter_dir = "~/adapters"\n')
+    at_home = load_serve_config({}, config, {})
+    assert (at_home.data_dir, at_home.adapter_dir) == (Path.home() / "sb", Path.home() / "adapters")
+    assert load_serve_config({}, None, {"SWITCHBOARD_HOME": "~/x"}).data_dir == Path.home() / "x"
     assert defaults.model_paths() == {} and defaults.store is None and defaults.admin_key is None
 
 

@@ -673,12 +673,16 @@ async def test_concurrent_reservations_never_exceed_budget(
 # Opening.
 
 
-async def test_open_store_urls(tmp_path: Path) -> None:
+async def test_open_store_urls(tmp_path: Path, monkeypatch) -> None:
     default = await open_store(None, tmp_path)
     await default.close()
     relative = await open_store("sqlite://sub/x.db", tmp_path)
     await relative.close()
     assert (tmp_path / "switchboard.db").is_file() and (tmp_path / "sub" / "x.db").is_file()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    at_home = await open_store("sqlite://~/y.db", tmp_path / "data")
+    await at_home.close()
+    assert (tmp_path / "home" / "y.db").is_file()  # not in a folder named "~"
     with sqlite3.connect(tmp_path / "switchboard.db") as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     with pytest.raises(StoreError, match="unknown store URL 'postgres://x'"):
