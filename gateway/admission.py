@@ -17,7 +17,7 @@ import math
 from collections.abc import Coroutine
 
 from gateway.errors import ApiError
-from store import UNAVAILABLE_ERRORS, RateDecision, Reservation, Store, Tenant, refund_rate
+from store import UNAVAILABLE_ERRORS, RateDecision, Reservation, Store, StoreUnavailable, Tenant, refund_rate
 from store.limits import SPEND_TOLERANCE_USD, budget_left
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 # renews its hold every third of it, however long it runs, which also rides out a store outage
 # of up to two thirds of it.
 HOLD_TTL_S = 60.0
+# The waits between tries of a settle the store could not take for a while (another process held
+# SQLite's write lock past its wait, its volume was full), about a hold's TTL in all.
+SETTLE_RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
 class Admission:
@@ -73,14 +76,34 @@ class Admission:
         await asyncio.shield(task)
 
     async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
+        """NOTE: a settle refused with StoreUnavailable wrote nothing (SQLite rolled it back), so
+        it is tried again: a call that ended during another process's long write was answered,
+        and must be billed. Other failures (Redis down) may have written it: never twice."""
+        reservation = self._reservation
+        unbilled = (f"usage of tenant {reservation.tenant!r} for {reservation.month} is not billed: "
+                    f"{tokens_in} prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
         try:
-            await self._store.settle(self._reservation, tokens_in=tokens_in,
-                                     tokens_out=tokens_out, spend_usd=spend_usd)
-            unused = self._reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
-            if unused != 0:
-                await refund_rate(self._store, self._tenant, requests=0, tokens=unused)
+            for wait_s in (*SETTLE_RETRY_WAITS_S, None):
+                try:
+                    await self._store.settle(reservation, tokens_in=tokens_in,
+                                             tokens_out=tokens_out, spend_usd=spend_usd)
+                    break
+                except StoreUnavailable as error:
+                    if wait_s is None:
+                        raise
+                    logger.warning("could not settle a call of tenant %s (%s); trying again in %g s",
+                                   reservation.tenant, error, wait_s)
+                    await asyncio.sleep(wait_s)
         except Exception:  # the hold lapses on its own; billing must not fail the response
-            logger.exception("could not settle usage of tenant %s", self._reservation.tenant)
+            logger.exception("could not settle a call: %s", unbilled)
+            return
+        unused = reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
+        if unused != 0:
+            try:
+                await refund_rate(self._store, self._tenant, requests=0, tokens=unused)
+            except Exception:  # the bucket refills on its own
+                logger.exception("could not give tenant %s's tpm back %d tokens", reservation.tenant,
+                                 unused)
 
     async def _withdraw(self, refund_requests: bool) -> None:
         try:

@@ -2,6 +2,7 @@
 
 import asyncio
 import hashlib
+import logging
 import os
 import shutil
 import signal
@@ -906,6 +907,33 @@ async def test_sqlite_calls_locked_out_by_another_process_are_unavailable_after_
         other.execute("ROLLBACK")
         await store.ensure_writable()
         assert (await store.check_and_consume_rate(acme, now=T0)).allowed  # nothing was paid
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_billed_once_it_is_free(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its settle waits out the lock, and is tried again (it was tried once: the call, already
+    answered, went unbilled and its hold stayed until it lapsed)."""
+    store = await SqliteStore.open(tmp_path / "store.db")
+    other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
+    try:
+        acme = await make_tenant(store, tpm=1000, monthly_token_budget=100)
+        admission = await admit(store, acme, 100)
+        other.execute("BEGIN IMMEDIATE")  # a script's long write
+        with caplog.at_level(logging.WARNING, logger="gateway.admission"):
+            settling = asyncio.ensure_future(admission.settle(10, 20, 0.0))
+            await asyncio.sleep(LOCK_TIMEOUT_S + 0.3)  # its first try gave up
+            other.execute("ROLLBACK")
+            await asyncio.wait_for(settling, 10 * LOCK_TIMEOUT_S)
+        usage = await store.get_usage("acme")
+        assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (1, 10, 20, 0)
+        assert "could not settle a call of tenant acme" in caplog.text
+        assert "not billed" not in caplog.text
+        # tpm got back the 70 tokens held but not used: 30 of 1000 paid
+        assert (await store.check_and_consume_rate(acme, tokens=970)).allowed
     finally:
         other.close()
         await store.close()
