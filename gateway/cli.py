@@ -6,9 +6,9 @@ This is the one module of the gateway that builds engines (and so imports torch,
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import logging
-import errno
 import math
 import os
 import signal
@@ -301,7 +301,9 @@ def _load_and_serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
 
     models, upstreams = config.model_paths(), config.upstreams()
     if not models and not upstreams and config.redis is None:
-        models = _demo_model(config.data_dir)
+        models = _demo_model("serve", config.data_dir)
+        if models is None:
+            return 2
     prices = {e.name: Price(e.price_input, e.price_output) for e in config.model_entries()}
     try:
         # With workers, what they serve is known once the registry is read (create_app checks
@@ -381,7 +383,10 @@ def _load_and_run_worker(config: ServeConfig, sockets: list[socket.socket],
     from store.blobs import BlobStore
     from store.workers import WorkerRegistry
 
-    (name, path), = (config.model_paths() or _demo_model(config.data_dir)).items()
+    models = config.model_paths() or _demo_model("worker", config.data_dir)
+    if models is None:
+        return 2
+    (name, path), = models.items()
     logger.info("loading %s from %s", name, path)
     engine = _load_engine("worker", name, path, config)
     if engine is None:
@@ -566,11 +571,21 @@ def train_router_command(args: dict) -> int:
     return 0
 
 
-def _demo_model(data_dir: Path) -> dict[str, Path]:
+def _demo_model(command: str, data_dir: Path) -> dict[str, Path] | None:
+    """The demo model, written into the data folder on first use; None, once the error is
+    printed, where it cannot be written there."""
     from engine.demo import DEMO_NAME, ensure_demo_model
 
     # NOTE: the engine's own default when data_dir is $SWITCHBOARD_HOME, so both share one copy.
-    return {DEMO_NAME: ensure_demo_model(data_dir / DEMO_NAME)}
+    folder = data_dir / DEMO_NAME
+    try:
+        return {DEMO_NAME: ensure_demo_model(folder)}
+    except Exception as error:  # an OSError, or safetensors' own error for one
+        is_full = getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error)
+        print(f"switchboard {command}: --data-dir: cannot write the demo model to {folder} "
+              f"({error}): " + ("free disk space on that volume" if is_full else
+                                "the data folder must be writable"), file=sys.stderr)
+        return None
 
 
 def _print_admin_key(base_url: str, key: str) -> None:

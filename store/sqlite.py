@@ -18,6 +18,7 @@ sharing the file, within the TTL.
 """
 
 import asyncio
+import errno
 import logging
 import sqlite3
 import threading
@@ -113,6 +114,12 @@ class SqliteStore:
             if isinstance(error, sqlite3.OperationalError) and _is_busy(error):
                 raise store._locked() from error
             # NOTE: from None: the message holds the cause, and startup logs show only this.
+            if isinstance(error, sqlite3.OperationalError) and _is_full(error) \
+                    or getattr(error, "errno", None) == errno.ENOSPC:
+                # As the running store says (its SQLITE_IOERR too: a WAL's shared memory that
+                # cannot grow on a full volume reads "disk I/O error").
+                raise StoreError(f"cannot use {path} as the SQLite store ({error}): free disk space "
+                                 f"on the volume of {path.parent}") from None
             raise StoreError(f"cannot use {path} as the SQLite store: {error}") from None
         # NOTE: checkpoints run on the worker thread (see _count_inline_write).
         store._inline_conn.execute("PRAGMA wal_autocheckpoint=0")
@@ -554,7 +561,11 @@ def _connect(path: Path, lock_timeout_s: float) -> sqlite3.Connection:
     # each connection is used by one thread, but closed by whichever thread closes the store.
     conn = sqlite3.connect(path, isolation_level=None, timeout=lock_timeout_s,
                            check_same_thread=False)
-    conn.execute("PRAGMA synchronous=NORMAL")
+    try:
+        conn.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:  # a full volume fails even this: the files must not stay open
+        conn.close()
+        raise
     return conn
 
 

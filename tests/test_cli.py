@@ -26,6 +26,7 @@ from gateway.cli import main
 from gateway.config import ServeConfig, load_serve_config, parse_size
 from store import Usage, open_store
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
+from tests.helpers import fill_volume, small_volume
 from tests.processes import free_port
 from tests.redis_server import start_redis_server, stop_redis_server
 
@@ -432,6 +433,35 @@ def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(comman
     err = capsys.readouterr().err
     assert f"switchboard {command}: --data-dir: cannot make the folder {data}: " in err
     assert "Traceback" not in err and "cannot serve 'gone'" not in err
+
+
+def test_a_first_start_without_room_for_the_demo_model_says_to_free_disk_space(tmp_path, capsys):
+    """Its store fits on the volume, the demo model does not (it was a traceback, exit 1)."""
+    with small_volume(tmp_path / "volume", "4m") as volume:
+        assert main(["serve", "--data-dir", str(volume / "data"), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    demo = volume / "data" / DEMO_MODEL
+    assert f"switchboard serve: --data-dir: cannot write the demo model to {demo} (" in err
+    assert err.rstrip().endswith("): free disk space on that volume") and "Traceback" not in err
+
+
+def test_a_restart_on_a_full_volume_says_to_free_disk_space(tmp_path, capsys):
+    """SQLite opens its store there with "disk I/O error" (the WAL's shared memory cannot grow),
+    which the message once left at that, and the files stayed open."""
+    with small_volume(tmp_path / "volume", "4m") as volume:
+        data = volume / "data"
+        asyncio.run(_open_and_close(data))  # served before
+        filler = fill_volume(volume)
+        assert main(["serve", "--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(data)]) == 2
+        filler.unlink()
+    err = capsys.readouterr().err
+    assert f"switchboard serve: --data-dir: cannot use {data / 'switchboard.db'} as the SQLite store (" in err
+    assert f"): free disk space on the volume of {data}" in err
+
+
+async def _open_and_close(data_dir: Path) -> None:
+    store = await open_store(None, data_dir)
+    await store.close()
 
 
 @contextlib.contextmanager
