@@ -20,13 +20,16 @@ from gateway.state import gateway_state
 from store import (AlreadyExists, ApiKeyRecord, InvalidName, NotFound, Store, StoreError, Tenant,
                    Usage)
 from store.blobs import collect_garbage
+from store.limits import MIN_SPEND_BUDGET_USD
 from store.models import TENANT_SETTINGS, check_default_route_allowed
 
 
 # The bounds of a tenant's settings, for creating and updating one alike.
 # NOTE: at most 2^53, the largest integer a float holds exactly: rate buckets count in floats.
 _Limit = Annotated[int, msgspec.Meta(gt=0, le=2**53)]
-_SpendLimit = Annotated[float, msgspec.Meta(gt=0)]
+# NOTE: at least a micro-dollar: spend within SPEND_TOLERANCE_USD of a budget counts as at it, so
+# a budget below that was used up at $0, refusing every call, free ones too.
+_SpendLimit = Annotated[float, msgspec.Meta(ge=MIN_SPEND_BUDGET_USD)]
 _Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 _MONTH = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])")  # "YYYY-MM", as store.limits.month_of writes it
 

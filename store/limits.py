@@ -21,6 +21,7 @@ WINDOW_S = 60.0
 # error over it ($0.1 + $0.1 + $0.1 > $0.3): spend within this of the budget counts as at it. It is
 # far below a micro-dollar, so what it lets through is never worth a cent.
 SPEND_TOLERANCE_USD = 1e-9
+MIN_SPEND_BUDGET_USD = 1e-6  # a spend budget below it is all tolerance: used up at $0
 
 
 def now_or(now: float | None) -> float:

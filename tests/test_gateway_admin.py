@@ -104,6 +104,8 @@ def test_a_long_name_of_a_missing_tenant_or_key_is_cut_in_the_404(server):
     ({"name": "ok", "tpm": 10**400}, "tpm"),  # once accepted, then a 500 for each of its calls
     ({"name": "ok", "monthly_token_budget": 2**53 + 1}, "monthly_token_budget"),
     ({"name": "ok", "monthly_spend_budget_usd": 0}, "monthly_spend_budget_usd"),
+    # Within the rounding tolerance of $0, it refused every call, free ones too.
+    ({"name": "ok", "monthly_spend_budget_usd": 1e-9}, "monthly_spend_budget_usd"),
     ({"name": "ok", "strong_share": 2}, "strong_share"),
     ({"name": "ok", "max_adapter_bytes": 0}, "max_adapter_bytes"),
     ({"name": "ok", "max_adapter_bytes": 1.5}, "max_adapter_bytes"),
