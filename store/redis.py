@@ -58,7 +58,10 @@ REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutEr
 # someone gives Redis more memory or deletes some of its data, so retrying soon does not help.
 REDIS_FULL_ERRORS = (redis_errors.OutOfMemoryError,)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
-MAX_CONNECTIONS = 128  # per client; a call past them waits for one to come free
+# Per client; a call past them waits for one to come free. Redis answers one command at a time, so
+# more connections add no throughput; and a burst that opens many at once on a busy host sees some
+# of them time out connecting (after _TIMEOUT_S), each a 503: 128 did so on a loaded 2-core host.
+MAX_CONNECTIONS = 32
 # How long a call waits for a free pooled connection: a wait is load (a burst of calls on a busy
 # gateway holds them all), not Redis down, so it is not bounded by the Redis timeout; a Redis
 # that is down fails each call on its connection within that timeout.
