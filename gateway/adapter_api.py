@@ -188,19 +188,22 @@ async def _refuse_past_storage_limit(store: Store, tenant: Tenant, folder: Path)
     """A 403 for an upload whose files would take its tenant past max_adapter_bytes as the tenant
     stands now, before an engine reads them to check them and they are placed in the blob folder
     and Redis (where a large one could fill the store for every tenant, only to be taken out
-    again). Files that a record references already add nothing (maybe the tenant's own), so an
-    upload of those goes on. The store's check, in the record's write, still decides: uploads
-    in flight together pass this one each."""
+    again). Files the tenant stores already add nothing, so an upload of those goes on; files
+    only another tenant stores count in full, as the store's check counts them: waiving those
+    would tell the tenant, by a slower answer or another error, that someone stores them. The
+    store's check, in the record's write, still decides: uploads in flight together pass this
+    one each."""
     limit = tenant.max_adapter_bytes
     if limit is None:
         return
     size = sum((folder / name).stat().st_size for name in ADAPTER_FILES)
-    stored = await store.get_adapter_bytes(tenant.name)
-    if stored + size <= limit:
+    stored = await store.get_adapter_files(tenant.name)
+    stored_bytes = sum(stored.values())
+    if stored_bytes + size <= limit:
         return
     digest = await asyncio.to_thread(digest_files, folder)  # only an upload it may refuse
-    if not await store.is_digest_referenced(digest):
-        raise _storage_exceeded(AdapterStorageExceeded(tenant.name, stored, size, limit))
+    if digest not in stored:
+        raise _storage_exceeded(AdapterStorageExceeded(tenant.name, stored_bytes, size, limit))
 
 
 def _storage_exceeded(error: AdapterStorageExceeded) -> ApiError:

@@ -184,7 +184,7 @@ async def get_tenant(request: Request) -> Response:
         raise tenant_not_found(name)
     keys = [_key_info(k) for k in await store.list_keys(name)]
     return _json(TenantDetail(tenant=tenant, keys=keys, usage=await store.get_usage(name, month),
-                              adapter_bytes=await store.get_adapter_bytes(name)))
+                              adapter_bytes=sum((await store.get_adapter_files(name)).values())))
 
 
 def _month_param(request: Request) -> str | None:

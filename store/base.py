@@ -111,9 +111,10 @@ class Store(Protocol):
     async def list_adapters(self, tenant: str) -> list[AdapterRecord]:
         """The latest version of each of the tenant's adapters, sorted by name."""
 
-    async def get_adapter_bytes(self, tenant: str) -> int:
-        """The bytes of adapter files the tenant stores, as max_adapter_bytes counts them: over
-        every version of every adapter, each set of files (digest) once; 0 for no such tenant."""
+    async def get_adapter_files(self, tenant: str) -> dict[str, int]:
+        """{digest: size in bytes} of the adapter files the tenant stores, as max_adapter_bytes
+        counts them (store.limits.stored_files of every version of every adapter: each set of
+        files once; their sum is the tenant's stored bytes); {} for no such tenant."""
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
         """Delete every version of an adapter (NotFound if none) and return the removed records."""

@@ -391,9 +391,8 @@ class RedisStore:
                   for versions in await self._all_versions(tenant)]
         return [a for a in latest if a is not None]
 
-    async def get_adapter_bytes(self, tenant: str) -> int:
-        records = [a for versions in await self._all_versions(tenant) for a in versions]
-        return sum(stored_files(records).values())
+    async def get_adapter_files(self, tenant: str) -> dict[str, int]:
+        return stored_files([a for versions in await self._all_versions(tenant) for a in versions])
 
     async def _all_versions(self, tenant: str) -> list[list[AdapterRecord]]:
         """Every version of each of the tenant's adapters, the adapters sorted by name."""

@@ -430,8 +430,8 @@ class SqliteStore:
 
         return await self._on_worker(_READ, select)
 
-    async def get_adapter_bytes(self, tenant: str) -> int:
-        return await self._on_worker(_READ, lambda conn: sum(_stored_files(conn, tenant).values()))
+    async def get_adapter_files(self, tenant: str) -> dict[str, int]:
+        return await self._on_worker(_READ, lambda conn: _stored_files(conn, tenant))
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
         def delete(conn: sqlite3.Connection) -> list[AdapterRecord]:

@@ -454,6 +454,32 @@ def test_the_storage_limit_refuses_the_upload_that_crosses_it_and_keeps_nothing_
     assert server.admin("GET", f"/admin/tenants/{name}").json()["adapter_bytes"] == sizes[0] + sizes[2]
 
 
+def test_the_storage_limit_counts_files_that_only_another_tenant_stores(server, adapters,
+                                                                         monkeypatch):
+    """Files another tenant stores count in full, and the upload is refused before an engine
+    reads them: waived until the store's own check, they were checked and placed first, so a
+    slower answer, or a 503 with no engine up, told the tenant that someone stores them."""
+    files = unique_files(adapters["attn-r4"])
+    size = sum(len(data) for _, data in files.values())
+    assert upload(server, server.new_tenant(f"t{next(_names)}"), "theirs", files).status_code == 201
+    engine = server.app.state.gateway.engines[DEMO_MODEL]
+    checked, check = [], engine.check_adapter
+
+    async def counted_check(folder: str):
+        checked.append(folder)
+        return await check(folder)
+
+    monkeypatch.setattr(engine, "check_adapter", counted_check)
+    key = server.new_tenant(f"t{next(_names)}", max_adapter_bytes=size - 1)
+    refused = upload(server, key, "mine", files)
+    assert refused.status_code == 403, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "adapter_storage_exceeded"
+    assert "stores 0 bytes" in error["message"] and f"this upload adds {size}" in error["message"]
+    assert checked == []
+    assert httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"] == []
+
+
 def _shared_copies(server, request) -> list[bytes]:
     """The keys of every adapter's files in Redis (none without a Redis store)."""
     if server.app.state.gateway.store.shared_blobs is None:

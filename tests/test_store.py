@@ -329,7 +329,7 @@ async def test_the_adapter_storage_limit_counts_each_set_of_files_once(store: St
     await store.put_adapter_record(adapter("acme", "sql", DIGEST_A))
     await store.put_adapter_record(adapter("acme", "sql", DIGEST_B))
     await store.put_adapter_record(adapter("acme", "chat", DIGEST_A))  # files it stores: nothing
-    assert await store.get_adapter_bytes("acme") == 2468
+    assert await store.get_adapter_files("acme") == {DIGEST_A: 1234, DIGEST_B: 1234}
     with pytest.raises(AdapterStorageExceeded) as refused:
         await store.put_adapter_record(adapter("acme", "chat", DIGEST_C))
     error = refused.value
@@ -338,9 +338,10 @@ async def test_the_adapter_storage_limit_counts_each_set_of_files_once(store: St
     assert (await store.get_adapter("acme", "chat")).version == 1  # nothing of it was stored
     assert not await store.is_digest_referenced(DIGEST_C)
     await store.put_adapter_record(adapter("beta", "own", DIGEST_C))  # each tenant its own limit
-    assert (await store.get_adapter_bytes("beta"), await store.get_adapter_bytes("nobody")) == (1234, 0)
+    assert (await store.get_adapter_files("beta"), await store.get_adapter_files("nobody")) == (
+        {DIGEST_C: 1234}, {})
     await store.delete_adapter("acme", "sql")  # frees B; A stays, chat's
-    assert await store.get_adapter_bytes("acme") == 1234
+    assert await store.get_adapter_files("acme") == {DIGEST_A: 1234}
     assert (await store.put_adapter_record(adapter("acme", "chat", DIGEST_C))).version == 2
     # Past a limit lowered below what it stores, files it stores still add nothing; new ones do.
     await store.update_tenant("acme", {"max_adapter_bytes": 1})
@@ -364,7 +365,7 @@ async def test_concurrent_uploads_of_a_tenant_never_pass_its_storage_limit(
     stored = [o for o in outcomes if isinstance(o, AdapterRecord)]
     assert len(stored) == 2, outcomes
     assert all(isinstance(o, AdapterStorageExceeded) for o in outcomes if o not in stored), outcomes
-    assert await clients[1].get_adapter_bytes("acme") == 2 * 1234
+    assert sum((await clients[1].get_adapter_files("acme")).values()) == 2 * 1234
     for client in clients:
         await client.close()
 
