@@ -59,8 +59,10 @@ class Admission:
         """Bill the real counts, release the hold and leave the tpm bucket paid the tokens used:
         give it back those held for but not used, or pay those used beyond the hold. Runs as its
         own task, so a cancelled caller (a client that disconnected) still bills what was
-        generated."""
-        await self._finally(self._settle(tokens_in, tokens_out, spend_usd))
+        generated. Returns once billed, or once the store refused the first try: the tries after
+        it (see _settle) go on in that task, and must not hold back an answer that is ready."""
+        retrying = asyncio.Event()
+        await self._finally(self._settle(tokens_in, tokens_out, spend_usd, retrying), retrying)
 
     async def withdraw(self, *, refund_requests: bool) -> None:
         """End a call that used nothing: drop its hold, billing and counting nothing, and give
@@ -68,17 +70,30 @@ class Admission:
         was refused with an error, not left by its client)."""
         await self._finally(self._withdraw(refund_requests))
 
-    async def _finally(self, ending: Coroutine[None, None, None]) -> None:
-        self._renewal.cancel()
+    async def _finally(self, ending: Coroutine[None, None, None],
+                       done_waiting: asyncio.Event | None = None) -> None:
+        """Run `ending` in a task of its own, waiting for it to end or for `done_waiting`."""
         task = asyncio.create_task(ending)
         _pending.add(task)
+        # NOTE: the hold is renewed until the call is settled: one whose settle is retried while
+        # the store is locked must not free its budget for other calls meanwhile.
+        task.add_done_callback(lambda _: self._renewal.cancel())
         task.add_done_callback(_pending.discard)
-        await asyncio.shield(task)
+        if done_waiting is None:
+            await asyncio.shield(task)
+            return
+        waiting = asyncio.ensure_future(done_waiting.wait())
+        try:
+            await asyncio.shield(asyncio.wait((task, waiting), return_when=asyncio.FIRST_COMPLETED))
+        finally:
+            waiting.cancel()
 
-    async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
+    async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float,
+                      retrying: asyncio.Event) -> None:
         """NOTE: a settle refused with StoreUnavailable wrote nothing (SQLite rolled it back), so
-        it is tried again: a call that ended during another process's long write was answered,
-        and must be billed. Other failures (Redis down) may have written it: never twice."""
+        it is tried again (`retrying` set from then on): a call that ended during another
+        process's long write was answered, and must be billed. Other failures (Redis down) may
+        have written it: never twice."""
         reservation = self._reservation
         unbilled = (f"usage of tenant {reservation.tenant!r} for {reservation.month} is not billed: "
                     f"{tokens_in} prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
@@ -93,6 +108,7 @@ class Admission:
                         raise
                     logger.warning("could not settle a call of tenant %s (%s); trying again in %g s",
                                    reservation.tenant, error, wait_s)
+                    retrying.set()
                     await asyncio.sleep(wait_s)
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle a call: %s", unbilled)

@@ -34,7 +34,7 @@ from store import (
     open_store,
     refund_rate,
 )
-from gateway.admission import admit
+from gateway.admission import admit, wait_for_settles
 from gateway.auth import ensure_admin_key
 from gateway.errors import ApiError
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
@@ -921,7 +921,8 @@ async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_bill
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its settle waits out the lock, and is tried again (it was tried once: the call, already
-    answered, went unbilled and its hold stayed until it lapsed)."""
+    answered, went unbilled and its hold stayed until it lapsed). The tries after the first go
+    on in the background: the call's answer, ready, went out only once the lock was free."""
     store = await SqliteStore.open(tmp_path / "store.db")
     other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
     try:
@@ -929,10 +930,11 @@ async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_bill
         admission = await admit(store, acme, 100)
         other.execute("BEGIN IMMEDIATE")  # a script's long write
         with caplog.at_level(logging.WARNING, logger="gateway.admission"):
-            settling = asyncio.ensure_future(admission.settle(10, 20, 0.0))
-            await asyncio.sleep(LOCK_TIMEOUT_S + 0.3)  # its first try gave up
+            # Returns, the lock still held, once its first try gave up.
+            await asyncio.wait_for(admission.settle(10, 20, 0.0), 10 * LOCK_TIMEOUT_S)
+            assert (await store.get_usage("acme")).reserved_tokens == 100  # held while it retries
             other.execute("ROLLBACK")
-            await asyncio.wait_for(settling, 10 * LOCK_TIMEOUT_S)
+            await wait_for_settles(10 * LOCK_TIMEOUT_S)
         usage = await store.get_usage("acme")
         assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (1, 10, 20, 0)
         assert "could not settle a call of tenant acme" in caplog.text
