@@ -494,7 +494,9 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     except BaseException as error:  # only a route's tiers have used tokens yet; bill those
         if target.route is not None:
             state.metrics.count_tier_calls(target.route.name, [a.model for a in attempts])
-        await _bill(request, admission, tenant.name, _uses_of(state, attempts))
+        # An EngineFailure is a refusal (its adapter cannot run), as for a call to the adapter.
+        await _bill(request, admission, tenant.name, _uses_of(state, attempts),
+                    refused=isinstance(error, EngineFailure))
         if isinstance(error, EngineFailure):  # the call's adapter cannot run (see cascade.py)
             raise engine_failed(error) from None
         raise

@@ -931,8 +931,9 @@ def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found
         demo_engine, adapters, tmp_path, model):
     """A call admitted for an adapter the tenant deletes before the engine reads its files gets the
     404 a call sent after the delete gets (it once got a 500 that clients retried), and the
-    engine is left with nothing of it. Through a route, no other tier answers instead (one did,
-    without the adapter, billed at its price)."""
+    engine is left with nothing of it, nor is its tenant's rpm (a refused call is not counted).
+    Through a route, no other tier answers instead (one did, without the adapter, billed at its
+    price), nor is rpm counted (it was, as for a call its client left)."""
     from routing.routes import parse_routes
     from tests.conftest import serve_gateway
 
@@ -941,7 +942,7 @@ def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found
     routes = parse_routes({"fast": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob",
                                     "threshold": 0.0}}, engines)
     with serve_gateway(engines, tmp_path, routes=routes) as server:
-        key = server.new_tenant("deleting")
+        key = server.new_tenant("deleting", rpm=3)
         assert upload(server, key, "bot", unique_files(adapters["all-r8"])).status_code == 201
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             call = pool.submit(httpx.post, server.url + "/v1/completions", headers=auth(key),
@@ -951,6 +952,11 @@ def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found
             engine.resume.set()
             reply = call.result()
         stats = server.engine_metrics()
+        # The upload used one of its 3 requests a minute; the refused call none.
+        for _ in range(2):
+            base = httpx.post(server.url + "/v1/completions", headers=auth(key), timeout=60,
+                              json={"model": DEMO_MODEL, "prompt": PROMPT, "max_tokens": 1})
+            assert base.status_code == 200, base.text
     assert deleted.status_code == 200, deleted.text
     assert reply.status_code == 404, reply.text
     assert reply.json()["error"] == {
