@@ -144,9 +144,10 @@ async def wait_for_settles(timeout_s: float) -> None:
 
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                 estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S,
-                max_tokens_param: str = "max_tokens") -> Admission:
+                max_tokens_param: str | None = "max_tokens") -> Admission:
     """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send.
-    `max_tokens_param`: the field the call set its output's length with, which errors name."""
+    `max_tokens_param`: the field the call set its output's length with, which errors name; None
+    for a call whose answers were cut to one token each, the least it can use."""
     budget, spend_budget = tenant.monthly_token_budget, tenant.monthly_spend_budget_usd
     if tenant.tpm is not None and estimated_tokens > tenant.tpm:
         raise _too_large(f"use {estimated_tokens} tokens", f"limit is {tenant.tpm} tokens per minute",
@@ -198,15 +199,19 @@ def _rate_limited(tenant: Tenant, decision: RateDecision) -> ApiError:
                     headers={"Retry-After": str(wait)})
 
 
-def _too_large(what_it_may_use: str, limit: str, max_tokens_param: str) -> ApiError:
+def _too_large(what_it_may_use: str, limit: str, max_tokens_param: str | None) -> ApiError:
     """The 400 for a call that no wait would let through: larger than one of its tenant's limits."""
+    if max_tokens_param is None:
+        return ApiError(400, f"this request may {what_it_may_use} (prompt plus one output token "
+                        f"for every choice, the least it can use) but your {limit}; lower n or "
+                        "shorten the prompt", code="request_too_large")
     return ApiError(400, f"this request may {what_it_may_use} (prompt plus {max_tokens_param} for "
                     f"every choice) but your {limit}; lower {max_tokens_param} or n, or shorten the "
                     "prompt", param=max_tokens_param, code="request_too_large")
 
 
 async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
-                       estimated_spend_usd: float, max_tokens_param: str) -> ApiError:
+                       estimated_spend_usd: float, max_tokens_param: str | None) -> ApiError:
     """The 429 for a call this month's budgets do not cover: what is left of them, and whether
     calls in flight hold enough of them that the call would fit once they finish (a retry then
     may pass; else none can, and the SDKs are told not to retry)."""
@@ -228,7 +233,8 @@ async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
         and spend_left + usage.reserved_spend_usd + SPEND_TOLERANCE_USD >= estimated_spend_usd)
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
-        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower {max_tokens_param} or n"
+        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower "
+        + (f"{max_tokens_param} or n" if max_tokens_param is not None else "n")
         + (", retry once the calls in flight finish" if may_pass_later else "")
         + ", or ask your administrator to raise the budget",
         type="insufficient_quota", code="insufficient_quota",

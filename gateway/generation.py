@@ -101,6 +101,14 @@ class Ask:
                 "logprobs": self.logprobs_param,
                 "prompt_logprobs": "echo"}.get(error.param, error.param)
 
+    def length_param(self) -> str | None:
+        """The field that sets how long the answers may be, which admission's refusals advise
+        lowering: max_tokens as the call named it; for a call that left it out (its answers are
+        fitted to its tenant's limits), min_tokens when set, else None (one token is the least)."""
+        if self.max_tokens is not None:
+            return self.max_tokens_param
+        return "min_tokens" if self.options.min_tokens > 1 else None
+
     def read(self, tier: Tier) -> list[Reading]:
         """Each prompt as `tier` reads it, with the options of its answer there. OptionNotServed,
         before any prompt is tokenized, if the tier does not serve the options; RequestRejected

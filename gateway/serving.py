@@ -449,7 +449,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         if limits is not None:
             ask, readings = _fit_to_limits(state, target, ask, readings, n, *limits)
     admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n),
-                            max_tokens_param=ask.max_tokens_param)
+                            max_tokens_param=ask.length_param())
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:
@@ -610,8 +610,9 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
     `tokens` and `spend_usd` (the tenant's tpm and what its monthly budgets have left; they end
     with finish_reason "length"), rather than refused for holding the rest of the context.
     Unchanged when it fits already; when it cannot fit at all, the least call (one token per
-    answer), so that admission says what the tenant lacks (its budget is used up), rather than
-    that the rest of the context is more than it may ever hold."""
+    answer, or min_tokens), so that admission says what the tenant lacks (its budget is used up),
+    rather than that the rest of the context is more than it may ever hold. Never shortened below
+    min_tokens: the engine would refuse that for a max_tokens the call did not send."""
     def capped(cap: int) -> list[list[Reading] | None]:
         return [None if reading is None else
                 [(p, msgspec.structs.replace(o, max_tokens=min(o.max_tokens, cap))) for p, o in reading]
@@ -622,11 +623,12 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
         return held_tokens <= tokens and held_spend <= spend_usd
 
     longest = max(o.max_tokens for reading in readings if reading for _, o in reading)
+    least = min(longest, max(1, ask.options.min_tokens))
     if fits(longest):
         return ask, readings
-    if not fits(1):
-        return dataclasses.replace(ask, implicit_max_tokens=1), capped(1)
-    low, high = 1, longest  # fits(low) and not fits(high)
+    if not fits(least):
+        return dataclasses.replace(ask, implicit_max_tokens=least), capped(least)
+    low, high = least, longest  # fits(low) and not fits(high)
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)

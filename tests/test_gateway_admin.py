@@ -331,6 +331,28 @@ def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):
     client.close()
 
 
+def test_a_chat_without_max_tokens_too_large_for_the_limits_says_what_it_may_lower(server):
+    """Its answers cut to the least they can be, the refusal names what sets that least, not a
+    max_tokens the call never sent: min_tokens (the engine refused it as more than max_tokens),
+    else nothing but n and the prompt."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.new_tenant(
+        f"t{next(_names)}", tpm=60), max_retries=0)
+    with pytest.raises(openai.BadRequestError) as min_tokens:
+        client.chat.completions.create(model=DEMO_MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"min_tokens": 100})
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.chat.completions.create(model=DEMO_MODEL,
+                                       messages=[{"role": "user", "content": "hi " * 100}])
+    client.close()
+    assert (min_tokens.value.code, min_tokens.value.param) == ("request_too_large", "min_tokens")
+    assert "(prompt plus min_tokens for every choice)" in min_tokens.value.message
+    assert "limit is 60 tokens per minute; lower min_tokens or n" in min_tokens.value.message
+    assert (long_prompt.value.code, long_prompt.value.param) == ("request_too_large", None)
+    assert "(prompt plus one output token for every choice, the least it can use)" in \
+        long_prompt.value.message
+    assert "max_tokens" not in long_prompt.value.message
+
+
 def test_a_chat_without_max_tokens_is_shortened_to_what_the_monthly_budget_leaves(server):
     name = f"t{next(_names)}"
     key = server.new_tenant(name, monthly_token_budget=50)
@@ -343,6 +365,7 @@ def test_a_chat_without_max_tokens_is_shortened_to_what_the_monthly_budget_leave
     with pytest.raises(openai.RateLimitError) as raised:
         client.chat.completions.create(model=DEMO_MODEL, messages=messages)
     assert raised.value.body["code"] == "insufficient_quota"
+    assert "USD: lower n, or ask your administrator" in raised.value.message  # it set no max_tokens
     usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
     assert (usage["tokens_in"] + usage["tokens_out"], usage["reserved_tokens"]) == (50, 0)
     client.close()
