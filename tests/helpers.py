@@ -105,12 +105,14 @@ def save_successor_model(successors: dict[int, int], folder: Path, tokenizer=Non
 
 def hf_greedy(model, prompt: list[int], num_tokens: int, **options) -> tuple[list[int], torch.Tensor]:
     """transformers' own greedy continuation of one prompt and the raw logits of every generated
-    step; `options` go to generate (logits processors, penalties)."""
+    step, going on past EOS as the engine does with ignore_eos; `options` go to generate (logits
+    processors, penalties)."""
     input_ids = torch.tensor([prompt])
     with torch.no_grad():
-        # NOTE: an explicit mask: without one, generate reads every pad_token_id in the prompt as padding.
+        # NOTE: an explicit mask: without one, generate reads every pad_token_id in the prompt as
+        # padding. No EOS rather than min_new_tokens, which would keep EOS from being picked.
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=num_tokens,
-                             min_new_tokens=num_tokens, do_sample=False, output_logits=True,
+                             eos_token_id=None, do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0, **options)
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()  # [n, vocab]
 
