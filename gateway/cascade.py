@@ -14,7 +14,8 @@ Tiers that cannot serve the call are left out (their context cannot hold the pro
 answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
 are those whose engine cannot take it now (no worker of their model is up): the last tier that
 can is the one that answers whatever its score; so does the first that can when the call only
-scores its prompt (echo with max_tokens 0), as there is no answer to judge. Each tier reads the
+scores its prompt (echo with max_tokens 0), as there is no answer to judge (the next, if its engine
+fails or refuses it before its first token). Each tier reads the
 prompt with its own tokenizer (gateway/generation.py Ask), so a route may mix local models and
 upstreams.
 
@@ -78,7 +79,8 @@ async def run_cascade(route: CascadeRoute, steps: list[tuple[int, Tier]], ask: A
             # would end a call that an earlier tier could answer with a 400, after billing that
             # tier. A call that only scores its prompt has no answer to judge: the first tier
             # gives it.
-            answers_whatever = step == steps[-1][0] or ask.scores_prompt_only
+            is_last = step == steps[-1][0]
+            answers_whatever = is_last or ask.scores_prompt_only
             threshold = None if answers_whatever else route.threshold(step)
             [(prompt, options)] = ask.read(tier)
             if threshold is not None:  # judged on its logprobs
@@ -87,15 +89,18 @@ async def run_cascade(route: CascadeRoute, steps: list[tuple[int, Tier]], ask: A
                                   tenant=tenant)
             chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
             if threshold is None:
-                # With a tier passed over to fall back on, this one must start first: if it
-                # fails before its first token (its model's last worker just went down), the
-                # call is that tier's, rather than an error after billing it.
-                if fallback is None or await _first_chunks(tier, stream, 1, chunks, attempts,
-                                                           None, None, guard):
+                # Unless it is the last tier with none passed over to fall back on, this one
+                # must start first: if it fails before its first token (its model's last worker
+                # just went down), the call is the tier's held, or the next tier scores it (one
+                # that only scores its prompt), rather than an error after billing the others.
+                if (is_last and fallback is None) or await _first_chunks(
+                        tier, stream, 1, chunks, attempts, None, None, guard):
                     attempts.append(Attempt(tier.model, None, None, 0, 0))  # counted when it finishes
                     return CascadeOutcome(tier, _replay(chunks, stream))
-                outcome, fallback = fallback.answer(attempts), None
-                return outcome
+                if fallback is not None:
+                    outcome, fallback = fallback.answer(attempts), None
+                    return outcome
+                continue  # a call that only scores its prompt: the next tier scores it
             limit = route.prefix_tokens if streamed else None
             if not await _first_chunks(tier, stream, limit, chunks, attempts, None, threshold,
                                       guard):

@@ -278,6 +278,22 @@ def test_a_call_that_only_scores_its_prompt_is_answered_by_the_first_tier(routed
         cost("small", 8, usage["tokens_out"]))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_call_that_only_scores_its_prompt_goes_to_the_next_tier_if_the_first_fails(
+        routed, engines, stream):
+    """As any call does: it got the first tier's error (a 500), the next tier never asked."""
+    name, key = new_tenant(routed)
+    engines["small"].fail = True
+    response = complete(routed, key, "hard one", echo=True, max_tokens=0, stream=stream)
+    assert response.status_code == 200, response.text
+    assert answer_text(response) == "hard one"
+    assert response.headers["x-switchboard-model"] == "large"
+    assert response.headers["x-switchboard-escalated"] == "true"  # another tier ran
+    usage = spend(routed, name)
+    assert usage["tokens_in"] == 8 and usage["spend_usd"] == pytest.approx(
+        cost("large", 8, usage["tokens_out"]))  # the failed tier used nothing
+
+
 def test_a_stream_is_judged_on_its_prefix_before_any_byte_is_sent(routed, engines):
     name, key = new_tenant(routed)
     with httpx.stream("POST", routed.url + "/v1/completions", timeout=30,
