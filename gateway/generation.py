@@ -123,7 +123,8 @@ class Ask:
                 context_left = max(1, tier.engine.max_model_len - len(token_ids))
                 max_tokens = min(context_left, self.implicit_max_tokens or context_left)
                 fills_context = max_tokens == context_left
-            self._check_context(tier.engine, len(token_ids), max_tokens)
+            self._check_context(tier.engine, len(token_ids), max_tokens,
+                                least_tokens=self.options.min_tokens if self.max_tokens is None else 0)
             readings.append((token_ids, msgspec.structs.replace(
                 self.options, max_tokens=max_tokens, fills_context=fills_context)))
         return readings
@@ -153,9 +154,11 @@ class Ask:
                 f"tokens x {MAX_LOGPROBS + 1}); send fewer prompts or choices per call, lower "
                 f"{self.max_tokens_param}, or ask for fewer {self.logprobs_param}", "logprobs")
 
-    def _check_context(self, engine: EngineClient, num_prompt_tokens: int, max_tokens: int) -> None:
+    def _check_context(self, engine: EngineClient, num_prompt_tokens: int, max_tokens: int, *,
+                       least_tokens: int = 0) -> None:
         """ContextExceeded if a prompt of `num_prompt_tokens` and an answer of `max_tokens` cannot
-        fit `engine`'s context.
+        fit `engine`'s context, or (for a call that set no max_tokens, whose answer fills the rest
+        of the context) one of `least_tokens`, its min_tokens.
 
         NOTE: a context of 0 is not known yet (no engine worker of the model has registered): the
         call gets a 503 instead (serving._leave_out_unavailable). A prompt of more bytes than
@@ -167,6 +170,12 @@ class Ask:
             raise ContextExceeded(f"the prompt has {num_prompt_tokens} tokens but this model "
                                   f"accepts at most {max_model_len - 1}; shorten the prompt",
                                   "prompt")
+        if num_prompt_tokens + least_tokens > max_model_len:
+            raise ContextExceeded(
+                f"this model's maximum context length is {max_model_len} tokens, but you asked "
+                f"for at least {num_prompt_tokens + least_tokens} ({num_prompt_tokens} in the "
+                f"prompt, min_tokens = {least_tokens} for the output); lower min_tokens or "
+                "shorten the prompt", "min_tokens")
         num_tokens = num_prompt_tokens + max_tokens
         if num_tokens > max_model_len:
             raise ContextExceeded(

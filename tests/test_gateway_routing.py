@@ -668,6 +668,33 @@ def test_a_call_that_skips_a_first_tier_it_cannot_fit_is_not_an_escalation(route
     assert counted(0, 1, 1)
 
 
+def test_a_call_without_max_tokens_skips_a_tier_that_cannot_fit_its_min_tokens(routed, engines):
+    """Its answer fills the rest of the context, but no less than min_tokens: a tier whose context
+    cannot hold that is left out, as for a max_tokens it cannot hold. It was run, refused by its
+    engine (min_tokens above the max_tokens the call never sent) and counted as an escalation."""
+    name, key = new_tenant(routed, monthly_token_budget=1000)
+    started = len(engines["cramped"].started)
+
+    def chat(model: str) -> httpx.Response:  # 21 prompt tokens: with 10 more, over cramped's 24
+        return httpx.post(routed.url + "/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": model, "min_tokens": 10,
+                                "messages": [{"role": "user", "content": "easy"}]})
+
+    skipped = chat("from-cramped")
+    assert skipped.status_code == 200, skipped.text
+    assert (skipped.headers["x-switchboard-model"], skipped.headers["x-switchboard-escalated"],
+            skipped.headers.get("x-switchboard-score")) == ("large", "false", None)
+    refused = chat("cramped")
+    error = refused.json()["error"]
+    assert (refused.status_code, error["param"]) == (400, "min_tokens"), error
+    assert error["message"] == (
+        "this model's maximum context length is 24 tokens, but you asked for at least 31 (21 in "
+        "the prompt, min_tokens = 10 for the output); lower min_tokens or shorten the prompt")
+    assert len(engines["cramped"].started) == started
+    assert spend(routed, name)["reserved_tokens"] == 0
+
+
 @pytest.mark.parametrize("max_tokens", [300, 2**31 - 1, 2**63 - 1])
 def test_a_call_that_cannot_fit_the_context_is_a_400_before_any_budget_is_held(routed, max_tokens):
     name, key = new_tenant(routed, monthly_token_budget=1000)
