@@ -166,7 +166,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
         raise unavailable_until_mended(f"cannot check the adapter: {error}", code="disk_full") from None
     except EngineFailure as error:  # e.g. no engine worker of the model is up to check it
         raise ApiError(503, f"cannot check the adapter now: {error}", type="server_error",
-                       code="engine_unavailable") from None
+                       code="engine_unavailable", headers={"Retry-After": "2"}) from None
     digest, size = await _place_files(state, uploaded.folder)
     record = AdapterRecord(tenant=tenant.name, name=uploaded.name, base_model=uploaded.base_model,
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),

@@ -382,6 +382,7 @@ def test_an_upload_while_the_only_worker_with_adapter_slots_restarts_is_told_to_
     _register_unreachable_worker(redis_url, _record("plain", max_loras=0, beat_at=time.time()))
     refused = _upload_for_ghost(redis_url, tmp_path)
     assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "2"  # as a call that no engine can take now
     assert refused.json()["error"] == {
         "message": f"cannot check the adapter now: no engine worker of {GHOST!r} with adapter slots "
                    "is up now (those up were started with --max-loras 0); retry shortly, or start "
