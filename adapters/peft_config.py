@@ -203,6 +203,8 @@ def _module_set(value, field: str, regexes: Regexes) -> ModuleRegex | frozenset[
 
 
 def _layer_patterns(value, field: str, regexes: Regexes) -> tuple[re.Pattern, ...]:
+    if value == "":  # PEFT reads an empty layers_pattern ("" or []) as none (but [""] as one)
+        return ()
     return tuple(regexes.compile(name, field, _LAYERS_REGEX) for name in _str_tuple(value, field))
 
 

@@ -82,6 +82,10 @@ def test_rank_and_alpha_patterns(tmp_path):
      {(1, "gate_proj"), (1, "up_proj")}),
     (dict(target_modules=["k_proj", "down_proj"], layers_to_transform=[1],
           layers_pattern=["blocks", "layers"]), {(1, "k_proj"), (1, "down_proj")}),
+    # An empty layers_pattern is none: the first numbered segment is the layer.
+    (dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[0], layers_pattern=""),
+     {(0, "q_proj"), (0, "v_proj")}),
+    (dict(target_modules=["q_proj"], layers_to_transform=[1], layers_pattern=[]), {(1, "q_proj")}),
 ])
 def test_target_modules_give_exact_module_set(tmp_path, kwargs, expected):
     model = save_peft_adapter(tmp_path, **kwargs)
