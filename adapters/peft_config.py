@@ -40,6 +40,13 @@ _UNSUPPORTED_FIELDS = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
     "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "kasa_config": "KaSA adapters (kasa_config) are not supported: they change the base model's "
+                   "weights, which adapters here share; serve a plain LoRA adapter",
+    "arrow_config": "Arrow routing over several LoRA experts (arrow_config) is not supported; "
+                    "serve each expert as an adapter of its own",
+    "velora_config": "VeLoRA adapters (velora_config) are not supported; serve a plain LoRA adapter",
+    "monteclora_config": "MonteCLoRA adapters (monteclora_config) are not supported; serve a plain "
+                         "LoRA adapter",
 }
 
 
@@ -111,8 +118,9 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
             f"peft_type {cfg.get('peft_type')!r} is not supported: only LoRA adapters "
             "(peft_type LORA) can be served")
     for field, why in _UNSUPPORTED_FIELDS.items():
-        if cfg.get(field):
-            raise AdapterValidationError(f"{why} ({CONFIG_NAME} has {field}={cfg[field]!r})")
+        # NOTE: PEFT turns a variant on by any *_config that is not null, {} included.
+        if cfg.get(field) is not None if field.endswith("_config") else cfg.get(field):
+            raise AdapterValidationError(f"{why} ({CONFIG_NAME} has {field}={reprlib.repr(cfg[field])})")
     if _changes_base_weights(init := cfg.get("init_lora_weights")):
         raise AdapterValidationError(
             f"init_lora_weights={reprlib.repr(init)} is not supported: PEFT changes the base model's weights "
