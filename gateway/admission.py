@@ -147,7 +147,8 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                 max_tokens_param: str | None = "max_tokens") -> Admission:
     """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send.
     `max_tokens_param`: the field the call set its output's length with, which errors name; None
-    for a call whose answers were cut to one token each, the least it can use."""
+    for a call that set neither max_tokens nor min_tokens (its answers were fitted to the limits:
+    refused, they were cut to one token each, the least it can use)."""
     budget, spend_budget = tenant.monthly_token_budget, tenant.monthly_spend_budget_usd
     if tenant.tpm is not None and estimated_tokens > tenant.tpm:
         raise _too_large(f"use {estimated_tokens} tokens", f"limit is {tenant.tpm} tokens per minute",
