@@ -138,10 +138,12 @@ def logged_status(caplog: pytest.LogCaptureFixture, method: str, path: str) -> i
 
 @contextmanager
 def run_server(app, shutdown_timeout_s: float = 5,
-               on_shutdown: Callable[[], Awaitable[None]] | None = None) -> Iterator[str]:
+               on_shutdown: Callable[[], Awaitable[None]] | None = None,
+               on_bound: Callable[[str], None] | None = None) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port until the block ends, then shut it down
     gracefully (awaiting `on_shutdown()` first; calls still running after `shutdown_timeout_s` are
-    cancelled), as `switchboard serve` and `worker` do; yields its URL."""
+    cancelled), as `switchboard serve` and `worker` do; yields its URL. `on_bound(url)` runs
+    before the app starts, as a worker must know its URL before it joins the pool."""
     import uvicorn
 
     from gateway.http_server import Server
@@ -151,6 +153,8 @@ def run_server(app, shutdown_timeout_s: float = 5,
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
+    if on_bound is not None:
+        on_bound(f"http://127.0.0.1:{port}")
     server = Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                    log_level="warning", timeout_graceful_shutdown=shutdown_timeout_s),
                     on_shutdown)

@@ -493,8 +493,7 @@ def _worker_and_gateway(engine, model_dir: Path, redis_url: str, tmp_path: Path,
                     registry=WorkerRegistry.open(redis_url),
                     tokenizer_files=tokenizer_files(model_dir), heartbeat_s=0.1,
                     lapse_beats=50)  # stays registered while the busy test machine stalls it
-    with run_server(create_worker_app(worker)) as url:
-        worker.url = url  # its next heartbeat tells gateways
+    with run_server(create_worker_app(worker), on_bound=lambda url: setattr(worker, "url", url)) as url:
         deadline = time.monotonic() + 10
         while _worker_urls(redis_url) != [url]:
             assert time.monotonic() < deadline, "the worker did not register"

@@ -138,8 +138,10 @@ def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
                     store_url=registry_url if drops_blobs else None)
     requests = _Requests(create_worker_app(worker))
     app = requests if in_front is None else in_front(requests)
-    with run_server(app, shutdown_timeout_s, on_shutdown=worker.begin_shutdown) as url:
-        worker.url = url  # NOTE: known once it serves; its next heartbeat publishes it
+    # NOTE: its URL set before it starts: a record without one, read by a gateway already
+    # running, got the first calls, which failed (503) until the next read of the registry.
+    with run_server(app, shutdown_timeout_s, on_shutdown=worker.begin_shutdown,
+                    on_bound=lambda url: setattr(worker, "url", url)) as url:
 
         async def published() -> None:
             reader = WorkerRegistry.open(registry_url)
