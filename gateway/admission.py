@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 
 from gateway.errors import ApiError
 from store import UNAVAILABLE_ERRORS, RateDecision, Reservation, Store, StoreUnavailable, Tenant, refund_rate
@@ -60,29 +60,26 @@ class Admission:
         give it back those held for but not used, or pay those used beyond the hold. Runs as its
         own task, so a cancelled caller (a client that disconnected) still bills what was
         generated. Returns once billed, or once the store refused the first try: the tries after
-        it (see _settle) go on in that task, and must not hold back an answer that is ready."""
+        it (see _retried) go on in that task, and must not hold back an answer that is ready."""
         retrying = asyncio.Event()
         await self._finally(self._settle(tokens_in, tokens_out, spend_usd, retrying), retrying)
 
     async def withdraw(self, *, refund_requests: bool) -> None:
         """End a call that used nothing: drop its hold, billing and counting nothing, and give
         back the tokens it paid into tpm, and its request into rpm when `refund_requests` (it
-        was refused with an error, not left by its client)."""
-        await self._finally(self._withdraw(refund_requests))
+        was refused with an error, not left by its client). Returns as `settle` does."""
+        retrying = asyncio.Event()
+        await self._finally(self._withdraw(refund_requests, retrying), retrying)
 
-    async def _finally(self, ending: Coroutine[None, None, None],
-                       done_waiting: asyncio.Event | None = None) -> None:
-        """Run `ending` in a task of its own, waiting for it to end or for `done_waiting`."""
+    async def _finally(self, ending: Coroutine[None, None, None], retrying: asyncio.Event) -> None:
+        """Run `ending` in a task of its own, waiting for it to end or to start `retrying`."""
         task = asyncio.create_task(ending)
         _pending.add(task)
         # NOTE: the hold is renewed until the call is settled: one whose settle is retried while
         # the store is locked must not free its budget for other calls meanwhile.
         task.add_done_callback(lambda _: self._renewal.cancel())
         task.add_done_callback(_pending.discard)
-        if done_waiting is None:
-            await asyncio.shield(task)
-            return
-        waiting = asyncio.ensure_future(done_waiting.wait())
+        waiting = asyncio.ensure_future(retrying.wait())
         try:
             await asyncio.shield(asyncio.wait((task, waiting), return_when=asyncio.FIRST_COMPLETED))
         finally:
@@ -90,44 +87,50 @@ class Admission:
 
     async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float,
                       retrying: asyncio.Event) -> None:
-        """NOTE: a settle refused with StoreUnavailable wrote nothing (SQLite rolled it back), so
-        it is tried again (`retrying` set from then on): a call that ended during another
-        process's long write was answered, and must be billed. Other failures (Redis down) may
-        have written it: never twice."""
         reservation = self._reservation
         unbilled = (f"usage of tenant {reservation.tenant!r} for {reservation.month} is not billed: "
                     f"{tokens_in} prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
         try:
-            for wait_s in (*SETTLE_RETRY_WAITS_S, None):
-                try:
-                    await self._store.settle(reservation, tokens_in=tokens_in,
-                                             tokens_out=tokens_out, spend_usd=spend_usd)
-                    break
-                except StoreUnavailable as error:
-                    if wait_s is None:
-                        raise
-                    logger.warning("could not settle a call of tenant %s (%s); trying again in %g s",
-                                   reservation.tenant, error, wait_s)
-                    retrying.set()
-                    await asyncio.sleep(wait_s)
+            await self._retried("settle a call", retrying, lambda: self._store.settle(
+                reservation, tokens_in=tokens_in, tokens_out=tokens_out, spend_usd=spend_usd))
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle a call: %s", unbilled)
             return
         unused = reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
         if unused != 0:
             try:
-                await refund_rate(self._store, self._tenant, requests=0, tokens=unused)
+                await self._retried("give back the unused tpm of a call", retrying, lambda: refund_rate(
+                    self._store, self._tenant, requests=0, tokens=unused))
             except Exception:  # the bucket refills on its own
                 logger.exception("could not give tenant %s's tpm back %d tokens", reservation.tenant,
                                  unused)
 
-    async def _withdraw(self, refund_requests: bool) -> None:
+    async def _withdraw(self, refund_requests: bool, retrying: asyncio.Event) -> None:
         try:
-            await self._store.release(self._reservation)
-            await refund_rate(self._store, self._tenant, requests=int(refund_requests),
-                              tokens=self._reservation.tokens)
-        except Exception:  # the hold lapses on its own
+            await self._retried("release the hold of a call", retrying,
+                                lambda: self._store.release(self._reservation))
+            await self._retried("give back the rate limits a call paid", retrying, lambda: refund_rate(
+                self._store, self._tenant, requests=int(refund_requests), tokens=self._reservation.tokens))
+        except Exception:  # the hold lapses on its own, the buckets refill
             logger.exception("could not release the hold of tenant %s", self._reservation.tenant)
+
+    async def _retried(self, what: str, retrying: asyncio.Event,
+                       write: Callable[[], Awaitable[None]]) -> None:
+        """`write()`, tried again for about a minute (`retrying` set from the first failure) while
+        it fails with StoreUnavailable, which wrote nothing (SQLite rolled it back): a call that
+        ended during another process's long write must still be billed, or given back what it
+        held. Other failures (Redis down) may have written it: never twice."""
+        for wait_s in (*SETTLE_RETRY_WAITS_S, None):
+            try:
+                await write()
+                return
+            except StoreUnavailable as error:
+                if wait_s is None:
+                    raise
+                logger.warning("could not %s of tenant %s (%s); trying again in %g s", what,
+                               self._reservation.tenant, error, wait_s)
+                retrying.set()
+                await asyncio.sleep(wait_s)
 
 
 _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish

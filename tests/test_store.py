@@ -917,30 +917,39 @@ async def test_sqlite_calls_locked_out_by_another_process_are_unavailable_after_
         await store.close()
 
 
-async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_billed_once_it_is_free(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("used", [True, False], ids=["billed", "withdrawn"])
+async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_settled_once_it_is_free(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, used: bool
 ) -> None:
-    """Its settle waits out the lock, and is tried again (it was tried once: the call, already
-    answered, went unbilled and its hold stayed until it lapsed). The tries after the first go
-    on in the background: the call's answer, ready, went out only once the lock was free."""
+    """Its settle (or, for a call that used nothing, the release of its hold and the refund of
+    its rate) waits out the lock, and is tried again: tried once, the call went unbilled, or held
+    its budget and tpm, until its hold lapsed. The tries after the first go on in the
+    background: the call's answer, ready, went out only once the lock was free."""
     store = await SqliteStore.open(tmp_path / "store.db")
     other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
     try:
-        acme = await make_tenant(store, tpm=1000, monthly_token_budget=100)
+        acme = await make_tenant(store, rpm=1, tpm=1000, monthly_token_budget=100)
         admission = await admit(store, acme, 100)
         other.execute("BEGIN IMMEDIATE")  # a script's long write
         with caplog.at_level(logging.WARNING, logger="gateway.admission"):
             # Returns, the lock still held, once its first try gave up.
-            await asyncio.wait_for(admission.settle(10, 20, 0.0), 10 * LOCK_TIMEOUT_S)
+            ending = admission.settle(10, 20, 0.0) if used else admission.withdraw(refund_requests=True)
+            await asyncio.wait_for(ending, 10 * LOCK_TIMEOUT_S)
             assert (await store.get_usage("acme")).reserved_tokens == 100  # held while it retries
             other.execute("ROLLBACK")
             await wait_for_settles(10 * LOCK_TIMEOUT_S)
         usage = await store.get_usage("acme")
-        assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (1, 10, 20, 0)
-        assert "could not settle a call of tenant acme" in caplog.text
-        assert "not billed" not in caplog.text
-        # tpm got back the 70 tokens held but not used: 30 of 1000 paid
-        assert (await store.check_and_consume_rate(acme, tokens=970)).allowed
+        billed = (1, 10, 20) if used else (0, 0, 0)
+        assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (*billed, 0)
+        tried = "settle a call" if used else "release the hold of a call"
+        assert f"could not {tried} of tenant acme" in caplog.text
+        assert "not billed" not in caplog.text and "could not release" not in caplog.text.replace(
+            f"could not {tried}", "")
+        # tpm got back the tokens held but not used (all 100 for a withdrawn call, and rpm its
+        # request): 30 of 1000 paid, or none
+        paid = 30 if used else 0
+        assert (await store.check_and_consume_rate(acme, requests=0 if used else 1,
+                                                   tokens=1000 - paid)).allowed
     finally:
         other.close()
         await store.close()
