@@ -91,7 +91,7 @@ class Admission:
         unbilled = (f"usage of tenant {reservation.tenant!r} for {reservation.month} is not billed: "
                     f"{tokens_in} prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
         try:
-            await self._retried("settle a call", retrying, lambda: self._store.settle(
+            await _retried("settle a call", reservation.tenant, retrying, lambda: self._store.settle(
                 reservation, tokens_in=tokens_in, tokens_out=tokens_out, spend_usd=spend_usd))
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle a call: %s", unbilled)
@@ -99,38 +99,59 @@ class Admission:
         unused = reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
         if unused != 0:
             try:
-                await self._retried("give back the unused tpm of a call", retrying, lambda: refund_rate(
-                    self._store, self._tenant, requests=0, tokens=unused))
+                await _refund_retried(self._store, self._tenant, 0, unused, retrying)
             except Exception:  # the bucket refills on its own
                 logger.exception("could not give tenant %s's tpm back %d tokens", reservation.tenant,
                                  unused)
 
     async def _withdraw(self, refund_requests: bool, retrying: asyncio.Event) -> None:
         try:
-            await self._retried("release the hold of a call", retrying,
-                                lambda: self._store.release(self._reservation))
-            await self._retried("give back the rate limits a call paid", retrying, lambda: refund_rate(
-                self._store, self._tenant, requests=int(refund_requests), tokens=self._reservation.tokens))
+            await _retried("release the hold of a call", self._reservation.tenant, retrying,
+                           lambda: self._store.release(self._reservation))
+            await _refund_retried(self._store, self._tenant, int(refund_requests),
+                                  self._reservation.tokens, retrying)
         except Exception:  # the hold lapses on its own, the buckets refill
             logger.exception("could not release the hold of tenant %s", self._reservation.tenant)
 
-    async def _retried(self, what: str, retrying: asyncio.Event,
-                       write: Callable[[], Awaitable[None]]) -> None:
-        """`write()`, tried again for about a minute (`retrying` set from the first failure) while
-        it fails with StoreUnavailable, which wrote nothing (SQLite rolled it back): a call that
-        ended during another process's long write must still be billed, or given back what it
-        held. Other failures (Redis down) may have written it: never twice."""
-        for wait_s in (*SETTLE_RETRY_WAITS_S, None):
-            try:
-                await write()
-                return
-            except StoreUnavailable as error:
-                if wait_s is None:
-                    raise
-                logger.warning("could not %s of tenant %s (%s); trying again in %g s", what,
-                               self._reservation.tenant, error, wait_s)
-                retrying.set()
-                await asyncio.sleep(wait_s)
+
+async def _retried(what: str, tenant: str, retrying: asyncio.Event,
+                   write: Callable[[], Awaitable[None]]) -> None:
+    """`write()`, tried again for about a minute (`retrying` set from the first failure) while it
+    fails with StoreUnavailable, which wrote nothing (SQLite rolled it back): a call that ended
+    during another process's long write must still be billed, or given back what it held. Other
+    failures (Redis down) may have written it: never twice."""
+    for wait_s in (*SETTLE_RETRY_WAITS_S, None):
+        try:
+            await write()
+            return
+        except StoreUnavailable as error:
+            if wait_s is None:
+                raise
+            logger.warning("could not %s of tenant %s (%s); trying again in %g s", what, tenant,
+                           error, wait_s)
+            retrying.set()
+            await asyncio.sleep(wait_s)
+
+
+async def _refund_retried(store: Store, tenant: Tenant, requests: int, tokens: int,
+                          retrying: asyncio.Event) -> None:
+    await _retried("give back the rate limits a call paid", tenant.name, retrying,
+                   lambda: refund_rate(store, tenant, requests=requests, tokens=tokens))
+
+
+def _refund_in_background(store: Store, tenant: Tenant, tokens: int) -> None:
+    """Give back what a call that never ran paid into the rate limits, once the store takes
+    writes again (in a task of its own: the call's 503 must not wait for that)."""
+    async def refund() -> None:
+        try:
+            await _refund_retried(store, tenant, 1, tokens, asyncio.Event())
+        except Exception:  # the buckets refill on their own
+            logger.exception("could not give tenant %s back the rate limits of a call that did "
+                             "not run", tenant.name)
+
+    task = asyncio.create_task(refund())
+    _pending.add(task)
+    task.add_done_callback(_pending.discard)
 
 
 _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish
@@ -165,8 +186,12 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
         raise _rate_limited(tenant, decision)
-    reservation = await store.reserve_tokens(tenant, estimated_tokens,
-                                             spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
+    try:
+        reservation = await store.reserve_tokens(tenant, estimated_tokens,
+                                                 spend_usd=estimated_spend_usd, ttl_s=hold_ttl_s)
+    except UNAVAILABLE_ERRORS:  # the call gets a 503, and never runs
+        _refund_in_background(store, tenant, estimated_tokens)
+        raise
     if reservation is None:
         await refund_rate(store, tenant, requests=1, tokens=estimated_tokens)
         raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd,

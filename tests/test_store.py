@@ -30,6 +30,7 @@ from store import (
     SqliteStore,
     Store,
     StoreError,
+    StoreUnavailable,
     Tenant,
     open_store,
     refund_rate,
@@ -950,6 +951,32 @@ async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_sett
         paid = 30 if used else 0
         assert (await store.check_and_consume_rate(acme, requests=0 if used else 1,
                                                    tokens=1000 - paid)).allowed
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_a_call_locked_out_after_paying_the_rate_limits_gets_back_what_it_paid(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process takes SQLite's lock between a call's rate payment and its budget hold: the
+    call gets a 503 and never runs, so its request and tokens come back once the lock is free
+    (they stayed paid for a minute)."""
+    store = await SqliteStore.open(tmp_path / "store.db")
+    other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
+    try:
+        acme = await make_tenant(store, rpm=1, tpm=1000)
+        reserve = store.reserve_tokens
+
+        async def locked_first(*args, **kwargs):
+            other.execute("BEGIN IMMEDIATE")
+            return await reserve(*args, **kwargs)
+
+        monkeypatch.setattr(store, "reserve_tokens", locked_first)
+        with pytest.raises(StoreUnavailable):
+            await admit(store, acme, 100)
+        other.execute("ROLLBACK")
+        await wait_for_settles(10 * LOCK_TIMEOUT_S)
+        assert (await store.check_and_consume_rate(acme, requests=1, tokens=1000)).allowed
     finally:
         other.close()
         await store.close()
