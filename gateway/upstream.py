@@ -647,7 +647,7 @@ def _prompt_text(token_ids: list[int]) -> str:
     except ValueError:  # an id outside 0-255, or bytes that are not UTF-8
         raise RequestRejected("this model is served by an upstream server, which reads text: "
                               "send the prompt as text (its token ids here are the UTF-8 bytes "
-                              "of the text)") from None
+                              "of the text)", "prompt") from None
 
 
 def _chat_ids(messages: list[dict[str, str]]) -> list[int]:

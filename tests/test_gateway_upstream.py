@@ -551,6 +551,11 @@ def test_token_ids_reach_only_routes_whose_tiers_share_a_tokenizer(front):
     assert "send the prompt as text" in error["message"] and "local, demo" in error["message"]
     shared = post(server.url, key, model="auto", prompt=list(b"easy one"), max_tokens=4)
     assert shared.status_code == 200 and shared.json()["choices"][0]["text"] == "ssss"
+    # An upstream reads ids as UTF-8 bytes: others are the prompt's fault (param was null).
+    not_bytes = post(server.url, key, model="demo", prompt=[1000, 2000], max_tokens=2)
+    error = not_bytes.json()["error"]
+    assert (not_bytes.status_code, error["param"]) == (400, "prompt"), error
+    assert "send the prompt as text" in error["message"]
 
 
 def test_token_ids_in_sampling_options_reach_only_routes_whose_tiers_share_a_tokenizer(front):
