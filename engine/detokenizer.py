@@ -81,12 +81,20 @@ class IncrementalDetokenizer:
         now or later: only a stop string that ends in text decoded while checking counts.
         `is_last`: the output ends with these tokens, so bytes at the end that never formed a
         character are shown as U+FFFD. Without it (the output ended on a stop token that is left
-        out of the text, maybe the very byte that would have finished them, as vLLM) they are
-        dropped."""
+        out of the text: see `end_before`) they are dropped."""
         for i, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)
             if self.stop_reason is None:
                 self._decode_next(check_stop, is_last and i == len(new_token_ids) - 1)
+
+    def end_before(self, stop_token_id: int) -> None:
+        """The output ended on `stop_token_id`, which is left out of the text. If it has no text
+        (EOS, a special token), bytes at the end that never formed a character are shown as
+        U+FFFD, as when the output ends on its length; else (maybe the very byte that would
+        have finished them, as vLLM) they are dropped."""
+        if self.stop_reason is None and not self.tokenizer.decode([stop_token_id],
+                                                                   skip_special_tokens=True):
+            self._decode_next(check_stop=False, is_last=True)
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet returned. Unless finished, the last characters that could still grow into a

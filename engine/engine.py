@@ -201,7 +201,9 @@ class LLMEngine:
         stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
         stop_reason = last if stopped_by_token and last in params.stop_token_ids else None
         shows_last_token = not stopped_by_token or params.include_stop_str_in_output
-        if detokenizer is not None and shows_last_token:
+        if detokenizer is not None and not shows_last_token:
+            detokenizer.end_before(last)
+        elif detokenizer is not None:
             detokenizer.add_tokens([last], check_stop=request.can_stop and not stopped_by_token,
                                    is_last=request.is_finished)
             if detokenizer.stop_reason is not None:

@@ -193,9 +193,12 @@ def mixed_engine(tmp_path_factory) -> LLMEngine:
 
 
 @pytest.mark.parametrize("params, deltas, finish_reason, stop_reason", [
-    # "c" comes with its token; the lead byte after it is dropped with the EOS that ends the text.
-    # A stop string of two characters holds one back.
-    (dict(), ["a", "b", "c", ""], "stop", None),
+    # "c" comes with its token; the lead byte after it shows as U+FFFD once EOS, which has no
+    # text, ends the output, as transformers decodes the output and as its logprobs' bytes join
+    # (it was dropped, but shown with include_stop_str_in_output). A stop string of two
+    # characters holds one back.
+    (dict(), ["a", "b", "c", "\ufffd"], "stop", None),
+    (dict(include_stop_str_in_output=True), ["a", "b", "c", "\ufffd"], "stop", None),
     (dict(max_tokens=3), ["a", "b", "c\ufffd"], "length", None),
     (dict(stop=["bc"]), ["", "a", ""], "stop", "bc"),
     (dict(stop=["bc"], max_tokens=3), ["", "a", ""], "stop", "bc"),
