@@ -15,9 +15,8 @@ answer, or they do not serve its options, as an upstream asked for the prompt's 
 are those whose engine cannot take it now (no worker of their model is up): the last tier that
 can is the one that answers whatever its score; so does the first that can when the call only
 scores its prompt (echo with max_tokens 0), as there is no answer to judge (the next, if its engine
-fails or refuses it before its first token). Each tier reads the
-prompt with its own tokenizer (gateway/generation.py Ask), so a route may mix local models and
-upstreams.
+fails or refuses it before its first token). Each tier reads the prompt with its own tokenizer
+(gateway/generation.py Ask), so a route may mix local models and upstreams.
 
 Every token a tier generated is billed, however the call ends: each tier goes into the caller's
 list of attempts as soon as it is done with (kept, escalated, failed, or cut short because the
