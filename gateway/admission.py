@@ -73,12 +73,10 @@ class Admission:
 
     async def _finally(self, ending: Coroutine[None, None, None], retrying: asyncio.Event) -> None:
         """Run `ending` in a task of its own, waiting for it to end or to start `retrying`."""
-        task = asyncio.create_task(ending)
-        _pending.add(task)
+        task = _in_background(ending)
         # NOTE: the hold is renewed until the call is settled: one whose settle is retried while
         # the store is locked must not free its budget for other calls meanwhile.
         task.add_done_callback(lambda _: self._renewal.cancel())
-        task.add_done_callback(_pending.discard)
         waiting = asyncio.ensure_future(retrying.wait())
         try:
             await asyncio.shield(asyncio.wait((task, waiting), return_when=asyncio.FIRST_COMPLETED))
@@ -149,12 +147,19 @@ def _refund_in_background(store: Store, tenant: Tenant, tokens: int) -> None:
             logger.exception("could not give tenant %s back the rate limits of a call that did "
                              "not run", tenant.name)
 
-    task = asyncio.create_task(refund())
-    _pending.add(task)
-    task.add_done_callback(_pending.discard)
+    _in_background(refund())
 
 
 _pending: set[asyncio.Task] = set()  # NOTE: keeps settle tasks alive until they finish
+
+
+def _in_background(work: Coroutine[None, None, None]) -> asyncio.Task:
+    """`work` in a task of its own, kept (in `_pending`) until it ends: a cancelled caller does
+    not cancel it, and a shutdown waits for it (wait_for_settles)."""
+    task = asyncio.create_task(work)
+    _pending.add(task)
+    task.add_done_callback(_pending.discard)
+    return task
 
 
 async def wait_for_settles(timeout_s: float) -> None:
