@@ -56,6 +56,9 @@ _CHECKPOINT_LOCK_TIMEOUT_MS = 100
 # Inline writes between WAL checkpoints. Each adds a few 4 KiB pages to the WAL; a checkpoint
 # holds writes off for a few ms (two fsyncs), so it should come rarely enough to stay out of p99.
 _WRITES_PER_CHECKPOINT = 1000
+# Inline writes a checkpoint may let by while it waits for the worker or on a slow disk's fsyncs;
+# later writes wait for it (on the worker), so the WAL stays bounded however slow the disk.
+_WRITES_DURING_CHECKPOINT = _WRITES_PER_CHECKPOINT // 2
 _READ, _WRITE = "BEGIN", "BEGIN IMMEDIATE"
 
 _SCHEMA = """
@@ -92,7 +95,8 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = None  # the worker thread's
         self._inline_conn: sqlite3.Connection | None = None  # the event loop thread's
         self._inline_thread: int | None = None
-        self._num_inline_writes = 0
+        self._inline_writes_since_checkpoint = 0
+        self._is_checkpointing = False  # set from asking the worker for a checkpoint to its end
         self._is_holding_writes = False  # set while a checkpoint needs the lock to itself
         self._auth_cache_ttl_s = auth_cache_ttl_s
         self._auth_cache: dict[str, tuple[Tenant, float]] = {}  # key hash -> (tenant, expiry)
@@ -194,8 +198,9 @@ class SqliteStore:
     async def _run(self, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn` right here if the lock it needs is free, else on the worker thread."""
         conn = self._inline_conn
-        # NOTE: writes queue up behind a checkpoint's last step, which they would otherwise starve.
-        is_held_off = begin == _WRITE and self._is_holding_writes
+        # NOTE: writes queue up behind a checkpoint's last step, which they would otherwise starve,
+        # and behind a checkpoint too slow to keep up with them.
+        is_held_off = begin == _WRITE and (self._is_holding_writes or self._is_checkpoint_behind())
         if conn is not None and threading.get_ident() == self._inline_thread and not is_held_off:
             try:
                 result = _transaction(conn, begin, fn)
@@ -212,9 +217,16 @@ class SqliteStore:
         return await self._on_worker(begin, fn)
 
     def _count_inline_write(self) -> None:
-        self._num_inline_writes += 1
-        if self._num_inline_writes % _WRITES_PER_CHECKPOINT == 0:
+        self._inline_writes_since_checkpoint += 1
+        if not self._is_checkpointing \
+                and self._inline_writes_since_checkpoint >= _WRITES_PER_CHECKPOINT:
+            self._is_checkpointing = True
+            self._inline_writes_since_checkpoint = 0
             self._executor.submit(self._checkpoint)
+
+    def _is_checkpoint_behind(self) -> bool:
+        return self._is_checkpointing \
+            and self._inline_writes_since_checkpoint >= _WRITES_DURING_CHECKPOINT
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database file, on the worker thread, so that it starts over.
@@ -235,6 +247,7 @@ class SqliteStore:
             logger.exception("WAL checkpoint of %s failed", self.path)
         finally:
             self._is_holding_writes = False
+            self._is_checkpointing = False
 
     async def ensure_writable(self) -> None:
         # NOTE: a committed write: it takes the write lock (waiting as any write does), and
