@@ -91,6 +91,9 @@ class Admission:
         try:
             await _retried("settle a call", reservation.tenant, retrying, lambda: self._store.settle(
                 reservation, tokens_in=tokens_in, tokens_out=tokens_out, spend_usd=spend_usd))
+        except asyncio.CancelledError:  # a shutdown that could wait no longer (wait_for_settles)
+            logger.error("shut down before the store took the settle of a call: %s", unbilled)
+            raise
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle a call: %s", unbilled)
             return
@@ -164,11 +167,18 @@ def _in_background(work: Coroutine[None, None, None]) -> asyncio.Task:
 
 async def wait_for_settles(timeout_s: float) -> None:
     """Wait, at most `timeout_s`, for this event loop's calls still settling (each in a task of
-    its own, which outlives a cancelled caller): the store must not close under them."""
+    its own, which outlives a cancelled caller): the store must not close under them. Those still
+    settling then (retrying while the store is locked) are cancelled, and log what they leave
+    unbilled: the loop's end would cancel them without a word."""
     loop = asyncio.get_running_loop()
     settling = {task for task in _pending if task.get_loop() is loop}
-    if settling:
-        await asyncio.wait(settling, timeout=timeout_s)
+    if not settling:
+        return
+    _, still_settling = await asyncio.wait(settling, timeout=timeout_s)
+    for task in still_settling:
+        task.cancel()
+    if still_settling:
+        await asyncio.wait(still_settling)
 
 
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,

@@ -957,6 +957,31 @@ async def test_a_call_ending_while_another_process_holds_the_sqlite_lock_is_sett
         await store.close()
 
 
+async def test_a_shutdown_that_cannot_wait_for_a_locked_settle_logs_what_it_leaves_unbilled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A graceful stop waits for settles only so long; one still retrying then (another process
+    holds SQLite's lock) is cancelled, and the log gives what it used. The loop's end cancelled
+    it without a word, and the call was neither billed nor logged."""
+    store = await SqliteStore.open(tmp_path / "store.db")
+    other = sqlite3.connect(tmp_path / "store.db", isolation_level=None)  # another process
+    try:
+        acme = await make_tenant(store, monthly_token_budget=100)
+        admission = await admit(store, acme, 100)
+        other.execute("BEGIN IMMEDIATE")  # and never lets go in time
+        with caplog.at_level(logging.WARNING, logger="gateway.admission"):
+            await asyncio.wait_for(admission.settle(10, 20, 0.0), 10 * LOCK_TIMEOUT_S)
+            await asyncio.wait_for(wait_for_settles(0.1), 10 * LOCK_TIMEOUT_S)
+        assert ("shut down before the store took the settle of a call: usage of tenant 'acme'"
+                in caplog.text)
+        assert "10 prompt tokens, 20 output tokens" in caplog.text
+        other.execute("ROLLBACK")
+        assert (await store.get_usage("acme")).requests == 0  # never retried after the log
+    finally:
+        other.close()
+        await store.close()
+
+
 async def test_a_call_locked_out_after_paying_the_rate_limits_gets_back_what_it_paid(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process takes SQLite's lock between a call's rate payment and its budget hold: the
