@@ -188,6 +188,7 @@ def _learned(name: str, table: _LearnedTable) -> LearnedRoute:
     if table.router is None:
         raise ValueError(f"[routes.{name}] needs router = \"<folder of switchboard router train>\"")
     window = table.recalibrate_window
-    return LearnedRoute(name=name, tiers=table.tiers, router=LearnedRouter.load(Path(table.router)),
+    router = LearnedRouter.load(Path(table.router).expanduser())
+    return LearnedRoute(name=name, tiers=table.tiers, router=router,
                         target_strong_share=table.target_strong_share,
                         recalibrate_window=DEFAULT_RECALIBRATE_WINDOW if window is None else window)

@@ -90,6 +90,17 @@ def test_a_learned_route_recalibrates_by_default_and_refuses_a_share_it_could_ne
         parse_routes({"r": {**table, "recalibrate_window": 10_001}}, SERVED)
 
 
+def test_a_learned_routes_router_folder_may_start_with_a_tilde(tmp_path, monkeypatch):
+    # As every other path setting may; it was read literally, and the route refused.
+    router, _ = train_router([Example(f"{word} {i}", word == "easy") for i in range(20)
+                              for word in ("easy", "hard")], target_strong_share=0.5, epochs=2)
+    (tmp_path / "routers" / "smart").mkdir(parents=True)
+    router.save(tmp_path / "routers" / "smart")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    table = {"kind": "learned", "tiers": ["small", "large"], "router": "~/routers/smart"}
+    assert parse_routes({"r": table}, SERVED)["r"].router.settings == router.settings
+
+
 @pytest.mark.parametrize("name", ["a:b", "my route", "", "-x", "r" * 65])
 def test_a_route_name_follows_the_rule_of_names(name):
     # "a:b" was listed by /v1/models, yet every call to it was a 404: "a" read as a route,
