@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import msgspec
 
@@ -27,6 +27,8 @@ from store.redis import check_redis_url
 DEFAULT_DATA_DIR = Path("data")
 MAX_UPSTREAM_CONTEXT = 2**30  # tokens: far past any model's context
 MAX_HEARTBEAT_S = 3600.0
+# NOTE: a worker's record lapses after three beats; much shorter, gateways would rarely see it.
+MIN_HEARTBEAT_S = 0.1
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]?)(iB|B)?", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 _ENV = {"data_dir": "SWITCHBOARD_HOME", "admin_key": "SWITCHBOARD_ADMIN_KEY",
@@ -210,9 +212,9 @@ class ServeConfig:
         if self.advertise_url is not None:
             self.advertise_url = _worker_url(self.advertise_url)
         # NOTE: bounded, as Redis keeps a worker's record for three beats, in milliseconds.
-        if not 0 < self.heartbeat_s <= MAX_HEARTBEAT_S:
-            raise ValueError(f"heartbeat_s must be in (0, {MAX_HEARTBEAT_S}] seconds, got "
-                             f"{self.heartbeat_s}")
+        if not MIN_HEARTBEAT_S <= self.heartbeat_s <= MAX_HEARTBEAT_S:
+            raise ValueError(f"heartbeat_s must be in [{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S}] "
+                             f"seconds, got {self.heartbeat_s}")
         if not self.worker_model_ttl_s > 0:
             raise ValueError(f"worker_model_ttl must be positive seconds, got {self.worker_model_ttl_s}")
         if not self.shutdown_timeout_s >= 0:
@@ -333,10 +335,21 @@ def _worker_url(url: str) -> str:
     anything else, which would register a worker no call can reach."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or \
-            parts.fragment or "@" in parts.netloc:
+            parts.fragment or "@" in parts.netloc or not _has_usable_host_and_port(parts):
         raise ValueError(f"advertise_url must be an http(s) URL like \"http://10.0.0.7:9000\", "
                          f"got {url!r}")
     return url.rstrip("/")
+
+
+def _has_usable_host_and_port(parts: SplitResult) -> bool:
+    """Whether a connection can be made to the URL's host and port: urlsplit checks the port only
+    when it is read, and a port out of 1-65535 (or a space in the host) got through to fail every
+    call (a 500, or a 502 saying to try again later) instead of the startup."""
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of 0-65535
+        return False
+    return port != 0 and not any(ch.isspace() for ch in parts.netloc)
 
 
 def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
@@ -346,7 +359,8 @@ def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
     if parts is not None and "@" in parts.netloc:  # NOTE: checked first, so it is never echoed
         raise ValueError(f"{where} upstream must not hold credentials: put the API key in an "
                          "environment variable and name it with api_key_env")
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or not _has_usable_host_and_port(parts):
         raise ValueError(f"{where} upstream must be an http(s) base URL like "
                          f"\"https://api.openai.com/v1\", got {url!r}")
     api_key_env = table.get("api_key_env")

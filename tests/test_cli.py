@@ -133,8 +133,15 @@ def test_router_train_refuses_a_seed_torch_cannot_take(seed, tmp_path, capsys):
     (dict(store="redis://[::1/0"), "cannot use the Redis URL: Invalid IPv6 URL"),
     (dict(redis="unix://"), "unix:// needs the socket's path"),
     (dict(redis="http://localhost:6379/0"), "it is not a Redis URL"),
-    (dict(heartbeat_s=float("inf")), r"heartbeat_s must be in \(0, 3600.0\] seconds, got inf"),
+    (dict(heartbeat_s=float("inf")), r"heartbeat_s must be in \[0.1, 3600.0\] seconds, got inf"),
+    # Its record lapsed in 0 ms (Redis refused that: exit 3 with a traceback) or a few.
+    (dict(heartbeat_s=0.0001), r"heartbeat_s must be in \[0.1, 3600.0\] seconds, got 0.0001"),
     (dict(advertise_url="http://:9000"), "advertise_url must be an http"),
+    # Each registered a worker every call placed on which was a 500.
+    (dict(advertise_url="http://10.0.0.7:90000"), "advertise_url must be an http"),
+    (dict(advertise_url="http://10.0.0.7:90o0"), "advertise_url must be an http"),
+    (dict(advertise_url="http://10.0.0.7:0"), "advertise_url must be an http"),
+    (dict(advertise_url="http://10.0.0 .7:9000"), "advertise_url must be an http"),
     (dict(advertise_url="http://10.0.0.7:9000/?x=1"), "advertise_url must be an http"),
 ])
 def test_invalid_settings_are_refused(kwargs, message):
@@ -295,6 +302,9 @@ def test_model_tables_declare_upstreams_without_their_keys(tmp_path):
 @pytest.mark.parametrize("table, words", [
     ('path = "/m"\nupstream = "http://h/v1"\n', "not both"),
     ('upstream = "ftp://h/v1"\n', "http\\(s\\) base URL"),
+    # Each started, and every call to the model was a 502 saying to try again later.
+    ('upstream = "http://127.0.0.1:99999/v1"\n', "http\\(s\\) base URL"),
+    ('upstream = "http://127.0.0.1:8o00/v1"\n', "http\\(s\\) base URL"),
     ('upstream = "https://user:sk-secret@h/v1"\n', "must not hold credentials"),
     ('upstream = "https://h/v1"\napi_key = "sk-secret"\n', "must not hold the API key"),
     ('upstream = "https://h/v1"\napi_key_env = "sk-secret"\n', "must name an environment"),
