@@ -4,7 +4,7 @@ No torch here: the scripted engine is what a remote worker would be, the protoco
 """
 
 import concurrent.futures
-import time
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -30,13 +30,20 @@ class ScriptedEngine(IdleEngineParts):
         self.options: list[SamplingOptions] = []
         self.fail_after: int | None = None
         self.refuse: str | None = None
-        self.tokenize_s = 0.0  # how long tokenizing takes (a long prompt's seconds, GIL released)
+        # Set, tokenizing waits for it (a long prompt's seconds, the GIL released).
+        self.tokenized: threading.Event | None = None
+        self.tokenizing = threading.Event()  # set while a prompt is tokenized
 
     tokenizer_key = "1, then bytes"
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        time.sleep(self.tokenize_s)
-        return ([1] if add_special_tokens else []) + list(text.encode())
+        self.tokenizing.set()
+        try:
+            if self.tokenized is not None:
+                self.tokenized.wait(60)
+            return ([1] if add_special_tokens else []) + list(text.encode())
+        finally:
+            self.tokenizing.clear()
 
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
         return None  # no chat template: the gateway's plain transcript is used
@@ -77,7 +84,7 @@ def scripted(engine, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def reset(engine):
-    engine.fail_after, engine.refuse, engine.tokenize_s = None, None, 0.0
+    engine.fail_after, engine.refuse, engine.tokenized = None, None, None
 
 
 def post(scripted, path: str, **body) -> httpx.Response:
@@ -96,16 +103,18 @@ def test_chat_without_a_template_uses_a_plain_transcript(scripted, engine):
 
 
 def test_the_gateway_answers_others_while_a_long_prompt_is_tokenized(scripted, engine):
-    engine.tokenize_s = 1.5
-    # NOTE: one client, made before the clock starts: on a loaded machine making one (its TLS
-    # context) took up to 0.36 s of the 0.5, while the gateway answered in milliseconds.
+    # NOTE: no clock, which a loaded machine outran: tokenizing goes on until the other calls are
+    # answered (were it to hold the server up, they would time out).
+    engine.tokenized = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as client:
         slow = pool.submit(post, scripted, "/v1/completions", prompt="a long prompt")
-        time.sleep(0.2)
-        for _ in range(3):
-            start = time.monotonic()
-            assert client.get(scripted[0].url + "/health").status_code == 200
-            assert time.monotonic() - start < 0.5
+        try:
+            assert engine.tokenizing.wait(30)
+            for _ in range(3):
+                assert client.get(scripted[0].url + "/health").status_code == 200
+                assert engine.tokenizing.is_set()
+        finally:
+            engine.tokenized.set()
         assert slow.result().status_code == 200
 
 
@@ -176,9 +185,12 @@ def test_a_worker_stream_keeps_alive_while_its_request_waits_and_closing_aborts_
                             finish_reason="length", num_prompt_tokens=1, num_output_tokens=1,
                             num_cached_tokens=0)
     aborted = []
+    answered: list[bytes] = []
 
     async def queued_then_answers():
-        await asyncio.sleep(0.3)
+        # NOTE: counted, not timed: a loop stalled past two keepalives sent only one in 0.3 s.
+        while len(answered) < 3:
+            await asyncio.sleep(0.01)
         yield chunk
 
     async def refused():
@@ -192,8 +204,9 @@ def test_a_worker_stream_keeps_alive_while_its_request_waits_and_closing_aborts_
         finally:
             aborted.append(True)
 
-    async def lines_of(stream, limit: int | None = None) -> list[bytes]:
-        answer, lines = _KeptAlive(stream), []
+    async def lines_of(stream, limit: int | None = None, lines: list[bytes] | None = None
+                       ) -> list[bytes]:
+        answer, lines = _KeptAlive(stream), [] if lines is None else lines
         try:
             async for line in answer.lines():
                 lines.append(line)
@@ -203,7 +216,7 @@ def test_a_worker_stream_keeps_alive_while_its_request_waits_and_closing_aborts_
             await answer.close()
         return lines
 
-    answered = asyncio.run(lines_of(queued_then_answers()))
+    asyncio.run(lines_of(queued_then_answers(), lines=answered))
     assert set(answered[:-1]) == {b": keepalive\n\n"} and len(answered) >= 4
     assert msgspec.json.decode(answered[-1][6:], type=StreamLine) == StreamLine(chunk=chunk)
     [line] = asyncio.run(lines_of(refused()))
