@@ -32,7 +32,8 @@ async def create_chat_completion(request: Request) -> Response:
     # As OpenAI: with no max_tokens (None) the reply may fill the rest of the context.
     ask = Ask([Prompt(functools.partial(_chat_text, turns))], sampling_options(body, num_top),
               body.max_completion_tokens or body.max_tokens, prompt_param="messages",
-              max_tokens_param=param, logprobs_param="top_logprobs")
+              max_tokens_param=param, logprobs_param="top_logprobs",
+              names_tokens_by_id=bool(body.return_tokens_as_token_ids and body.logprobs))
     call = await start_call(request, "chatcmpl", tenant, body.model, target, ask, body.n or 1,
                             streamed=bool(body.stream), prompt_text=_last_user_text(body.messages))
     name = token_namer(call.engine, body.return_tokens_as_token_ids) if body.logprobs else None

@@ -38,7 +38,8 @@ async def create_completion(request: Request) -> Response:
     prompts = _prompts(target, body.prompt)
     _refuse_too_many_choices(len(prompts), body.n or 1)
     # NOTE: max_tokens 0 runs one token, as the engine always samples one; echo leaves it out.
-    ask = Ask(prompts, options, max(max_tokens, 1), scores_prompt_only=max_tokens == 0)
+    ask = Ask(prompts, options, max(max_tokens, 1), scores_prompt_only=max_tokens == 0,
+              names_tokens_by_id=bool(body.return_tokens_as_token_ids and body.logprobs is not None))
     call = await start_call(request, "cmpl", tenant, body.model, target, ask, body.n or 1,
                             streamed=bool(body.stream))
     name = token_namer(call.engine, body.return_tokens_as_token_ids) \

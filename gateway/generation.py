@@ -22,8 +22,9 @@ import msgspec
 
 from gateway.engine_client import (AdapterRef, AdapterRejected, AdapterUnusable, ContextExceeded,
                                    DamagedAdapterCopy, EngineClient, EngineFailure, EngineStopped,
-                                   EngineUnavailable, GenerationChunk, RequestRejected,
-                                   SamplingOptions, TokenLogprob, WorkersOutOfSpace)
+                                   EngineUnavailable, GenerationChunk, OptionNotServed,
+                                   RequestRejected, SamplingOptions, TokenLogprob,
+                                   WorkersOutOfSpace)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
 
@@ -90,6 +91,8 @@ class Ask:
     # Echo with max_tokens 0: the prompt back, scored. The engine still samples one token, which
     # the client never sees, so the answer is not worth judging or running twice.
     scores_prompt_only: bool = False
+    # The client asked for logprobs naming tokens by id ("token_id:<id>", return_tokens_as_token_ids).
+    names_tokens_by_id: bool = False
     prompt_param: str = "prompt"  # the request's fields, for the errors that concern them
     max_tokens_param: str = "max_tokens"
     logprobs_param: str = "logprobs"
@@ -115,6 +118,14 @@ class Ask:
         if it cannot read a prompt; ContextExceeded as soon as one cannot fit its context, before
         the prompts after it are tokenized (a call's other prompts cannot save it)."""
         tier.engine.check_options(self.options)
+        # NOTE: an engine whose tokens are the text's bytes (an upstream) names the tokens of its
+        # logprobs by ids of this gateway's own, which mean nothing to the model (nor to
+        # logit_bias and stop_token_ids, which the upstream reads as its own ids).
+        if self.names_tokens_by_id and tier.engine.counts_text_bytes:
+            raise OptionNotServed(f"{tier.model!r} is served by an upstream API, whose logprobs "
+                                  "name tokens by their text: it has no token ids to return; "
+                                  "leave out return_tokens_as_token_ids, or call a local model",
+                                  "return_tokens_as_token_ids")
         readings = []
         for prompt in self.prompts:
             token_ids = prompt.tokens(tier.engine)

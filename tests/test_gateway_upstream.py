@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.demo import demo_config
 from gateway.config import UpstreamSource, load_serve_config
 from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
-from gateway.upstream import (CONTENT_ID, FIRST_TOKEN_ID, NAME_ID, ROLE_ID, RenderedChat,
+from gateway.upstream import (CONTENT_ID, NAME_ID, ROLE_ID, RenderedChat,
                               UpstreamEngineClient, open_upstreams)
 from routing.pricing import Price
 from routing.routes import parse_routes
@@ -646,6 +646,36 @@ def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstre
     assert server.admin("GET", f"/admin/tenants/{name}").json()["usage"] == usage
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_in_logprobs_are_refused_for_an_upstream_and_a_route_leaves_it_out(front, stream):
+    """An upstream's logprobs name tokens by text: the ids were this gateway's own, which the
+    model (and logit_bias, which reaches it) reads as other tokens."""
+    server, key = front
+    as_ids = {"logprobs": 1, "return_tokens_as_token_ids": True, "stream": stream, **GREEDY}
+    refused = post(server.url, key, model="demo", prompt="Hello there", **as_ids)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["param"]) == (400, "return_tokens_as_token_ids"), error
+    assert "'demo' is served by an upstream API" in error["message"]
+    refused = chat(server.url, key, model="demo-chat", messages=SHORT_CHAT, max_tokens=4,
+                   logprobs=True, return_tokens_as_token_ids=True, stream=stream)
+    assert (refused.status_code, refused.json()["error"]["param"]) == \
+        (400, "return_tokens_as_token_ids")
+    # Without logprobs the option changes nothing, and the upstream answers.
+    kept = post(server.url, key, model="demo", prompt="Hello there", max_tokens=4,
+                return_tokens_as_token_ids=True)
+    assert kept.status_code == 200, kept.text
+    # A route that would escalate into the upstream answers with its local tier.
+    routed = post(server.url, key, model="escalating", prompt="Hello there", **as_ids)
+    assert answered_by(routed) == ("local", "false")
+    local = post(server.url, key, model="local", prompt="Hello there", **as_ids)
+    if stream:
+        tokens = [[t for e in events(answer) for t in e["choices"][0]["logprobs"]["tokens"]]
+                  for answer in (routed, local)]
+    else:
+        tokens = [answer.json()["choices"][0]["logprobs"]["tokens"] for answer in (routed, local)]
+    assert tokens[0] == tokens[1] and all(t.startswith("token_id:") for t in tokens[0])
+
+
 def test_each_tier_checks_its_own_context(front, demo_engine):
     server, key = front
     max_tokens = demo_engine.max_model_len  # too many for the local model, not for 'demo''s
@@ -706,27 +736,23 @@ def test_a_chat_upstream_answers_a_plain_prompt_as_one_user_message(front, upstr
     assert as_ids["choices"][0]["text"] == proxied["choices"][0]["text"]
 
 
-def test_chat_upstream_logprobs_name_its_tokens_by_the_client_s_ids(front, upstream):
+def test_chat_upstream_logprobs_name_the_upstream_s_tokens_and_alternatives(front, upstream):
     server, key = front
     body = {"messages": CHAT, "logprobs": True, "top_logprobs": 3, **GREEDY}
     direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
-    as_ids = chat(server.url, key, model="demo-chat", return_tokens_as_token_ids=True,
-                  **body).json()
-    engine = server.app.state.gateway.engines["demo-chat"]
+    proxied = chat(server.url, key, model="demo-chat", **body).json()
 
     def texts(entries: list[dict]) -> list[str]:
-        ids = [int(e["token"].removeprefix("token_id:")) for e in entries]
-        assert min(ids) >= FIRST_TOKEN_ID
-        return [engine.token_text(i) for i in ids]
+        return [e["token"] for e in entries]
 
     expected = direct["choices"][0]["logprobs"]["content"]
-    content = as_ids["choices"][0]["logprobs"]["content"]
-    assert texts(content) == [e["token"] for e in expected]
+    content = proxied["choices"][0]["logprobs"]["content"]
+    assert texts(content) == texts(expected)
     assert [e["logprob"] for e in content] == pytest.approx([e["logprob"] for e in expected],
                                                             abs=1e-4)
     for entry, want in zip(content, expected):
         assert len(entry["top_logprobs"]) == 3
-        assert texts(entry["top_logprobs"]) == [t["token"] for t in want["top_logprobs"]]
+        assert texts(entry["top_logprobs"]) == texts(want["top_logprobs"])
     without = chat(server.url, key, model="demo-chat", messages=CHAT, logprobs=True, **GREEDY)
     assert [e["top_logprobs"] for e in without.json()["choices"][0]["logprobs"]["content"]] == \
         [[]] * 8
