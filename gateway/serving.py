@@ -371,9 +371,11 @@ class Call:
             raise engine_failed(error) from None
         return True
 
-    async def finish(self, *, refused: bool = False) -> None:
+    async def finish(self, *, refused: bool = False, rejected: bool = False) -> None:
         """Stop what still runs, then count and bill the tokens really used (once). `refused`:
-        the call ends with an error before its answer began (see `_bill`)."""
+        the call ends with an error before its answer began (see `_bill`); `rejected`: with a
+        400, as the engine refused one of its requests, so the tokens the others produced
+        meanwhile (the answer's) are not billed either: the client gets none of them."""
         if self.is_finished:
             return
         self.is_finished = True
@@ -381,7 +383,9 @@ class Call:
         if self.target.route is not None:
             self.state.metrics.count_route(self.target.route.name, self.answered_by,
                                            self.escalated, [a.model for a in self.attempts])
-        await _bill(self.request, self.admission, self.tenant.name, self.uses(), refused=refused)
+        uses = _uses_of(self.state, self.attempts) if rejected else self.uses()
+        await _bill(self.request, self.admission, self.tenant.name, uses,
+                    refused=refused or rejected)
 
 
 def _number(value: float | None) -> str:
@@ -513,7 +517,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         # back: they never run, nor are billed.
         await _unless_disconnected(request, generation.start())
     except RequestRejected as error:
-        await call.finish(refused=True)
+        await call.finish(rejected=True)
         raise invalid_request(str(error), param=ask.param_of(error)) from None
     except EngineFailure as error:
         await call.finish(refused=True)

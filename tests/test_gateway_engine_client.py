@@ -3,6 +3,7 @@
 No torch here: the scripted engine is what a remote worker would be, the protocol and nothing more.
 """
 
+import asyncio
 import concurrent.futures
 import threading
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ class ScriptedEngine(IdleEngineParts):
         self.options: list[SamplingOptions] = []
         self.fail_after: int | None = None
         self.refuse: str | None = None
+        self.refuse_prompts_with: int | None = None  # refuse, a moment late, prompts with this id
         # Set, tokenizing waits for it (a long prompt's seconds, the GIL released).
         self.tokenized: threading.Event | None = None
         self.tokenizing = threading.Event()  # set while a prompt is tokenized
@@ -61,6 +63,11 @@ class ScriptedEngine(IdleEngineParts):
         self.options.append(options)
         if self.refuse is not None:
             raise RequestRejected(self.refuse)
+        if self.refuse_prompts_with in prompt_token_ids:
+            # NOTE: after a wait, as a worker's refusal comes: the call's other requests (ready
+            # tasks, which run before a timer's) have produced their first chunks by then.
+            await asyncio.sleep(0.05)
+            raise RequestRejected("the prompt holds a token the model does not have", "prompt")
         for i in range(options.max_tokens):
             if i == self.fail_after:
                 raise EngineFailure("the device fell over")
@@ -85,6 +92,7 @@ def scripted(engine, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def reset(engine):
     engine.fail_after, engine.refuse, engine.tokenized = None, None, None
+    engine.refuse_prompts_with = None
 
 
 def post(scripted, path: str, **body) -> httpx.Response:
@@ -124,6 +132,20 @@ def test_a_refused_request_is_a_400_with_the_engine_reason(scripted, engine):
         response = post(scripted, "/v1/completions", prompt="x", stream=stream)
         assert response.status_code == 400
         assert response.json()["error"]["message"] == "the adapter is not loaded"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_refused_for_one_prompt_bills_nothing_the_others_produced(scripted, engine, stream):
+    """The client gets a 400 and none of the answers: it was billed the tokens of the prompts
+    the engine ran before it refused the other, and counted a request against rpm."""
+    server, key = scripted
+    before = server.admin("GET", "/admin/tenants/scripted").json()["usage"]
+    engine.refuse_prompts_with = ord("!")
+    response = post(scripted, "/v1/completions", prompt=["fine", "bad!", "also fine"], stream=stream)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt"
+    assert [len(p) for p in engine.prompts[-3:]] == [5, 5, 10]  # all three ran
+    assert server.admin("GET", "/admin/tenants/scripted").json()["usage"] == before
 
 
 def test_an_engine_failure_is_a_500_or_an_error_event(scripted, engine):
