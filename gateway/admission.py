@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 
 from gateway.errors import ApiError
 from store import UNAVAILABLE_ERRORS, RateDecision, Reservation, Store, StoreUnavailable, Tenant, refund_rate
@@ -181,23 +182,48 @@ async def wait_for_settles(timeout_s: float) -> None:
         await asyncio.wait(still_settling)
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """What a call's estimate counts, as the errors that refuse it say (and what to lower)."""
+
+    # The field the call set its output's length with; None for a call that set neither
+    # max_tokens nor min_tokens (its answers were fitted to the limits: refused, they were cut
+    # to one token each, the least it can use).
+    max_tokens_param: str | None = "max_tokens"
+    route: str | None = None  # the route it runs on, which answers one choice of one prompt
+    holds_every_tier: bool = False  # a cascade: it may run, and bill, each of its tiers
+
+    def counted(self) -> str:
+        output = "one output token" if self.max_tokens_param is None else self.max_tokens_param
+        if self.holds_every_tier:
+            return f"prompt plus {output} on each tier of route {self.route!r}, which may run them all"
+        return f"prompt plus {output} for every choice" + (
+            ", the least it can use" if self.max_tokens_param is None else "")
+
+    def levers(self) -> str:
+        """What lowers the estimate, as the rest of a sentence starting with "lower"."""
+        param = self.max_tokens_param
+        if self.route is not None:
+            return (f"{param} or " if param is not None else "") + \
+                f"shorten the prompt, or call one model instead of route {self.route!r}"
+        return (f"{param} or n" if param is not None else "n") + ", or shorten the prompt"
+
+
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
                 estimated_spend_usd: float = 0.0, *, hold_ttl_s: float = HOLD_TTL_S,
-                max_tokens_param: str | None = "max_tokens") -> Admission:
-    """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send.
-    `max_tokens_param`: the field the call set its output's length with, which errors name; None
-    for a call that set neither max_tokens nor min_tokens (its answers were fitted to the limits:
-    refused, they were cut to one token each, the least it can use)."""
+                estimate: Estimate = Estimate()) -> Admission:
+    """Charge the rate limits and hold the budgets for one call, or raise the ApiError to send
+    (which says what `estimate` counts)."""
     budget, spend_budget = tenant.monthly_token_budget, tenant.monthly_spend_budget_usd
     if tenant.tpm is not None and estimated_tokens > tenant.tpm:
         raise _too_large(f"use {estimated_tokens} tokens", f"limit is {tenant.tpm} tokens per minute",
-                         max_tokens_param)
+                         estimate)
     if budget is not None and estimated_tokens > budget:
         raise _too_large(f"use {estimated_tokens} tokens", f"monthly budget is {budget} tokens in all",
-                         max_tokens_param)
+                         estimate)
     if spend_budget is not None and estimated_spend_usd > spend_budget + SPEND_TOLERANCE_USD:
         raise _too_large(f"cost {estimated_spend_usd:.6f} USD",
-                         f"monthly budget is {spend_budget} USD in all", max_tokens_param)
+                         f"monthly budget is {spend_budget} USD in all", estimate)
     decision = await store.check_and_consume_rate(tenant, requests=1, tokens=estimated_tokens)
     if not decision.allowed:
         raise _rate_limited(tenant, decision)
@@ -209,8 +235,7 @@ async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
         raise
     if reservation is None:
         await refund_rate(store, tenant, requests=1, tokens=estimated_tokens)
-        raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd,
-                                 max_tokens_param)
+        raise await _over_budget(store, tenant, estimated_tokens, estimated_spend_usd, estimate)
     return Admission(store, tenant, reservation, hold_ttl_s)
 
 
@@ -243,19 +268,15 @@ def _rate_limited(tenant: Tenant, decision: RateDecision) -> ApiError:
                     headers={"Retry-After": str(wait)})
 
 
-def _too_large(what_it_may_use: str, limit: str, max_tokens_param: str | None) -> ApiError:
+def _too_large(what_it_may_use: str, limit: str, estimate: Estimate) -> ApiError:
     """The 400 for a call that no wait would let through: larger than one of its tenant's limits."""
-    if max_tokens_param is None:
-        return ApiError(400, f"this request may {what_it_may_use} (prompt plus one output token "
-                        f"for every choice, the least it can use) but your {limit}; lower n or "
-                        "shorten the prompt", code="request_too_large")
-    return ApiError(400, f"this request may {what_it_may_use} (prompt plus {max_tokens_param} for "
-                    f"every choice) but your {limit}; lower {max_tokens_param} or n, or shorten the "
-                    "prompt", param=max_tokens_param, code="request_too_large")
+    return ApiError(400, f"this request may {what_it_may_use} ({estimate.counted()}) but your "
+                    f"{limit}; lower {estimate.levers()}", param=estimate.max_tokens_param,
+                    code="request_too_large")
 
 
 async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
-                       estimated_spend_usd: float, max_tokens_param: str | None) -> ApiError:
+                       estimated_spend_usd: float, estimate: Estimate) -> ApiError:
     """The 429 for a call this month's budgets do not cover: what is left of them, and whether
     calls in flight hold enough of them that the call would fit once they finish (a retry then
     may pass; else none can, and the SDKs are told not to retry)."""
@@ -277,8 +298,8 @@ async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
         and spend_left + usage.reserved_spend_usd + SPEND_TOLERANCE_USD >= estimated_spend_usd)
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
-        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD: lower "
-        + (f"{max_tokens_param} or n" if max_tokens_param is not None else "n")
+        f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD ({estimate.counted()}): "
+        f"lower {estimate.levers()}"
         + (", retry once the calls in flight finish" if may_pass_later else "")
         + ", or ask your administrator to raise the budget",
         type="insufficient_quota", code="insufficient_quota",

@@ -21,7 +21,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.admission import Admission, admit
+from gateway.admission import Admission, Estimate, admit
 from gateway.auth import authenticate_tenant
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
 from gateway.engine_client import (AdapterDeleted, AdapterRef, CannotServe, EngineClient, EngineFailure,
@@ -452,8 +452,12 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         limits = await _call_limits(state, tenant)
         if limits is not None:
             ask, readings = _fit_to_limits(state, target, ask, readings, n, *limits)
+    route = target.route
+    estimate = Estimate(ask.length_param(), None if route is None else route.name,
+                        holds_every_tier=isinstance(route, CascadeRoute)
+                        and sum(reading is not None for reading in readings) > 1)
     admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n),
-                            max_tokens_param=ask.length_param())
+                            estimate=estimate)
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
     attempts: list[Attempt] = []
     try:

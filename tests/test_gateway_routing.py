@@ -471,6 +471,28 @@ def test_a_learned_route_hands_a_call_its_pick_fails_to_the_other_tier(routed, e
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failure"
 
 
+def test_a_route_too_large_for_its_tenant_s_limits_says_what_it_holds_and_what_to_change(routed):
+    """A cascade holds each of its tiers' prompt and max_tokens: the refusal said "prompt plus
+    max_tokens for every choice" of twice what the call asked for, and to lower n, which a route
+    takes only as 1."""
+    _, key = new_tenant(routed, tpm=40)
+    # "hard a": 6 tokens on each tier; 26 fit 40, each tier's together (52) do not
+    refused = complete(routed, key, "hard a", max_tokens=20)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["param"]) == \
+        (400, "request_too_large", "max_tokens"), error
+    assert error["message"] == (
+        "this request may use 52 tokens (prompt plus max_tokens on each tier of route 'auto', "
+        "which may run them all) but your limit is 40 tokens per minute; lower max_tokens or "
+        "shorten the prompt, or call one model instead of route 'auto'")
+    assert complete(routed, key, "hard a", model="small", max_tokens=20).status_code == 200
+    # A learned route runs one tier: it holds that one's.
+    refused = complete(routed, key, "hard a", model="learned", max_tokens=40).json()["error"]
+    assert "may use 46 tokens (prompt plus max_tokens for every choice)" in refused["message"]
+    assert refused["message"].endswith("; lower max_tokens or shorten the prompt, or call one "
+                                       "model instead of route 'learned'")
+
+
 def test_policies_limit_routes_and_pick_the_default(routed):
     _, only_small = new_tenant(routed, allowed_models=["small"])
     for model in ("auto", "three", "large"):
