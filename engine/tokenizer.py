@@ -98,8 +98,16 @@ def decoded_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], 
     exact = exact_token_bytes_reader(tokenizer)
     if exact is None:
         return None
-    special = frozenset(tokenizer.all_special_ids)
+    special = special_token_ids(tokenizer)
     return lambda token_id: b"" if token_id in special else exact(token_id)
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The tokens `decode(..., skip_special_tokens=True)` skips: those of the special-tokens map
+    (`all_special_ids`) and every added token marked special, which that map may leave out (Llama
+    3's header and reserved tokens)."""
+    return frozenset(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
 
 def reading_digest(tokenizer: PreTrainedTokenizerBase) -> str:

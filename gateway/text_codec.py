@@ -56,13 +56,11 @@ class TextCodec:
         self._token_bytes = None
         self._special_ids: frozenset[int] = frozenset()
         if tokenizer is not None:
-            # What the engine's detokenizer skips (skip_special_tokens).
-            self._special_ids = frozenset(tokenizer.all_special_ids) | {
-                i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
             # NOTE: imported here: the engine's tokenizer module imports transformers (and torch),
             # which a tokenizer object has loaded already and the gateway alone never needs.
-            from engine.tokenizer import token_bytes_reader
+            from engine.tokenizer import special_token_ids, token_bytes_reader
 
+            self._special_ids = special_token_ids(tokenizer)  # what the engine's text skips
             self._token_bytes = token_bytes_reader(tokenizer)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -216,6 +216,27 @@ def test_byte_by_byte_the_text_is_what_the_tokenizer_decodes(tokenizer, data, en
     assert "".join(streamed) == decoded_after(tokenizer, prompt, data[:shown])
 
 
+def test_a_special_added_token_outside_the_special_tokens_map_adds_no_bytes():
+    """Added tokens marked special that the special-tokens map leaves out (Llama 3's headers and
+    reserved tokens): decoding skips them, and the token bytes counted theirs, so a character
+    split around one showed as U+FFFD instead of the character the tokenizer decodes."""
+    from transformers import AddedToken
+
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_tokens([AddedToken("<|x|>", special=True)])
+    marker = tokenizer.convert_tokens_to_ids("<|x|>")
+    assert marker not in tokenizer.all_special_ids
+    reader = decoded_bytes_reader(tokenizer)
+    assert reader(marker) == b""
+    prompt, output = tokenizer.encode("x"), [0xD2, marker, 0x82]  # U+0482 split by the marker
+    detok = IncrementalDetokenizer(tokenizer, prompt, token_bytes=reader)
+    deltas = []
+    for i, token in enumerate(output):
+        detok.add_tokens([token], is_last=i == len(output) - 1)
+        deltas.append(detok.take_delta(finished=i == len(output) - 1))
+    assert "".join(deltas) == decoded_after(tokenizer, prompt, output) == "\u0482"
+
+
 def test_a_token_after_a_prompt_ending_in_special_tokens_keeps_its_leading_space():
     """Decoded with context of the skipped special tokens alone, sentencepiece's decoder took the
     token for the text's start and stripped its space: " Hello" read "Hello"."""
