@@ -291,8 +291,10 @@ class Generation:
     """
 
     def __init__(self, streams: list[AsyncIterator[GenerationChunk]], prompt_indices: list[int],
-                 latency: LatencyMetrics, arrived_at: float, same_prompt_as: list[int] | None = None):
+                 latency: LatencyMetrics, arrived_at: float, same_prompt_as: list[int] | None = None,
+                 *, prompt_per_choice: bool = False):
         self.choices = [Choice(i, p) for i, p in enumerate(prompt_indices)]
+        self._prompt_per_choice = prompt_per_choice
         self._same_prompt_as = same_prompt_as or sorted(set(prompt_indices))  # prompts 0, 1, ...
         self._prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         self._latency = latency
@@ -359,7 +361,11 @@ class Generation:
 
     @property
     def num_prompt_tokens(self) -> int:
-        """Prompt tokens of the call, each prompt counted once however many choices it has."""
+        """Prompt tokens of the call, each prompt counted once however many choices it has; or
+        once per choice, when `prompt_per_choice` (each choice was a request of its own to an
+        upstream, which billed it the prompt)."""
+        if self._prompt_per_choice:
+            return sum(c.num_prompt_tokens for c in self.choices)
         return sum(c.num_prompt_tokens for c in self._one_started_choice_per_prompt())
 
     @property

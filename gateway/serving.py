@@ -513,7 +513,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         model = answered_by  # a route's replies name the model that answered
     arrived_at = getattr(request.state, "arrived_at", time.monotonic())
     generation = Generation(streams, prompt_indices, state.metrics.latency(answered_by), arrived_at,
-                            same_prompt_as)
+                            same_prompt_as, prompt_per_choice=_bills_prompt_per_choice(tier.engine))
     call = Call(request, call_id, int(time.time()), model, answered_by, tier.engine, tenant, target,
                 generation, admission, state, attempts, escalated)
     try:
@@ -646,8 +646,16 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
 def _estimate(engine: EngineClient, reading: list[Reading], n: int) -> tuple[int, int]:
     """The most prompt tokens one tier's reading of a call may be billed, and the most its
     answers may use."""
-    return (sum(engine.max_prompt_tokens(p) for p, _ in reading),
+    num_prompts = n if _bills_prompt_per_choice(engine) else 1
+    return (num_prompts * sum(engine.max_prompt_tokens(p) for p, _ in reading),
             n * sum(o.max_tokens for _, o in reading))
+
+
+def _bills_prompt_per_choice(engine: EngineClient) -> bool:
+    """Whether each choice of a call uses its prompt anew: an upstream's (whose tokens are the
+    text's bytes) gets a request per choice and bills each the prompt; an engine here computes
+    a prompt once for all its choices, which share its KV blocks."""
+    return engine.counts_text_bytes
 
 
 def _engine_streams(tier: Tier, ask: Ask, n: int, call_id: str, tenant: str):

@@ -298,6 +298,26 @@ def test_greedy_answers_and_usage_equal_the_upstream_s(front, upstream):
     assert engine.stats().num_generation_tokens == 3 * 8
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_choice_of_an_upstream_call_pays_its_prompt(front, upstream, stream):
+    """The gateway asks the upstream once per choice, and the upstream bills each its prompt:
+    the call was billed (and held) the prompt once, and the operator paid the rest."""
+    server, key = front
+    name = f"choices-{stream}"
+    tenant_key = server.new_tenant(name)
+    body = {"prompt": "Hello there", **GREEDY}
+    direct = post(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    answer = post(server.url, tenant_key, model="demo", n=3, **body)
+    usage = events(answer)[-1]["usage"] if stream else answer.json()["usage"]
+    assert usage["prompt_tokens"] == 3 * direct["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == 3 * 8
+    billed = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (billed["tokens_in"], billed["tokens_out"]) == (usage["prompt_tokens"], 3 * 8)
+    assert billed["spend_usd"] == pytest.approx(usage["cost_usd"])
+
+
 def test_leaving_a_stream_early_stops_the_upstream_request(front, upstream):
     server, key = front
 
