@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 # renews its hold every third of it, however long it runs, which also rides out a store outage
 # of up to two thirds of it.
 HOLD_TTL_S = 60.0
+_RENEWALS_PER_TTL = 3
 # The waits between tries of a settle the store could not take for a while (another process held
 # SQLite's write lock past its wait, its volume was full), about a hold's TTL in all.
 SETTLE_RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
@@ -48,7 +49,7 @@ class Admission:
         """Renew the hold until the call settles: a stream longer than the hold's ttl must not
         free its budget for other calls while it still generates."""
         while True:
-            await asyncio.sleep(ttl_s / 3)
+            await asyncio.sleep(ttl_s / _RENEWALS_PER_TTL)
             try:
                 if not await self._store.extend_hold(self._reservation, ttl_s=ttl_s):
                     return  # settled meanwhile, or lapsed (the store was unreachable for long)

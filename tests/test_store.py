@@ -28,6 +28,7 @@ from store import (
     NotFound,
     RateDecision,
     RedisStore,
+    Reservation,
     SqliteStore,
     Store,
     StoreError,
@@ -36,6 +37,9 @@ from store import (
     open_store,
     refund_rate,
 )
+import gateway.admission as admission_module
+import store.redis as store_redis
+import store.sqlite as store_sqlite
 from gateway.admission import admit, wait_for_settles
 from gateway.auth import ensure_admin_key
 from gateway.errors import ApiError
@@ -616,14 +620,40 @@ async def test_an_extended_hold_outlives_its_first_ttl_and_a_settled_one_stays_g
     assert (await store.get_usage("acme", now=T0 + 21)).reserved_tokens == 100
 
 
-async def test_an_admitted_call_keeps_its_hold_past_the_ttl_until_it_settles(store: Store) -> None:
+async def test_an_admitted_call_keeps_its_hold_past_the_ttl_until_it_settles(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE: the store's clock is the test's, which moves on only once the hold has been renewed
+    # at its last reading: with the wall clock, a loop stalled for 0.4 s let a 0.6 s hold lapse.
+    clock = [time.time()]
+    for module in (store_sqlite, store_redis):
+        monkeypatch.setattr(module, "now_or", lambda now: clock[0] if now is None else now)
+    monkeypatch.setattr(admission_module, "_RENEWALS_PER_TTL", 600)  # every 50 ms of a 30 s ttl
+    renewed_at: list[float] = []
+    extend_hold = store.extend_hold
+
+    async def counted_extend_hold(reservation: Reservation, **kwargs: Any) -> bool:
+        at = clock[0]
+        if await extend_hold(reservation, **kwargs):
+            renewed_at.append(at)
+            return True
+        return False
+
+    monkeypatch.setattr(store, "extend_hold", counted_extend_hold)
     acme = await make_tenant(store, monthly_token_budget=100)
-    admission = await admit(store, acme, 100, hold_ttl_s=0.6)
-    await asyncio.sleep(2.0)  # over three ttls: only the renewals keep it
+    admission = await admit(store, acme, 100, hold_ttl_s=30)
+    for _ in range(6):  # 60 s: over two ttls, which only the renewals outlive
+        clock[0] += 10
+        for _ in range(1000):
+            if clock[0] in renewed_at:
+                break
+            await asyncio.sleep(0.01)
     assert (await store.get_usage("acme")).reserved_tokens == 100
     assert await store.reserve_tokens(acme, 1) is None
     await admission.settle(10, 20, 0.0)
-    await asyncio.sleep(0.3)  # a renewal would be due: nothing revives a settled hold
+    num_renewals = len(renewed_at)
+    await asyncio.sleep(0.2)  # renewals would be due: nothing revives a settled hold
+    assert len(renewed_at) == num_renewals
     usage = await store.get_usage("acme")
     assert (usage.reserved_tokens, usage.tokens_in, usage.tokens_out) == (0, 10, 20)
 
@@ -909,7 +939,9 @@ async def test_sqlite_calls_locked_out_by_another_process_are_unavailable_after_
         waited = time.monotonic() - started
         assert all(isinstance(o, UNAVAILABLE_ERRORS) for o in outcomes), outcomes
         assert "stayed locked by another process" in str(outcomes[0])
-        assert LOCK_TIMEOUT_S <= waited < 2 * LOCK_TIMEOUT_S  # one wait for all, not one each
+        # One wait for all, not one each (4 x LOCK_TIMEOUT_S), with room for a stalled process,
+        # whose stall SQLite's wait (a count of its sleeps) does not count.
+        assert LOCK_TIMEOUT_S <= waited < 3 * LOCK_TIMEOUT_S
         assert await store.get_tenant("acme") == acme  # reads go on
         other.execute("ROLLBACK")
         await store.ensure_writable()
