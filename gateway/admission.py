@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # renews its hold every third of it, however long it runs, which also rides out a store outage
 # of up to two thirds of it.
 HOLD_TTL_S = 60.0
-_RENEWALS_PER_TTL = 3
+_RENEWALS_PER_TTL = 3  # see above
 # The waits between tries of a settle the store could not take for a while (another process held
 # SQLite's write lock past its wait, its volume was full), about a hold's TTL in all.
 SETTLE_RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
@@ -201,13 +201,14 @@ class Estimate:
         return f"prompt plus {output} for every choice" + (
             ", the least it can use" if self.max_tokens_param is None else "")
 
-    def levers(self) -> str:
-        """What lowers the estimate, as the rest of a sentence starting with "lower"."""
+    def advice(self) -> str:
+        """What makes the estimate smaller ("lower max_tokens or n, or shorten the prompt")."""
         param = self.max_tokens_param
-        if self.route is not None:
-            return (f"{param} or " if param is not None else "") + \
-                f"shorten the prompt, or call one model instead of route {self.route!r}"
-        return (f"{param} or n" if param is not None else "n") + ", or shorten the prompt"
+        if self.route is not None:  # n is 1: a route answers one choice
+            shorter = "shorten the prompt" if param is None else f"lower {param} or shorten the prompt"
+            return f"{shorter}, or call one model instead of route {self.route!r}"
+        return "lower n or shorten the prompt" if param is None else \
+            f"lower {param} or n, or shorten the prompt"
 
 
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,
@@ -272,7 +273,7 @@ def _rate_limited(tenant: Tenant, decision: RateDecision) -> ApiError:
 def _too_large(what_it_may_use: str, limit: str, estimate: Estimate) -> ApiError:
     """The 400 for a call that no wait would let through: larger than one of its tenant's limits."""
     return ApiError(400, f"this request may {what_it_may_use} ({estimate.counted()}) but your "
-                    f"{limit}; lower {estimate.levers()}", param=estimate.max_tokens_param,
+                    f"{limit}; {estimate.advice()}", param=estimate.max_tokens_param,
                     code="request_too_large")
 
 
@@ -300,7 +301,7 @@ async def _over_budget(store: Store, tenant: Tenant, estimated_tokens: int,
     return ApiError(
         429, f"tenant {tenant.name!r} has {' and '.join(left)} of its monthly budget; this request "
         f"may use {estimated_tokens} tokens / {estimated_spend_usd:.6f} USD ({estimate.counted()}): "
-        f"lower {estimate.levers()}"
+        f"{estimate.advice()}"
         + (", retry once the calls in flight finish" if may_pass_later else "")
         + ", or ask your administrator to raise the budget",
         type="insufficient_quota", code="insufficient_quota",

@@ -365,7 +365,7 @@ def test_a_chat_without_max_tokens_is_shortened_to_what_the_monthly_budget_leave
     with pytest.raises(openai.RateLimitError) as raised:
         client.chat.completions.create(model=DEMO_MODEL, messages=messages)
     assert raised.value.body["code"] == "insufficient_quota"
-    assert "USD (prompt plus one output token for every choice, the least it can use): lower n, or " \
+    assert "USD (prompt plus one output token for every choice, the least it can use): lower n or " \
         "shorten the prompt, or ask your administrator" in raised.value.message  # it set no max_tokens
     usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
     assert (usage["tokens_in"] + usage["tokens_out"], usage["reserved_tokens"]) == (50, 0)

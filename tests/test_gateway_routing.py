@@ -491,6 +491,13 @@ def test_a_route_too_large_for_its_tenant_s_limits_says_what_it_holds_and_what_t
     assert "may use 46 tokens (prompt plus max_tokens for every choice)" in refused["message"]
     assert refused["message"].endswith("; lower max_tokens or shorten the prompt, or call one "
                                        "model instead of route 'learned'")
+    # A chat without max_tokens, cut to one token on each tier, sets nothing else to lower.
+    refused = httpx.post(routed.url + "/v1/chat/completions", timeout=30,
+                         headers={"Authorization": f"Bearer {key}"},
+                         json={"model": "auto", "messages": [{"role": "user", "content": "hard " * 30}]})
+    message = refused.json()["error"]["message"]
+    assert "(prompt plus one output token on each tier of route 'auto'" in message
+    assert message.endswith("; shorten the prompt, or call one model instead of route 'auto'"), message
 
 
 def test_policies_limit_routes_and_pick_the_default(routed):
