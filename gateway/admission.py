@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 # renews its hold every third of it, however long it runs, which also rides out a store outage
 # of up to two thirds of it.
 HOLD_TTL_S = 60.0
-_RENEWALS_PER_TTL = 3  # see above
+_RENEWALS_PER_TTL = 3  # how often a live call renews its hold within its ttl (see above)
 # The waits between tries of a settle the store could not take for a while (another process held
 # SQLite's write lock past its wait, its volume was full), about a hold's TTL in all.
 SETTLE_RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
