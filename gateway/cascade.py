@@ -9,7 +9,8 @@ refuses the request, or answers without logprobs, which cannot be judged), so th
 fallback; not one whose adapter cannot run (deleted while the call waited, or made for a model no
 longer served): the call asked for that adapter, so it ends as a call to it would. If the last
 tier fails too before its first token, the tier escalated past that was
-surest of its answer answers after all: that one is aborted only once a later tier answers.
+surest of its answer answers after all: that one is aborted only once a later tier answers, and
+its answer is read on meanwhile (the engine makes it anyway), so every token it made is billed.
 Tiers that cannot serve the call are left out (their context cannot hold the prompt and its
 answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
 are those whose engine cannot take it now (no worker of their model is up): the last tier that
@@ -25,6 +26,7 @@ counts its prompt once its first chunk came, and its output so far."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -112,29 +114,73 @@ async def run_cascade(route: CascadeRoute, steps: list[tuple[int, Tier]], ask: A
             fallback, dropped = _surer(fallback, _PassedOver(tier, stream, chunks, score,
                                                              len(attempts) - 1))
             if dropped is not None:
-                await dropped.stream.aclose()  # aborts the engine request
+                await dropped.drop(attempts)
         raise AssertionError("the last tier always answers")  # pragma: no cover
     finally:
         if fallback is not None:  # a later tier answers, or the call ended
-            await fallback.stream.aclose()  # aborts the engine request
+            await fallback.drop(attempts)
 
 
-@dataclass(frozen=True)
 class _PassedOver:
     """A tier escalated past for its score, its answer left running: it answers instead if the
-    last tier fails before its first token."""
+    last tier fails before its first token. Meanwhile its answer is read on in the background:
+    the engine makes it whether read or not, and each token it made is billed, however it ends
+    (its answer's chunks once read were only those judged: the rest went unbilled)."""
 
-    tier: Tier
-    stream: AsyncIterator[GenerationChunk]
-    chunks: list[GenerationChunk]  # what judging it consumed
-    score: float | None
-    attempt: int  # its index in the call's attempts
+    def __init__(self, tier: Tier, stream: AsyncIterator[GenerationChunk],
+                 chunks: list[GenerationChunk], score: float | None, attempt: int):
+        self.tier = tier
+        self.chunks = chunks  # what judging it consumed, then what came while it was held
+        self.score = score
+        self.attempt = attempt  # its index in the call's attempts
+        self._arrived = asyncio.Event()  # set when a chunk came or its answer ended
+        self._reading = asyncio.create_task(self._read_on(stream))
+
+    async def _read_on(self, stream: AsyncIterator[GenerationChunk]) -> None:
+        try:
+            if not (self.chunks and self.chunks[-1].finished):
+                async for chunk in stream:
+                    self.chunks.append(chunk)
+                    self._arrived.set()
+                    if chunk.finished:
+                        break
+        finally:
+            self._arrived.set()
+            await stream.aclose()  # aborts the engine request if its answer is not over
 
     def answer(self, attempts: list[Attempt]) -> CascadeOutcome:
         # NOTE: its tokens so far are its answer's now, counted when that finishes.
         attempts[self.attempt] = dataclasses.replace(attempts[self.attempt], tokens_in=0,
                                                      tokens_out=0)
-        return CascadeOutcome(self.tier, _replay(self.chunks, self.stream))
+        return CascadeOutcome(self.tier, self._rest())
+
+    async def drop(self, attempts: list[Attempt]) -> None:
+        """Abort its answer, its attempt billed every token it made."""
+        await self._stop_reading()
+        tokens_in, tokens_out = _used(self.chunks)
+        attempts[self.attempt] = dataclasses.replace(attempts[self.attempt], tokens_in=tokens_in,
+                                                     tokens_out=tokens_out)
+
+    async def _rest(self) -> AsyncIterator[GenerationChunk]:
+        """Its answer: the chunks read so far, then the rest as they come."""
+        sent = 0
+        try:
+            while True:
+                while sent < len(self.chunks):
+                    yield self.chunks[sent]
+                    sent += 1
+                if self._reading.done():
+                    self._reading.result()  # raises what ended its answer early (its engine failed)
+                    return
+                self._arrived.clear()
+                await self._arrived.wait()
+        finally:
+            await self._stop_reading()
+
+    async def _stop_reading(self) -> None:
+        self._reading.cancel()  # NOTE: does nothing to a read already over
+        # An engine failure that ended the read is the call's only once it answers (`_rest`).
+        await asyncio.gather(self._reading, return_exceptions=True)
 
 
 def _surer(held: _PassedOver | None, new: _PassedOver) -> tuple[_PassedOver, _PassedOver | None]:

@@ -57,6 +57,7 @@ class ScriptedTier(IdleEngineParts):
         self.down = False  # no engine up, as a model none of whose workers is up
         self.stall_after: int | None = None  # tokens after which answers wait to be aborted
         self.stalled = threading.Event()  # set once an answer waits there
+        self.start_after: threading.Event | None = None  # answers wait for it to start
         self.started: list[str] = []  # request ids, in order
         self.running: set[str] = set()
         self.closed_early: list[str] = []  # requests aborted before their last token
@@ -92,6 +93,8 @@ class ScriptedTier(IdleEngineParts):
         finished = False
         self.running.add(request_id)
         try:
+            while self.start_after is not None and not self.start_after.is_set():
+                await asyncio.sleep(0.005)
             for i in range(options.max_tokens):
                 if i == self.stall_after:
                     self.stalled.set()
@@ -197,7 +200,7 @@ def chatml_routed(demo_engine, chatml_engine, tmp_path_factory) -> Iterator[Gate
 @pytest.fixture(autouse=True)
 def healthy(engines):
     for engine in engines.values():
-        engine.fail, engine.down, engine.stall_after = False, False, None
+        engine.fail, engine.down, engine.stall_after, engine.start_after = False, False, None, None
         engine.stalled.clear()
 
 
@@ -295,7 +298,12 @@ def test_a_call_that_only_scores_its_prompt_goes_to_the_next_tier_if_the_first_f
 
 
 def test_a_stream_is_judged_on_its_prefix_before_any_byte_is_sent(routed, engines):
+    """The tier escalated past is held (to answer if the next fails before its first token) and
+    its answer read on meanwhile: every token its engine made until it was aborted is billed (only
+    the two judged were, while the engine made more)."""
     name, key = new_tenant(routed)
+    engines["small"].stall_after = 4  # its answer is cut there, once held
+    engines["large"].start_after = engines["small"].stalled
     with httpx.stream("POST", routed.url + "/v1/completions", timeout=30,
                       headers={"Authorization": f"Bearer {key}"},
                       json={"model": "auto", "prompt": "hard one", "max_tokens": 6, "stream": True,
@@ -305,11 +313,12 @@ def test_a_stream_is_judged_on_its_prefix_before_any_byte_is_sent(routed, engine
                   if line.startswith("data: {")]
     assert headers["x-switchboard-model"] == "large" and headers["x-switchboard-escalated"] == "true"
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "llllll"
-    assert engines["small"].closed_early[-1] == engines["small"].started[-1]  # cut after 2 tokens
-    expected = cost("small", 8, 2) + cost("large", 8, 6)
+    assert engines["small"].closed_early[-1] == engines["small"].started[-1]  # cut after 4 tokens
+    expected = cost("small", 8, 4) + cost("large", 8, 6)
     assert events[-1]["usage"]["cost_usd"] == pytest.approx(expected)
     assert spend(routed, name)["spend_usd"] == pytest.approx(expected)
 
+    engines["small"].stall_after = engines["large"].start_after = None
     kept = complete(routed, key, "easy one", stream=True, max_tokens=6)
     assert kept.headers["x-switchboard-model"] == "small"
     texts = [json.loads(line[6:])["choices"][0]["text"] for line in kept.text.splitlines()
