@@ -17,6 +17,9 @@ from adapters.errors import AdapterValidationError
 from adapters.peft_regex import ModuleRegex, Regexes
 
 CONFIG_NAME = "adapter_config.json"
+# Far more than any PEFT config (a few kilobytes, tens with a rank_pattern per module): a larger one
+# is not an adapter, and parsing hundreds of megabytes would stall the server.
+MAX_CONFIG_BYTES = 1 << 20
 ALL_LINEAR = "all-linear"
 # PEFT's default target_modules for the llama, mistral and qwen2 model types.
 DEFAULT_TARGET_MODULES = frozenset({"q_proj", "v_proj"})
@@ -102,6 +105,10 @@ def read_lora_settings(folder: Path) -> LoraSettings:
     if not path.is_file():
         raise AdapterValidationError(
             f"{folder} has no {CONFIG_NAME}: save the adapter with PEFT's save_pretrained")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:
+        raise AdapterValidationError(
+            f"{CONFIG_NAME} is {size} bytes, past the {MAX_CONFIG_BYTES} accepted (PEFT writes a "
+            "few kilobytes): save the adapter with PEFT's save_pretrained")
     try:
         cfg = json.loads(path.read_text())
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a number of over 4300 digits, deep nesting
@@ -115,7 +122,7 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
     """Check a PEFT config dict; reject what the server does not implement."""
     if cfg.get("peft_type") != "LORA":
         raise AdapterValidationError(
-            f"peft_type {cfg.get('peft_type')!r} is not supported: only LoRA adapters "
+            f"peft_type {reprlib.repr(cfg.get('peft_type'))} is not supported: only LoRA adapters "
             "(peft_type LORA) can be served")
     for field, why in _UNSUPPORTED_FIELDS.items():
         # NOTE: PEFT turns a variant on by any *_config that is not null, {} included.
@@ -130,7 +137,7 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
             "path_initial_model_for_weight_conversion=...), or retrain without LoftQ")
     if (cfg.get("bias") or "none") != "none":
         raise AdapterValidationError(
-            f"bias={cfg['bias']!r} trains the base model's biases, which tenants cannot share; "
+            f"bias={reprlib.repr(cfg['bias'])} trains the base model's biases, which tenants cannot share; "
             "only bias='none' is supported")
     # NOTE: fan_in_fan_out is ignored on purpose: PEFT turns it off for nn.Linear targets (all of
     # them here), so A and B are stored [r, in] and [out, r] either way; load_adapter checks shapes.
@@ -225,13 +232,13 @@ def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[Modu
             f"{field} must be a JSON object mapping module name patterns to values, e.g. "
             f'{{"v_proj": 8}}, got {reprlib.repr(value)}')
     return {regexes.compile_module_regex(k, f"{field} key", _PATTERN_KEY_REGEX):
-            parse_value(v, f"{field}[{k!r}]") for k, v in value.items()}
+            parse_value(v, f"{field}[{reprlib.repr(k)}]") for k, v in value.items()}
 
 
 def _layer_set(value, field: str) -> frozenset[int] | None:
     values = [value] if _is_int(value) else value
     if value is not None and not (isinstance(values, list) and all(map(_is_int, values))):
-        raise AdapterValidationError(f"{field} must be an int or a list of ints, got {value!r}")
+        raise AdapterValidationError(f"{field} must be an int or a list of ints, got {reprlib.repr(value)}")
     return frozenset(values) if values else None  # PEFT treats [] as "every layer"
 
 
@@ -240,13 +247,14 @@ def _str_tuple(value, field: str) -> tuple[str, ...]:
         return ()
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise AdapterValidationError(f"{field} must be a string or a list of strings, got {value!r}")
+        raise AdapterValidationError(
+            f"{field} must be a string or a list of strings, got {reprlib.repr(value)}")
     return tuple(values)
 
 
 def _positive_int(value, field: str) -> int:
     if not _is_int(value) or value < 1:
-        raise AdapterValidationError(f"{field} must be a positive integer, got {value!r}")
+        raise AdapterValidationError(f"{field} must be a positive integer, got {reprlib.repr(value)}")
     return value
 
 
@@ -256,5 +264,5 @@ def _is_int(value) -> bool:
 
 def _number(value, field: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise AdapterValidationError(f"{field} must be a finite number, got {value!r}")
+        raise AdapterValidationError(f"{field} must be a finite number, got {reprlib.repr(value)}")
     return float(value)

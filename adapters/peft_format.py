@@ -13,13 +13,14 @@ tensors are read.
 from __future__ import annotations
 
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from adapters.errors import AdapterValidationError
+from adapters.errors import AdapterValidationError, shown
 from adapters.peft_config import LoraSettings, read_lora_settings
 from adapters.targets import PROJECTION_PARENTS, PROJECTIONS, module_key, projection_shapes
 from engine.model.spec import ModelSpec
@@ -116,13 +117,13 @@ def _module_tensor_names(names: list[str], num_layers: int) -> dict[tuple[int, s
             raise AdapterValidationError(_unsupported_tensor(name))
         if layer >= num_layers:
             raise AdapterValidationError(
-                f"tensor {name} is for layer {layer}, but the base model has {num_layers} layers: "
+                f"tensor {shown(name)} is for layer {layer}, but the base model has {num_layers} layers: "
                 "the adapter was trained for a different base model")
         pair = found.setdefault((layer, proj), {})
         if match["ab"] in pair:
             raise AdapterValidationError(
                 f"{WEIGHTS_NAME} has two lora_{match['ab']} tensors for {module_key(layer, proj)} "
-                f"({pair[match['ab']]} and {name}); save one adapter per folder")
+                f"({shown(pair[match['ab']])} and {shown(name)}); save one adapter per folder")
         pair[match["ab"]] = name
     for (layer, proj), pair in found.items():
         if len(pair) != 2:
@@ -134,15 +135,17 @@ def _module_tensor_names(names: list[str], num_layers: int) -> dict[tuple[int, s
 
 
 def _unsupported_tensor(name: str) -> str:
+    shown_name = shown(name)
     if "lora_embedding" in name or "embed_tokens" in name:
-        return f"tensor {name}: LoRA on the token embeddings is not supported yet"
+        return f"tensor {shown_name}: LoRA on the token embeddings is not supported yet"
     if name.startswith("base_model.model.lm_head"):
-        return f"tensor {name}: LoRA on lm_head is not supported yet"
+        return f"tensor {shown_name}: LoRA on lm_head is not supported yet"
     if "lora_magnitude_vector" in name:
-        return f"tensor {name}: DoRA adapters are not supported; serve a plain LoRA adapter"
+        return f"tensor {shown_name}: DoRA adapters are not supported; serve a plain LoRA adapter"
     if name.endswith(".bias"):
-        return f"tensor {name}: bias terms are not supported; train with bias='none' and lora_bias=False"
-    return (f"tensor {name} is not a LoRA weight of a decoder layer's projection "
+        return (f"tensor {shown_name}: bias terms are not supported; train with bias='none' and "
+                "lora_bias=False")
+    return (f"tensor {shown_name} is not a LoRA weight of a decoder layer's projection "
             f"({', '.join(PROJECTIONS)}); other modules are not supported")
 
 
@@ -167,18 +170,18 @@ def _check_header(f, key: tuple[int, str], names: tuple[str, str], settings: Lor
     rank, (in_features, out_features) = settings.rank(name), shape
     if rank > max_lora_rank:
         raise AdapterValidationError(
-            f"{name} has rank {rank}, above this server's max_lora_rank {max_lora_rank}; "
+            f"{name} has rank {reprlib.repr(rank)}, above this server's max_lora_rank {max_lora_rank}; "
             f"retrain with r <= {max_lora_rank}")
     _check_scaling(name, settings)
     for tensor_name, want in zip(names, ([rank, in_features], [out_features, rank])):
         tensor = f.get_slice(tensor_name)
         if tensor.get_dtype() not in _DTYPES:
             raise AdapterValidationError(
-                f"{tensor_name} has dtype {tensor.get_dtype()}; LoRA weights must be float16, bfloat16 "
-                "or float32")
+                f"{shown(tensor_name)} has dtype {tensor.get_dtype()}; LoRA weights must be "
+                "float16, bfloat16 or float32")
         if tensor.get_shape() != want:
             raise AdapterValidationError(
-                f"{tensor_name} has shape {tensor.get_shape()}, expected {want} (r={rank} from "
+                f"{shown(tensor_name)} has shape {tensor.get_shape()}, expected {want} (r={rank} from "
                 f"adapter_config.json; {name} maps {in_features} to {out_features} features in the base "
                 "model): the adapter belongs to a different base model, or its config does not match "
                 "its weights")

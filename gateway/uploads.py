@@ -193,8 +193,13 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                     raise invalid_request(f"the archive holds the unsafe path {quoted(member.name)}; "
                                           "pack the adapter folder with relative paths",
                                           code="invalid_upload")
+                if count > _MAX_ARCHIVE_MEMBERS:
+                    raise invalid_request(
+                        f"the archive holds more than {_MAX_ARCHIVE_MEMBERS} files; pack only the "
+                        f"adapter folder, or upload {' and '.join(ADAPTER_FILES)} as two files",
+                        code="invalid_upload")
                 total += max(member.size, 0)
-                if count > _MAX_ARCHIVE_MEMBERS or total > max_bytes:
+                if total > max_bytes:
                     raise _too_large(max_bytes)
                 name = path.name
                 if name not in ADAPTER_FILES or member.isdir():

@@ -385,6 +385,31 @@ def test_hostile_config_is_rejected_quickly(tmp_path, case):
     assert time.thread_time() - start < 0.5
 
 
+# Configs and tensors of huge values, each (edit, where the refusal points): the refusal once
+# echoed the value whole, up to the upload's size (a 125 MB config made a 125 MB error body).
+HUGE_VALUES = {
+    "layers_to_transform": (_edit_config(layers_to_transform=["0"] * 150_000), "layers_to_transform"),
+    "target_modules": (_edit_config(target_modules=[0] * 250_000), "target_modules"),
+    "bias": (_edit_config(bias="lora_only" * 100_000), "bias="),
+    "peft_type": (_edit_config(peft_type="X" * 500_000), "peft_type"),
+    "r": (_edit_config(r=int("9" * 4000)), "has rank 9"),
+    "rank_pattern value": (_edit_config(rank_pattern={"v_proj": "x" * 500_000}), "rank_pattern"),
+    "tensor name": (_edit_tensors(lambda t: {**t, PREFIX + "n" * 500_000: torch.ones(1)}),
+                    "is not a LoRA weight"),
+    "config past 1 MiB": (_edit_config(notes="x" * (1 << 20)), r"adapter_config.json is \d+ bytes"),
+}
+
+
+@pytest.mark.parametrize("case", HUGE_VALUES)
+def test_a_refusal_shows_a_huge_value_cut(tmp_path, case):
+    edit, message = HUGE_VALUES[case]
+    save_peft_adapter(tmp_path, r=4)
+    edit(tmp_path)
+    with pytest.raises(AdapterValidationError, match=message) as raised:
+        load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert len(str(raised.value)) < 1000
+
+
 # Regexes on which re could backtrack for minutes on one module name, and whether they match the
 # decoder projections' names: they run on PositionSets, in bounded time.
 BACKTRACKING_REGEXES = {POLYNOMIAL: False, r"\d+.*?[a-z]{2,}Z": False, ".?" * 24 + "Z": False,

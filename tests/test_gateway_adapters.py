@@ -722,6 +722,12 @@ BAD_UPLOADS = {
                                      "x" * (2 * MAX_UPLOAD_BYTES): b""}, tar_format))}),
         413, "upload_too_large", "larger")
        for kind, tar_format in (("GNU long-name", tarfile.GNU_FORMAT), ("pax", tarfile.PAX_FORMAT))},
+    # A small archive (it was refused as larger than the server accepts: raising the limit did
+    # not help).
+    "archive of over 1000 files": (lambda a: ("f", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
+        **{n: d for n, (_, d) in files_of(a["all-r8"]).items()},
+        **{f"runs/events.{i}": b"" for i in range(1000)}}))}),
+        400, "invalid_upload", "more than 1000 files; pack only the adapter folder"),
     "corrupt archive": (lambda a: ("c", DEMO_MODEL, {"file": ("a.tar.gz", b"not a tar at all")}),
                         400, "invalid_upload", "tar.gz"),
     "regex too slow to match": (lambda a: ("x", DEMO_MODEL, _with_config(
