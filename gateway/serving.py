@@ -326,6 +326,8 @@ class Call:
     attempts: list[Attempt] = field(default_factory=list)  # a route's tiers, in the order run
     # A cascade passed over a tier it ran; a learned route's strong model answers.
     escalated: bool = False
+    # Every choice's answer began (the first chunks came): until then no tier has answered it.
+    began: bool = False
     is_finished: bool = False
 
     def usage(self) -> Usage:
@@ -380,9 +382,12 @@ class Call:
             return
         self.is_finished = True
         self.generation.close()
-        if self.target.route is not None:
-            self.state.metrics.count_route(self.target.route.name, self.answered_by,
-                                           self.escalated, [a.model for a in self.attempts])
+        route = self.target.route
+        if route is not None and self.began:
+            self.state.metrics.count_route(route.name, self.answered_by, self.escalated,
+                                           [a.model for a in self.attempts])
+        elif route is not None:  # no tier answered: those that ran still count
+            self.state.metrics.count_tier_calls(route.name, [a.model for a in self.attempts])
         uses = _uses_of(self.state, self.attempts) if rejected else self.uses()
         await _bill(self.request, self.admission, self.tenant.name, uses,
                     refused=refused or rejected)
@@ -520,6 +525,7 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
         # A client that leaves while its requests wait for a batch slot or prefill takes them
         # back: they never run, nor are billed.
         await _unless_disconnected(request, generation.start())
+        call.began = True
     except RequestRejected as error:
         await call.finish(rejected=True)
         raise invalid_request(str(error), param=ask.param_of(error)) from None

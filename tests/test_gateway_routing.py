@@ -476,8 +476,18 @@ def test_a_learned_route_hands_a_call_its_pick_fails_to_the_other_tier(routed, e
         assert response.headers["x-switchboard-model"] == answering
         engines[down].fail = False
     engines["small"].fail = engines["large"].fail = True
+    metrics = routed.app.state.gateway.metrics
+
+    def counts() -> tuple[float, ...]:
+        return (*(metrics.routed.value(route="learned", model=m, escalated=e)
+                  for m in ("small", "large") for e in ("true", "false")),
+                *(metrics.route_attempts.value(route="learned", model=m) for m in ("small", "large")))
+
+    before = counts()
     failed = complete(routed, key, "easy 1000", model="learned", stream=stream)
     assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_failure"
+    # No tier answered: both ran, and neither is counted as the one that answered (the last was).
+    assert eventually(lambda: counts() == (*before[:4], before[4] + 1, before[5] + 1))
 
 
 def test_a_route_too_large_for_its_tenant_s_limits_says_what_it_holds_and_what_to_change(routed):
