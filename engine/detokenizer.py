@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
         self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.read_offset = len(self.token_ids)
         self.prefix_offset = self._context_start(self.read_offset)
         self.stop = stop
@@ -107,6 +108,9 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode_next(self, check_stop: bool, is_last: bool) -> None:
+        # Bytes of the prompt's unfinished character that the output added none to are not the
+        # output's: an answer of only EOS is "", not U+FFFD (as transformers decodes the output).
+        is_last = is_last and self._output_adds_bytes()
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
         unread_text = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)[len(prefix):]
@@ -125,6 +129,12 @@ class IncrementalDetokenizer:
             self.num_unread_chars_taken = 0
         if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
+
+    def _output_adds_bytes(self) -> bool:
+        """Whether the output's tokens so far add bytes to the text (taken as so without the token
+        bytes: then no character of the prompt is read as the output's)."""
+        return self.token_bytes is None or any(
+            self.token_bytes(t) for t in self.token_ids[self.num_prompt_tokens:])
 
     def _unfinished_character(self, token_ids: list[int]) -> bytes | None:
         """The bytes that `token_ids` end in of a character begun but not finished (which is what

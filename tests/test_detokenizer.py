@@ -192,6 +192,31 @@ def test_a_character_the_prompt_ends_partway_into_is_the_outputs_first(any_token
     assert deltas[0] == "\u4f60" and "".join(deltas[1:]) == decoded_after(any_tokenizer, whole, ok)
 
 
+@pytest.mark.parametrize("ends_on_stop_token", [True, False])
+def test_a_character_the_prompt_ends_partway_into_that_the_output_adds_nothing_to_is_not_shown(
+        any_tokenizer, ends_on_stop_token):
+    """An answer of only EOS (or of tokens with no text) after a prompt ending partway into a
+    character is "", as transformers decodes it: the prompt's bytes were shown as the output's
+    U+FFFD. Once the output adds a byte to the character, its end shows it (as any output's)."""
+    reader = decoded_bytes_reader(any_tokenizer)
+    prompt = any_tokenizer.encode("x") + byte_ids(any_tokenizer, b"\xe4")
+    no_text = any_tokenizer.bos_token_id  # a special token: no bytes
+
+    def answer(ids: list[int]) -> str:
+        detok = IncrementalDetokenizer(any_tokenizer, prompt, token_bytes=reader)
+        if ends_on_stop_token:
+            detok.add_tokens(ids)
+            detok.end_before(any_tokenizer.eos_token_id)
+        else:
+            detok.add_tokens(ids, is_last=True)
+        return detok.take_delta(finished=True)
+
+    assert answer([no_text] if not ends_on_stop_token else []) == ""
+    unfinished = byte_ids(any_tokenizer, b"\xe4\xbd")  # shown as the tokenizer decodes them
+    assert answer(unfinished[1:]) == any_tokenizer.decode(unfinished) != ""
+    assert decoded_after(any_tokenizer, prompt, [any_tokenizer.eos_token_id]) == ""
+
+
 # Bytes that start, continue, break and finish characters of every length, and a letter.
 _BYTES = [ord("a"), 0x80, 0xBF, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xED, 0xF0, 0x9F, 0x99, 0x82, 0xFF]
 
