@@ -68,7 +68,7 @@ STREAM_SILENCE_S = 6 * KEEPALIVE_S
 _STREAM_TIMEOUT = httpx.Timeout(STREAM_SILENCE_S, connect=_CONNECT_TIMEOUT_S)
 _MAX_PLACEMENTS = 3  # workers tried for one request before it fails
 _MAX_IDLE_CONNECTIONS = 20  # connections to workers kept open for reuse (as httpx by default)
-_MAX_OPENING = 32  # generate streams a gateway opens at once (see WorkerPool.opening)
+_MAX_OPENING = 32  # generate streams a gateway opens to one worker at once (WorkerPool.opening)
 
 
 class WorkerPool:
@@ -122,10 +122,17 @@ class WorkerPool:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
         self._polling: Periodic | None = None
         self._refreshing: asyncio.Task[None] | None = None
-        # Generate streams being opened (connected, sent, until their answer's headers) at once.
-        # NOTE: a call of 2048 prompts opened them all at once: on the gateway's busy event loop
-        # their connects timed out, and every worker was taken for down, for every caller.
-        self.opening = asyncio.Semaphore(_MAX_OPENING)
+        # Generate streams being opened to each worker (connected, sent, until their answer's
+        # headers) at once, by worker id. NOTE: a call of 2048 prompts opened them all at once: on
+        # the gateway's busy event loop their connects timed out, and every worker was taken for
+        # down, for every caller. Per worker: one that hangs with its port still open holds the
+        # openings of the streams sent to it until they time out (STREAM_SILENCE_S); under one
+        # bound for all, every other worker's calls waited for them.
+        self._opening: dict[str, asyncio.Semaphore] = {}
+
+    def opening(self, worker_id: str) -> asyncio.Semaphore:
+        """The bound on generate streams being opened to `worker_id` at once."""
+        return self._opening.setdefault(worker_id, asyncio.Semaphore(_MAX_OPENING))
 
     async def start(self) -> None:
         """Read the registry once (raising if Redis cannot be reached), then keep polling."""
@@ -170,6 +177,8 @@ class WorkerPool:
             if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
                 self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)
         self.workers = {r.id: r for r in records}
+        # NOTE: a stream still opening to a worker gone holds its own reference.
+        self._opening = {i: bound for i, bound in self._opening.items() if i in self.workers}
         self._down = {i: beat for i, beat in self._down.items()
                       if i in self.workers and self.workers[i].beat_at <= beat}
         # The models to serve, each with the digest of the tokenizer to read its prompts with.
@@ -573,7 +582,7 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
     is wrong), EngineFailure (its engine failed it) or _Retry."""
     for attempt in range(2):
         async with contextlib.AsyncExitStack() as stack:
-            async with pool.opening:
+            async with pool.opening(worker.id):
                 response = await stack.enter_async_context(pool.http.stream(
                     "POST", worker.url + GENERATE_PATH, content=body, headers=pool.headers(),
                     timeout=_STREAM_TIMEOUT))

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -31,7 +32,7 @@ import pytest
 
 from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions)
-from gateway.remote import DEFAULT_POLL_S, RemoteEngineClient, WorkerPool
+from gateway.remote import DEFAULT_POLL_S, RemoteEngineClient, WorkerPool, _stream_lines
 from gateway.worker import Worker, create_worker_app, tokenizer_files
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
 from routing.placement import home_of
@@ -793,6 +794,62 @@ def test_a_gateway_opens_a_bounded_number_of_streams_at_once_however_many_calls_
         answers, down = asyncio.run(burst())
     assert all(len(a) == 1 for a in answers) and down == {}
     assert slow.most_held <= 32  # remote._MAX_OPENING: it once held all 96 at once
+
+
+def test_a_worker_that_hangs_with_its_port_open_holds_up_no_stream_to_another(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """Streams opening to a hung worker (the kernel takes its connections, nothing answers) wait
+    for their headers until they time out: they once held the gateway's every opening, so calls
+    to live workers waited for them too (12 s, in a burst to a worker stopped by SIGSTOP)."""
+    num_hung = 40  # more than the openings a gateway makes to one worker at once
+    taken: list[socket.socket] = []  # connections to the hung worker, never answered
+
+    def take_connections(listener: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # until the listener closes
+            while True:
+                taken.append(listener.accept()[0])
+
+    async def scenario(hung_url: str) -> tuple[list[int], int]:
+        registry = WorkerRegistry.open(redis_url)
+        [solo] = await registry.workers()
+        # Busier than the live worker, so the call below is placed on the live one.
+        hung = msgspec.structs.replace(solo, id="hung", url=hung_url, num_running=1000)
+        await registry.heartbeat(hung, ttl_s=60)
+        await registry.close()
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            body = msgspec.json.encode(GenerateBody(
+                model=DEMO_MODEL, prompt_token_ids=[1, 2, 3], request_id="to-hung",
+                options=SamplingOptions(max_tokens=2, temperature=0.0)))
+
+            async def to_hung() -> None:
+                lines = _stream_lines(pool, pool.workers["hung"], body, None)
+                try:
+                    await anext(lines)
+                finally:
+                    await lines.aclose()
+
+            waiting = [asyncio.create_task(to_hung()) for _ in range(num_hung)]
+            try:
+                while len(taken) < 32:  # the openings a gateway once made to all workers at once
+                    await asyncio.sleep(0.01)
+                tokens = await _token_ids(pool.clients[DEMO_MODEL], "to-live", max_tokens=2)
+                return tokens, sum(task.done() for task in waiting)
+            finally:
+                for task in waiting:
+                    task.cancel()
+                await asyncio.gather(*waiting, return_exceptions=True)
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"), \
+            socket.create_server(("127.0.0.1", 0)) as listener:
+        threading.Thread(target=take_connections, args=(listener,), daemon=True).start()
+        try:
+            tokens, num_done = asyncio.run(scenario(f"http://127.0.0.1:{listener.getsockname()[1]}"))
+        finally:
+            listener.shutdown(socket.SHUT_RDWR)
+            for connection in taken:
+                connection.close()
+    assert len(tokens) == 2
+    assert num_done == 0  # answered while every stream to the hung worker still waited
 
 
 def test_a_burst_counts_each_call_against_its_worker_from_the_moment_it_is_placed(
