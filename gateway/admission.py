@@ -88,16 +88,18 @@ class Admission:
     async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float,
                       retrying: asyncio.Event) -> None:
         reservation = self._reservation
-        unbilled = (f"usage of tenant {reservation.tenant!r} for {reservation.month} is not billed: "
-                    f"{tokens_in} prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
+        usage = (f"usage of tenant {reservation.tenant!r} for {reservation.month}: {tokens_in} "
+                 f"prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
         try:
             await _retried("settle a call", reservation.tenant, retrying, lambda: self._store.settle(
                 reservation, tokens_in=tokens_in, tokens_out=tokens_out, spend_usd=spend_usd))
         except asyncio.CancelledError:  # a shutdown that could wait no longer (wait_for_settles)
-            logger.error("shut down before the store took the settle of a call: %s", unbilled)
+            # NOTE: a write under way (on SQLite's worker thread) may still commit.
+            logger.error("shut down before the store confirmed the settle of a call, which may not "
+                         "be billed: %s", usage)
             raise
         except Exception:  # the hold lapses on its own; billing must not fail the response
-            logger.exception("could not settle a call: %s", unbilled)
+            logger.exception("could not settle a call, which is not billed: %s", usage)
             return
         unused = reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
         if unused != 0:

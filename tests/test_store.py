@@ -1004,8 +1004,8 @@ async def test_a_shutdown_that_cannot_wait_for_a_locked_settle_logs_what_it_leav
         with caplog.at_level(logging.WARNING, logger="gateway.admission"):
             await asyncio.wait_for(admission.settle(10, 20, 0.0), 10 * LOCK_TIMEOUT_S)
             await asyncio.wait_for(wait_for_settles(0.1), 10 * LOCK_TIMEOUT_S)
-        assert ("shut down before the store took the settle of a call: usage of tenant 'acme'"
-                in caplog.text)
+        assert ("shut down before the store confirmed the settle of a call, which may not be "
+                "billed: usage of tenant 'acme'" in caplog.text)
         assert "10 prompt tokens, 20 output tokens" in caplog.text
         other.execute("ROLLBACK")
         assert (await store.get_usage("acme")).requests == 0  # never retried after the log
