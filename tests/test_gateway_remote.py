@@ -830,8 +830,9 @@ def test_a_worker_that_hangs_with_its_port_open_holds_up_no_stream_to_another(
 
             waiting = [asyncio.create_task(to_hung()) for _ in range(num_hung)]
             try:
-                while len(taken) < 32:  # the openings a gateway once made to all workers at once
-                    await asyncio.sleep(0.01)
+                async with asyncio.timeout(30):
+                    while len(taken) < 32:  # the openings a gateway once made to all workers at once
+                        await asyncio.sleep(0.01)
                 tokens = await _token_ids(pool.clients[DEMO_MODEL], "to-live", max_tokens=2)
                 return tokens, sum(task.done() for task in waiting)
             finally:
