@@ -73,6 +73,13 @@ class IncrementalDetokenizer:
         if self.token_bytes is not None:
             shows_text = next((i for i in range(end - 1, -1, -1) if self.token_bytes(self.token_ids[i])), 0)
             start = min(start, shows_text)
+            # Nor partway into a character: a byte-fallback decoder (sentencepiece's) shows a run of
+            # byte pieces that is not UTF-8 as one U+FFFD per byte, the whole characters after
+            # the cut included. A character continues for at most 3 bytes.
+            for _ in range(3):
+                if start == 0 or not _continues_a_character(self.token_bytes(self.token_ids[start])):
+                    break
+                start -= 1
         return start
 
     def add_tokens(self, new_token_ids: list[int], check_stop: bool = True, is_last: bool = False) -> None:
@@ -173,3 +180,8 @@ class IncrementalDetokenizer:
             index, stop = min(found)
             self.stop_reason = stop
             self.text = self.text[: index + len(stop) if self.include_stop else index]
+
+
+def _continues_a_character(token_bytes: bytes) -> bool:
+    """Whether bytes start with a UTF-8 continuation byte (10xxxxxx): the middle of a character."""
+    return bool(token_bytes) and 0x80 <= token_bytes[0] < 0xC0

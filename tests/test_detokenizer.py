@@ -217,6 +217,22 @@ def test_a_character_the_prompt_ends_partway_into_that_the_output_adds_nothing_t
     assert decoded_after(any_tokenizer, prompt, [any_tokenizer.eos_token_id]) == ""
 
 
+def test_an_answer_after_a_prompt_ending_in_byte_pieces_is_not_read_with_part_of_a_character(
+        any_tokenizer):
+    """The tokens decoded for context before the answer started partway into the prompt's last
+    characters: a byte-fallback decoder shows a run of byte pieces that is not UTF-8 as one U+FFFD
+    per byte, the answer's whole characters included ("Hello🙂🙂" answered "����🙂")."""
+    reader = decoded_bytes_reader(any_tokenizer)
+    prompt = any_tokenizer.encode("Hello") + byte_ids(any_tokenizer, "🙂🙂".encode())
+    answer = byte_ids(any_tokenizer, "🙂🙂".encode())
+    detok = IncrementalDetokenizer(any_tokenizer, prompt, token_bytes=reader)
+    deltas = []
+    for i, token in enumerate(answer):
+        detok.add_tokens([token], is_last=i == len(answer) - 1)
+        deltas.append(detok.take_delta(finished=i == len(answer) - 1))
+    assert "".join(deltas) == decoded_after(any_tokenizer, prompt, answer) == "🙂🙂"
+
+
 # Bytes that start, continue, break and finish characters of every length, and a letter.
 _BYTES = [ord("a"), 0x80, 0xBF, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xED, 0xF0, 0x9F, 0x99, 0x82, 0xFF]
 
