@@ -95,6 +95,16 @@ class GatewayServer:
         assert key.status_code == 201, key.text
         return key.json()["key"]
 
+    def settled_usage(self, tenant: str, timeout_s: float = 10.0) -> dict:
+        """`tenant`'s usage once no call holds budget: a stream is billed as its response closes,
+        after its last byte went out, so a client that read it whole may ask before then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            usage = self.admin("GET", f"/admin/tenants/{tenant}").json()["usage"]
+            if not usage["reserved_tokens"] or time.monotonic() > deadline:
+                return usage
+            time.sleep(0.02)
+
     def engine_metrics(self):
         return self.app.state.gateway.engines[DEMO_MODEL].stats()
 

@@ -39,13 +39,6 @@ def usage(server, name):
     return server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
 
 
-def settled_usage(server, name, timeout_s: float = 10.0):
-    """The tenant's usage once no call holds budget: a call settles in its own task, which may
-    run after its engine requests are gone (on a loaded machine, noticeably later)."""
-    deadline = time.monotonic() + timeout_s
-    while (current := usage(server, name))["reserved_tokens"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return current
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -70,7 +63,7 @@ def test_disconnect_mid_stream_aborts_the_requests(server, tenant, n):
     assert (metrics.num_running, metrics.num_waiting, metrics.kv_blocks_used) == (0, 0, 0)
     generated = metrics.num_generation_tokens - generated_before
     assert received <= generated < 2000 * n // 4
-    billed = settled_usage(server, name)["tokens_out"] - tokens_out_before
+    billed = server.settled_usage(name)["tokens_out"] - tokens_out_before
     assert received <= billed <= generated
 
 
@@ -93,7 +86,7 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server, tenant)
     assert (metrics.num_running, metrics.num_waiting, metrics.kv_blocks_used) == (0, 0, 0)
     generated = metrics.num_generation_tokens - generated_before
     assert 0 < generated < 500
-    assert 0 < settled_usage(server, name)["tokens_out"] - tokens_out_before <= generated
+    assert 0 < server.settled_usage(name)["tokens_out"] - tokens_out_before <= generated
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +130,7 @@ def test_a_client_that_leaves_while_queued_takes_its_request_back_unbilled(one_a
         assert wait_for(lambda: engine.stats().num_waiting == 0)
         assert engine.stats().num_running == 1
     assert wait_until_idle(server).kv_blocks_used == 0
-    billed = settled_usage(server, queued_name)
+    billed = server.settled_usage(queued_name)
     assert (billed["requests"], billed["tokens_in"], billed["tokens_out"]) == (0, 0, 0)
 
 
@@ -154,7 +147,7 @@ def test_a_client_that_leaves_while_some_choices_wait_is_billed_the_prompt_once(
         assert wait_for(lambda: engine.stats().num_waiting == 1
                         and engine.stats().num_generation_tokens > generated + 4)
     assert wait_until_idle(server).kv_blocks_used == 0
-    billed = settled_usage(server, name)
+    billed = server.settled_usage(name)
     assert billed["tokens_in"] == 201  # BOS and 200 bytes, once for both choices
     assert billed["requests"] == 1 and billed["tokens_out"] > 4
 

@@ -313,7 +313,7 @@ def test_each_choice_of_an_upstream_call_pays_its_prompt(front, upstream, stream
     usage = events(answer)[-1]["usage"] if stream else answer.json()["usage"]
     assert usage["prompt_tokens"] == 3 * direct["usage"]["prompt_tokens"]
     assert usage["completion_tokens"] == 3 * 8
-    billed = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    billed = server.settled_usage(name)
     assert (billed["tokens_in"], billed["tokens_out"]) == (usage["prompt_tokens"], 3 * 8)
     assert billed["spend_usd"] == pytest.approx(usage["cost_usd"])
 
@@ -665,7 +665,7 @@ def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstre
         kept.json()["choices"][0]["text"]
     assert text == local["choices"][0]["text"]
     num_local = local["usage"]["prompt_tokens"]
-    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    usage = server.settled_usage(name)
     assert (usage["tokens_in"], usage["tokens_out"]) == (num_local, 8)
     assert usage["spend_usd"] == pytest.approx(mixed_cost((num_local, 8)))
     # An upstream first tier is left out, not escalated past: it is never asked.
@@ -680,7 +680,7 @@ def test_a_route_leaves_out_a_tier_that_refuses_the_call_s_options(front, upstre
     assert (refused.status_code, error["param"]) == (400, "echo"), error
     assert "echo with logprobs" in error["message"]
     assert {model: len(engine.started) for model, engine in upstream.scripted.items()} == started
-    assert server.admin("GET", f"/admin/tenants/{name}").json()["usage"] == usage
+    assert server.settled_usage(name) == usage
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -980,7 +980,7 @@ def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_c
     assert answer["choices"][0]["message"]["content"] == "Hello there, world"
     assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (9, 10)
     assert streamed[-1]["usage"]["completion_tokens"] == 10
-    usage = server.admin("GET", "/admin/tenants/pieces").json()["usage"]
+    usage = server.settled_usage("pieces")
     assert (usage["tokens_in"], usage["tokens_out"]) == (18, 20)
 
 
@@ -1122,7 +1122,7 @@ def test_a_judged_tier_that_sends_no_logprobs_is_escalated_not_taken_as_sure(fro
         assert answer.headers["x-switchboard-model"] == "local"
         assert (answer.headers["x-switchboard-escalated"], answer.headers["x-switchboard-score"]) == \
             ("true", "none")
-    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    usage = server.settled_usage(name)
     assert usage["tokens_out"] >= 2  # the hosted answers are billed too
 
 
