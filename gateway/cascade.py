@@ -10,7 +10,8 @@ fallback; not one whose adapter cannot run (deleted while the call waited, or ma
 longer served): the call asked for that adapter, so it ends as a call to it would. If the last
 tier fails too before its first token, the tier escalated past that was
 surest of its answer answers after all: that one is aborted only once a later tier answers, and
-its answer is read on meanwhile (the engine makes it anyway), so every token it made is billed.
+its answer is read on meanwhile (the engine makes it anyway), so the tokens it made are billed
+(all but one its engine may be making as it is aborted, as for any request stopped midway).
 Tiers that cannot serve the call are left out (their context cannot hold the prompt and its
 answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
 are those whose engine cannot take it now (no worker of their model is up): the last tier that
@@ -155,7 +156,7 @@ class _PassedOver:
         return CascadeOutcome(self.tier, self._rest())
 
     async def drop(self, attempts: list[Attempt]) -> None:
-        """Abort its answer, its attempt billed every token it made."""
+        """Abort its answer, its attempt billed every token read of it."""
         await self._stop_reading()
         tokens_in, tokens_out = _used(self.chunks)
         attempts[self.attempt] = dataclasses.replace(attempts[self.attempt], tokens_in=tokens_in,
