@@ -286,6 +286,7 @@ def serve(config: ServeConfig) -> int:
     _configure_logging(config)
     # NOTE: before minutes of model loading.
     problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.store)
+               or (_redis_problem(config.redis) if config.redis != config.store else None)
                or _sqlite_problem(config.store, config.data_dir)
                or _folder_problem("--adapter-dir", config.adapter_folder()))
     if problem is not None:

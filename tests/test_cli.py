@@ -375,18 +375,26 @@ def test_a_model_that_cannot_be_served_exits_2_saying_why(demo_model_dir, tmp_pa
         assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["serve", "worker"])
+# A gateway whose store is elsewhere checked only its store: an unreachable --redis was a
+# traceback (exit 3) after its admin key was made and printed, and its models loaded.
+_REDIS_USERS = {"serve": ["serve"], "worker": ["worker"],
+                "serve, store elsewhere": ["serve", "--store", "sqlite:///{tmp}/elsewhere.db"]}
+
+
+@pytest.mark.parametrize("command", _REDIS_USERS)
 def test_an_unreachable_redis_is_refused_before_any_model_loads(command, tmp_path, capsys):
-    assert main([command, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2
+    args = [a.format(tmp=tmp_path) for a in _REDIS_USERS[command]]
+    assert main([*args, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2
     assert "cannot reach the Redis store at 127.0.0.1:1/0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing loaded or written
 
 
-@pytest.mark.parametrize("command", ["serve", "worker"])
+@pytest.mark.parametrize("command", _REDIS_USERS)
 def test_a_redis_database_the_server_refuses_exits_2_before_any_model_loads(command, tmp_path, capsys):
+    args = [a.format(tmp=tmp_path) for a in _REDIS_USERS[command]]
     redis, url = start_redis_server()
     try:  # once a ResponseError traceback
-        assert main([command, "--redis", url.rpartition("/")[0] + "/99", "--data-dir", str(tmp_path)]) == 2
+        assert main([*args, "--redis", url.rpartition("/")[0] + "/99", "--data-dir", str(tmp_path)]) == 2
     finally:
         stop_redis_server(redis)
     assert "refuses the connection: DB index is out of range" in capsys.readouterr().err
