@@ -92,6 +92,13 @@ class GatewayMetrics:
                              "Spend charged to tenants, by tenant and the model that ran (a "
                              "route's escalated tiers under their own).",
                              ("tenant", "model"))
+        # The series read from the engines when scraped, and the models they were read of.
+        self._engine_series: list[Counter | Gauge] = [
+            self.num_waiting, self.num_running, self.kv_usage, self.kv_blocks_used,
+            self.kv_blocks_capacity, self.prefix_cache_hit_rate, self.num_preemptions,
+            self.adapter_hits, self.adapter_misses, self.adapter_evictions,
+            self.adapter_disk_loads, self.adapters_resident]
+        self._engines_read: set[str] = set()
 
     def latency(self, model: str) -> LatencyMetrics:
         return LatencyMetrics(self.time_to_first_token.labels(model=model),
@@ -114,6 +121,12 @@ class GatewayMetrics:
             self.route_attempts.inc(1, route=route, model=model)
 
     def render(self, engines: Mapping[str, EngineClient]) -> str:
+        # A model no longer served (its workers gone past their TTL) has no engine to sum: its
+        # series go, rather than keep their last values for good.
+        for model in self._engines_read - engines.keys():
+            for series in self._engine_series:
+                series.forget(model=model)
+        self._engines_read = set(engines)
         for model, engine in engines.items():
             self._read_engine(model, engine)
         return render(self._all())

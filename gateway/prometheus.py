@@ -62,6 +62,10 @@ class _Values(Metric):
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
 
+    def forget(self, **labels: str) -> None:
+        """Drop the series of `labels`, which no longer exists."""
+        self._values.pop(self._key(labels), None)
+
     def _samples(self) -> Iterable[str]:
         for key, value in sorted(self._values.items()):
             yield f"{self.name}{_labels(self.labelnames, key)} {_number(value)}"

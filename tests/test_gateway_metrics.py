@@ -8,6 +8,7 @@ import pytest
 
 from gateway.prometheus import Counter, Gauge, Histogram, render
 from tests.conftest import DEMO_MODEL, gateway_server
+from tests.helpers import IdleEngineParts
 from tests.test_gateway_routing import eventually
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -47,6 +48,26 @@ def test_counter_gauge_and_histogram_render_the_text_format():
 def test_labels_must_match_the_declared_names():
     with pytest.raises(ValueError, match="takes labels"):
         Counter("c_total", "C.", ("tenant",)).inc(model="m")
+
+
+def test_the_engine_series_of_a_model_no_longer_served_go():
+    """A model whose workers left past their TTL kept its last capacity, resident adapters and
+    loads in /metrics for good, summed into every dashboard."""
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    engine = IdleEngineParts()
+    both = metrics.render({"kept": engine, "gone": engine})
+    assert 'switchboard_kv_cache_blocks_capacity{model="gone"} 1' in both.splitlines()
+    metrics.count_tokens("acme", "gone", 3, 4)  # what was billed stays: it happened
+    metrics.adapter_disk_loads.set_total(2, model="gone")
+    one = metrics.render({"kept": engine})
+    assert 'switchboard_kv_cache_blocks_capacity{model="kept"} 1' in one.splitlines()
+    engine_names = ("switchboard_kv_cache", "switchboard_num_requests", "switchboard_adapter",
+                    "switchboard_num_preemptions", "switchboard_prefix_cache")
+    assert [line for line in one.splitlines()
+            if line.startswith(engine_names) and 'model="gone"' in line] == []
+    assert 'switchboard_generation_tokens_total{tenant="acme",model="gone"} 4' in one.splitlines()
 
 
 def sample(text: str, name: str, **labels) -> float:
