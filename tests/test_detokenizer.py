@@ -140,6 +140,16 @@ def decoded_after(tokenizer, prompt: list[int], ids: list[int]) -> str:
         prompt, skip_special_tokens=True)):]
 
 
+def streamed_text(tokenizer, prompt: list[int], output: list[int], token_bytes) -> str:
+    """The text `output` streams to after `prompt`, a token at a time, ending on its length."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, token_bytes=token_bytes)
+    deltas = []
+    for i, token in enumerate(output):
+        detok.add_tokens([token], is_last=i == len(output) - 1)
+        deltas.append(detok.take_delta(finished=i == len(output) - 1))
+    return "".join(deltas)
+
+
 def test_with_the_token_bytes_characters_are_still_never_split(any_tokenizer):
     reader = decoded_bytes_reader(any_tokenizer)
     text = "Hello naïve ✓ 🙂!"
@@ -225,12 +235,8 @@ def test_an_answer_after_a_prompt_ending_in_byte_pieces_is_not_read_with_part_of
     reader = decoded_bytes_reader(any_tokenizer)
     prompt = any_tokenizer.encode("Hello") + byte_ids(any_tokenizer, "🙂🙂".encode())
     answer = byte_ids(any_tokenizer, "🙂🙂".encode())
-    detok = IncrementalDetokenizer(any_tokenizer, prompt, token_bytes=reader)
-    deltas = []
-    for i, token in enumerate(answer):
-        detok.add_tokens([token], is_last=i == len(answer) - 1)
-        deltas.append(detok.take_delta(finished=i == len(answer) - 1))
-    assert "".join(deltas) == decoded_after(any_tokenizer, prompt, answer) == "🙂🙂"
+    assert streamed_text(any_tokenizer, prompt, answer, reader) == \
+        decoded_after(any_tokenizer, prompt, answer) == "🙂🙂"
 
 
 # Bytes that start, continue, break and finish characters of every length, and a letter.
@@ -270,12 +276,8 @@ def test_a_special_added_token_outside_the_special_tokens_map_adds_no_bytes():
     reader = decoded_bytes_reader(tokenizer)
     assert reader(marker) == b""
     prompt, output = tokenizer.encode("x"), [0xD2, marker, 0x82]  # U+0482 split by the marker
-    detok = IncrementalDetokenizer(tokenizer, prompt, token_bytes=reader)
-    deltas = []
-    for i, token in enumerate(output):
-        detok.add_tokens([token], is_last=i == len(output) - 1)
-        deltas.append(detok.take_delta(finished=i == len(output) - 1))
-    assert "".join(deltas) == decoded_after(tokenizer, prompt, output) == "\u0482"
+    assert streamed_text(tokenizer, prompt, output, reader) == \
+        decoded_after(tokenizer, prompt, output) == "\u0482"
 
 
 def test_a_token_after_a_prompt_ending_in_special_tokens_keeps_its_leading_space():
