@@ -766,6 +766,33 @@ async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
         server.stop()
 
 
+async def test_redis_calls_waiting_for_a_connection_fail_as_soon_as_redis_stops_answering(
+    tmp_path: Path,
+) -> None:
+    """Calls past the pool's connections wait for one: each got one in turn once a call before it
+    timed out, only to wait out a timeout of its own (behind 200 calls, the last 503 came after
+    14 s). Once Redis left a call unanswered, those waiting fail at once."""
+    from store.redis import MAX_CONNECTIONS
+
+    server = PersistentRedisServer(tmp_path)
+    store = await RedisStore.open(server.url)
+    try:
+        acme = await make_tenant(store)
+        server.process.send_signal(signal.SIGSTOP)  # stuck: connected, but no replies
+        num_calls = 3 * MAX_CONNECTIONS
+        failed = await asyncio.gather(*(store.get_tenant("acme") for _ in range(num_calls)),
+                                      return_exceptions=True)
+        assert all(isinstance(error, UNAVAILABLE_ERRORS) for error in failed), failed
+        waited_out = [e for e in failed if "while this one waited for a connection" not in str(e)]
+        assert len(waited_out) <= MAX_CONNECTIONS  # one timeout on each connection, at most
+        server.process.send_signal(signal.SIGCONT)
+        assert await asyncio.gather(*(store.get_tenant("acme") for _ in range(4))) == [acme] * 4
+    finally:
+        server.process.send_signal(signal.SIGCONT)
+        await store.close()
+        server.stop()
+
+
 async def test_redis_a_call_settling_while_its_tenant_is_deleted_leaves_a_new_one_nothing(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
