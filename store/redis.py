@@ -7,8 +7,9 @@ and budget holds are Lua scripts (store.redis_lua), so concurrent consumers in a
 processes never exceed a limit.
 
 While Redis cannot be reached, calls fail fast (refused at once, stuck after _TIMEOUT_S; those
-waiting for a pooled connection meanwhile, at once too) with one of REDIS_UNAVAILABLE_ERRORS. Nothing needs reopening when it is back: the connection pool
-reconnects, and redis-py re-sends a script that a restarted server no longer has (NOSCRIPT).
+waiting for a pooled connection meanwhile, at once too) with one of REDIS_UNAVAILABLE_ERRORS.
+Nothing needs reopening when it is back: the connection pool reconnects, and redis-py re-sends a
+script that a restarted server no longer has (NOSCRIPT).
 """
 
 import re
