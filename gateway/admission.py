@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 HOLD_TTL_S = 60.0
 _RENEWALS_PER_TTL = 3  # how often a live call renews its hold within its ttl (see above)
 # The waits between tries of a settle the store could not take for a while (another process held
-# SQLite's write lock past its wait, its volume was full), about a hold's TTL in all.
+# SQLite's write lock past its wait, its volume was full, Redis was down or restarting), about a
+# hold's TTL in all.
 SETTLE_RETRY_WAITS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
@@ -91,8 +92,9 @@ class Admission:
         usage = (f"usage of tenant {reservation.tenant!r} for {reservation.month}: {tokens_in} "
                  f"prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
         try:
-            await _retried("settle a call", reservation.tenant, retrying, lambda: self._store.settle(
-                reservation, tokens_in=tokens_in, tokens_out=tokens_out, spend_usd=spend_usd))
+            await _retried("settle a call", reservation.tenant, retrying, UNAVAILABLE_ERRORS,
+                           lambda: self._store.settle(reservation, tokens_in=tokens_in,
+                                                      tokens_out=tokens_out, spend_usd=spend_usd))
         except asyncio.CancelledError:  # a shutdown that could wait no longer (wait_for_settles)
             # NOTE: a write under way (on SQLite's worker thread) may still commit.
             logger.error("shut down before the store confirmed the settle of a call, which may not "
@@ -112,7 +114,7 @@ class Admission:
     async def _withdraw(self, refund_requests: bool, retrying: asyncio.Event) -> None:
         try:
             await _retried("release the hold of a call", self._reservation.tenant, retrying,
-                           lambda: self._store.release(self._reservation))
+                           UNAVAILABLE_ERRORS, lambda: self._store.release(self._reservation))
             await _refund_retried(self._store, self._tenant, int(refund_requests),
                                   self._reservation.tokens, retrying)
         except Exception:  # the hold lapses on its own, the buckets refill
@@ -120,16 +122,18 @@ class Admission:
 
 
 async def _retried(what: str, tenant: str, retrying: asyncio.Event,
+                   retried_errors: tuple[type[Exception], ...],
                    write: Callable[[], Awaitable[None]]) -> None:
     """`write()`, tried again for about a minute (`retrying` set from the first failure) while it
-    fails with StoreUnavailable, which wrote nothing (SQLite rolled it back): a call that ended
-    during another process's long write must still be billed, or given back what it held. Other
-    failures (Redis down) may have written it: never twice."""
+    fails with one of `retried_errors`: a call that ended during another process's long write, or
+    while Redis restarted, must still be billed, or given back what it held. StoreUnavailable
+    wrote nothing (SQLite rolled it back); Redis's errors may have written it, so only writes that
+    count once however often they are made (store.Store.settle, release) retry on those."""
     for wait_s in (*SETTLE_RETRY_WAITS_S, None):
         try:
             await write()
             return
-        except StoreUnavailable as error:
+        except retried_errors as error:
             if wait_s is None:
                 raise
             logger.warning("could not %s of tenant %s (%s); trying again in %g s", what, tenant,
@@ -140,7 +144,7 @@ async def _retried(what: str, tenant: str, retrying: asyncio.Event,
 
 async def _refund_retried(store: Store, tenant: Tenant, requests: int, tokens: int,
                           retrying: asyncio.Event) -> None:
-    await _retried("give back the rate limits a call paid", tenant.name, retrying,
+    await _retried("give back the rate limits a call paid", tenant.name, retrying, (StoreUnavailable,),
                    lambda: refund_rate(store, tenant, requests=requests, tokens=tokens))
 
 

@@ -153,11 +153,12 @@ class Store(Protocol):
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
     ) -> None:
-        """Release the hold and add the request's real counts to its month; call once."""
+        """Release the hold and add the request's real counts to its month; call once, or again
+        after a try that failed with one of store.UNAVAILABLE_ERRORS: it bills the call once."""
 
     async def release(self, reservation: Reservation) -> None:
-        """Drop the hold of a call that used nothing, billing and counting nothing; call once,
-        instead of `settle`."""
+        """Drop the hold of a call that used nothing, billing and counting nothing; call once
+        (or again, as `settle`), instead of `settle`."""
 
     async def get_usage(
         self, tenant: str, month: str | None = None, *, now: float | None = None

@@ -65,6 +65,9 @@ _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short 
 # more connections add no throughput; and a burst that opens many at once on a busy host sees some
 # of them time out connecting (after _TIMEOUT_S), each a 503: 128 did so on a loaded 2-core host.
 MAX_CONNECTIONS = 32
+# How long a settled call's marker is kept: longer than its settle is tried again for (about a
+# minute, gateway.admission.SETTLE_RETRY_WAITS_S). Some 100 bytes of Redis memory per call.
+SETTLED_KEPT_S = 600
 # How long a call waits for a free pooled connection: a wait is load (a burst of calls on a busy
 # gateway holds them all), not Redis down, so it is not bounded by the Redis timeout; a Redis
 # that is down fails each call on its connection within that timeout, and those waiting for one
@@ -202,6 +205,9 @@ class RedisKeys:
 
     def holds(self, tenant: str, month: str) -> str:
         return f"{self.p}holds:{tenant}:{month}"
+
+    def settled(self, reservation_id: str) -> str:
+        return f"{self.p}settled:{reservation_id}"  # for SETTLED_KEPT_S (see RedisStore.settle)
 
     def monthly_patterns(self, tenant: str) -> list[str]:
         """SCAN patterns of every month's usage and holds of `tenant`."""
@@ -528,14 +534,19 @@ class RedisStore:
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
     ) -> None:
+        # NOTE: a try whose reply was lost (Redis stopped answering, or restarted, after its
+        # EXEC) may have billed the call: the marker it leaves makes trying again bill it once.
         k = self._keys
-        usage = k.usage(reservation.tenant, reservation.month)
+        usage, settled = k.usage(reservation.tenant, reservation.month), k.settled(reservation.id)
 
         async def settle(pipe: Pipeline) -> None:
             raw = await pipe.get(k.tenant(reservation.tenant))
+            if await pipe.exists(settled):
+                return
             current = raw is not None and \
                 msgspec.json.decode(raw, type=Tenant).created_at == reservation.tenant_created_at
             pipe.multi()
+            pipe.set(settled, "1", ex=SETTLED_KEPT_S)
             pipe.hdel(k.holds(reservation.tenant, reservation.month), reservation.id)
             if current:  # else the tenant was deleted meanwhile (and maybe made anew): bill nothing
                 pipe.hincrby(usage, "requests", 1)
@@ -543,7 +554,7 @@ class RedisStore:
                 pipe.hincrby(usage, "tokens_out", tokens_out)
                 pipe.hincrbyfloat(usage, "spend_usd", spend_usd)
 
-        await self._redis.transaction(settle, k.tenant(reservation.tenant))
+        await self._redis.transaction(settle, k.tenant(reservation.tenant), settled)
 
     async def release(self, reservation: Reservation) -> None:
         await self._redis.hdel(self._keys.holds(reservation.tenant, reservation.month),

@@ -793,6 +793,63 @@ async def test_redis_calls_waiting_for_a_connection_fail_as_soon_as_redis_stops_
         server.stop()
 
 
+@pytest.mark.parametrize("used", [True, False], ids=["billed", "withdrawn"])
+async def test_a_call_ending_while_redis_restarts_is_settled_once_it_is_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, used: bool
+) -> None:
+    """Its settle (or the release of its hold) is tried again until Redis is back: tried once,
+    a call that ended during a restart went unbilled, or held its budget until its hold lapsed."""
+    server = PersistentRedisServer(tmp_path)
+    store = await RedisStore.open(server.url)
+    try:
+        acme = await make_tenant(store, monthly_token_budget=100)
+        admission = await admit(store, acme, 100)
+        server.stop()
+        with caplog.at_level(logging.WARNING, logger="gateway.admission"):
+            ending = admission.settle(10, 20, 0.0) if used else admission.withdraw(refund_requests=True)
+            await asyncio.wait_for(ending, 10)  # refused at once: its answer does not wait
+            server.start()
+            await wait_for_settles(60)
+        usage = await store.get_usage("acme")
+        billed = (1, 10, 20) if used else (0, 0, 0)
+        assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (*billed, 0)
+        tried = "settle a call" if used else "release the hold of a call"
+        assert f"could not {tried} of tenant acme" in caplog.text
+        assert "not billed" not in caplog.text
+    finally:
+        await store.close()
+        server.stop()
+
+
+async def test_a_redis_settle_whose_reply_was_lost_bills_once_when_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis stopped answering after it ran the settle's transaction: trying again must not bill
+    the call twice."""
+    server = PersistentRedisServer(tmp_path)
+    store = await RedisStore.open(server.url)
+    try:
+        acme = await make_tenant(store, monthly_token_budget=100)
+        admission = await admit(store, acme, 100)
+        transaction, lost = store._redis.transaction, []
+
+        async def reply_lost(*args, **kwargs):
+            await transaction(*args, **kwargs)
+            if not lost:
+                lost.append(True)
+                raise redis.ConnectionError("Connection closed by server.")
+
+        monkeypatch.setattr(store._redis, "transaction", reply_lost)
+        await admission.settle(10, 20, 0.0)
+        await wait_for_settles(60)
+        assert lost
+        usage = await store.get_usage("acme")
+        assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (1, 10, 20, 0)
+    finally:
+        await store.close()
+        server.stop()
+
+
 async def test_redis_a_call_settling_while_its_tenant_is_deleted_leaves_a_new_one_nothing(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
