@@ -58,7 +58,10 @@ class IncrementalDetokenizer:
         in the prompt's text, the whole character in the output's). So the prompt's last tokens
         are read as output is, and the text they give is not output."""
         prompt = self.token_ids
-        start = max(0, len(prompt) - PROMPT_TAIL_TOKENS)
+        # NOTE: from a character's first byte: the bytes read before it would show as U+FFFDs
+        # (one per byte piece, for a byte-fallback decoder), and the output's text would be
+        # taken from where those end.
+        start = self._character_start(max(0, len(prompt) - PROMPT_TAIL_TOKENS))
         self.token_ids = prompt[:start]
         self.prefix_offset, self.read_offset = self._context_start(start), start
         self.add_tokens(prompt[start:], check_stop=False)
@@ -73,14 +76,20 @@ class IncrementalDetokenizer:
         if self.token_bytes is not None:
             shows_text = next((i for i in range(end - 1, -1, -1) if self.token_bytes(self.token_ids[i])), 0)
             start = min(start, shows_text)
-            # Nor partway into a character: a byte-fallback decoder (sentencepiece's) shows a run of
-            # byte pieces that is not UTF-8 as one U+FFFD per byte, the whole characters after
-            # the cut included. A character continues for at most 3 bytes.
-            for _ in range(3):
-                if start == 0 or not _continues_a_character(self.token_bytes(self.token_ids[start])):
-                    break
-                start -= 1
-        return start
+        return self._character_start(start)
+
+    def _character_start(self, index: int) -> int:
+        """`index`, or the token before it that starts the character token `index` is partway
+        into (where the token bytes say so): a byte-fallback decoder (sentencepiece's) shows a
+        run of byte pieces that is not UTF-8 as one U+FFFD per byte, the whole characters after
+        the cut included. A character continues for at most 3 bytes."""
+        if self.token_bytes is None:
+            return index
+        for _ in range(3):
+            if index == 0 or not _continues_a_character(self.token_bytes(self.token_ids[index])):
+                break
+            index -= 1
+        return index
 
     def add_tokens(self, new_token_ids: list[int], check_stop: bool = True, is_last: bool = False) -> None:
         """Decode new tokens into `self.text`; sets `stop_reason` when a stop string appears.

@@ -239,6 +239,44 @@ def test_an_answer_after_a_prompt_ending_in_byte_pieces_is_not_read_with_part_of
         decoded_after(any_tokenizer, prompt, answer) == "🙂🙂"
 
 
+@pytest.mark.parametrize("between", [0, 3], ids=["", "special tokens between"])
+def test_a_character_the_prompt_ends_partway_into_is_the_outputs_after_other_byte_pieces(
+        any_tokenizer, between):
+    """The prompt's last tokens, read again for the character it ends partway into, started
+    partway into a character before it: a byte-fallback decoder showed them all as one U+FFFD per
+    byte ("Hello 你好" and 3 of 🙂's bytes, answered the 4th, gave "����"), or the answer lost
+    characters (with special tokens between, it gave "", or " ok" for "✓ ok")."""
+    reader = decoded_bytes_reader(any_tokenizer)
+    head = (any_tokenizer.encode("Hello") + byte_ids(any_tokenizer, "你好".encode())
+            + [any_tokenizer.eos_token_id] * between)
+    character = byte_ids(any_tokenizer, ("🙂" if between == 0 else "✓").encode())
+    ok = any_tokenizer.encode(" ok", add_special_tokens=False)
+    cut = 3 if between == 0 else 1
+    shown = decoded_after(any_tokenizer, head, character + ok)
+    assert shown.startswith("🙂" if between == 0 else "✓") and shown.endswith("ok")
+    assert streamed_text(any_tokenizer, head + character[:cut], character[cut:] + ok, reader) == shown
+    assert streamed_text(any_tokenizer, head + character[:cut], character[cut:], reader) == shown[:1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(before=st.lists(st.sampled_from(["a", "é", "你", "🙂", None]), max_size=6),
+       character=st.sampled_from(["é", "✓", "🙂"]), cut=st.integers(1, 3),
+       after=st.sampled_from(["", " ok", "你"]))
+def test_any_character_a_prompt_ends_partway_into_is_the_outputs_first(
+        any_tokenizer, before, character, cut, after):
+    """Whatever byte pieces and special tokens (None) come before it in the prompt."""
+    reader = decoded_bytes_reader(any_tokenizer)
+    head = any_tokenizer.encode("Hello") + [
+        any_tokenizer.eos_token_id if c is None else t
+        for c in before for t in ([None] if c is None else byte_ids(any_tokenizer, c.encode()))]
+    data = character.encode()
+    cut = min(cut, len(data) - 1)
+    answer = byte_ids(any_tokenizer, data[cut:]) + any_tokenizer.encode(after, add_special_tokens=False)
+    prompt = head + byte_ids(any_tokenizer, data[:cut])
+    assert streamed_text(any_tokenizer, prompt, answer, reader) == \
+        decoded_after(any_tokenizer, head, byte_ids(any_tokenizer, data[:cut]) + answer)
+
+
 # Bytes that start, continue, break and finish characters of every length, and a letter.
 _BYTES = [ord("a"), 0x80, 0xBF, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xED, 0xF0, 0x9F, 0x99, 0x82, 0xFF]
 
