@@ -13,7 +13,7 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.errors import AdapterValidationError
+from adapters.errors import AdapterValidationError, shown
 from adapters.peft_regex import ModuleRegex, Regexes
 
 CONFIG_NAME = "adapter_config.json"
@@ -179,7 +179,7 @@ def _field(cfg: dict, field: str, parse, *args, default=None):
     except (re.error, TypeError, ValueError, ArithmeticError, RecursionError) as e:
         raise AdapterValidationError(
             f"{CONFIG_NAME} has {field}={reprlib.repr(value)}, which cannot be used "
-            f"({type(e).__name__}: {e}); write it as PEFT's LoraConfig documents") from e
+            f"({type(e).__name__}: {shown(str(e))}); write it as PEFT's LoraConfig documents") from e
 
 
 def _matches(modules: ModuleRegex | frozenset[str], key: str) -> bool:

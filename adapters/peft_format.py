@@ -77,7 +77,9 @@ def load_adapter(folder: str | Path, spec: ModelSpec, max_lora_rank: int) -> Lor
                 _check_header(f, key, pair, settings, shapes[key[1]], max_lora_rank)
             modules = {key: _read_module(f, key, pair, settings) for key, pair in sorted(names.items())}
     except (SafetensorError, OSError) as e:
-        raise AdapterValidationError(f"{WEIGHTS_NAME} is truncated or corrupt ({e}); upload it again") from e
+        # NOTE: the library's message quotes names and values from the header, of any length.
+        raise AdapterValidationError(
+            f"{WEIGHTS_NAME} is truncated or corrupt ({shown(str(e), 300)}); upload it again") from e
     return LoraAdapter(digest_files(folder), modules)
 
 
@@ -204,5 +206,6 @@ def _read_module(f, key: tuple[int, str], names: tuple[str, str], settings: Lora
     lora_a, lora_b = (f.get_tensor(name) for name in names)
     for name, tensor in zip(names, (lora_a, lora_b)):
         if not torch.isfinite(tensor).all():
-            raise AdapterValidationError(f"{name} holds NaN or Inf values; the adapter's training diverged")
+            raise AdapterValidationError(
+                f"{shown(name)} holds NaN or Inf values; the adapter's training diverged")
     return LoraModule(lora_a, lora_b, settings.scaling(module_key(*key)))

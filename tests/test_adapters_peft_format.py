@@ -385,6 +385,28 @@ def test_hostile_config_is_rejected_quickly(tmp_path, case):
     assert time.thread_time() - start < 0.5
 
 
+def _edit_header(fn):
+    """Rewrite the weights file's safetensors header by `fn` (the data left as it was)."""
+    def edit(folder):
+        raw = (folder / WEIGHTS).read_bytes()
+        size = int.from_bytes(raw[:8], "little")
+        header = json.dumps(fn(json.loads(raw[8:8 + size]))).encode()
+        (folder / WEIGHTS).write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + size:])
+    return edit
+
+
+def _long_named_nan(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The first lora_A tensor filled with NaN, under its name with a huge extra segment."""
+    first = next(k for k in tensors if ".lora_A." in k)
+    return {**{k: v for k, v in tensors.items() if k != first},
+            first.replace(".weight", "." + "x" * 300_000 + ".weight"):
+                torch.full_like(tensors[first], math.nan)}
+
+
+def _lying_offsets(header: dict) -> dict:
+    return {**header, "x" * 300_000: {"dtype": "F32", "shape": [1], "data_offsets": ["y" * 300_000, 4]}}
+
+
 # Configs and tensors of huge values, each (edit, where the refusal points): the refusal once
 # echoed the value whole, up to the upload's size (a 125 MB config made a 125 MB error body).
 HUGE_VALUES = {
@@ -396,6 +418,8 @@ HUGE_VALUES = {
     "rank_pattern value": (_edit_config(rank_pattern={"v_proj": "x" * 500_000}), "rank_pattern"),
     "tensor name": (_edit_tensors(lambda t: {**t, PREFIX + "n" * 500_000: torch.ones(1)}),
                     "is not a LoRA weight"),
+    "NaN tensor's name": (_edit_tensors(_long_named_nan), "holds NaN or Inf values"),
+    "safetensors header": (_edit_header(_lying_offsets), "is truncated or corrupt"),
     "config past 1 MiB": (_edit_config(notes="x" * (1 << 20)), r"adapter_config.json is \d+ bytes"),
 }
 
