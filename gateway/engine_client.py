@@ -244,6 +244,12 @@ class AdapterCannotRun(EngineFailure):
     tier) answers in its place, as the call asked for the adapter."""
 
 
+class AdapterNotServedNow(EngineUnavailable, AdapterCannotRun):
+    """Engines of the request's model are up, but none that is runs its adapter (its rank is
+    above theirs, or they have no adapter slots): retry shortly, as engines come and go; a
+    route's next tier does not answer in its place meanwhile."""
+
+
 class AdapterDeleted(AdapterCannotRun):
     """The request's adapter was deleted, and its files with it, before the engine read them:
     the request cannot run, and sent again it would name a model that no longer exists."""

@@ -44,10 +44,10 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, DamagedAdapterCopy,
-                                   EngineClient, EngineFailure, EngineStats, EngineStopped,
-                                   EngineUnavailable, GenerationChunk, RequestRejected,
-                                   SamplingOptions, WorkersOutOfSpace)
+from gateway.engine_client import (AdapterInfo, AdapterNotServedNow, AdapterRef, AdapterRejected,
+                                   DamagedAdapterCopy, EngineClient, EngineFailure, EngineStats,
+                                   EngineStopped, EngineUnavailable, GenerationChunk,
+                                   RequestRejected, SamplingOptions, WorkersOutOfSpace)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
@@ -373,7 +373,7 @@ class RemoteEngineClient(TextCodec):
     def max_adapter_rank(self) -> float:
         """No fixed limit: the model's workers come and go, each with its own --max-lora-rank.
         A request is placed on one that serves its adapter's rank (a 503 asking to retry while
-        none does: see _no_worker)."""
+        none does: see _unavailable)."""
         return math.inf
 
     @property
@@ -509,34 +509,37 @@ class RemoteEngineClient(TextCodec):
 
     async def ensure_available(self) -> None:
         if not await self._candidates(set(), adapter_rank=None):
-            raise EngineUnavailable(self._no_worker())
+            raise self._unavailable()
 
     def _none_took(self, tried: set[str], out_of_space: list[str],
                    adapter_rank: int | None) -> EngineFailure:
         """The failure of a request no worker took: WorkersOutOfSpace when every worker tried
-        had no room for its adapter's files, else EngineUnavailable saying why (_no_worker)."""
+        had no room for its adapter's files, else EngineUnavailable saying why (_unavailable)."""
         if out_of_space and len(out_of_space) == len(tried):
             return WorkersOutOfSpace(
                 f"the engine workers of {self.model!r} that could run this adapter "
                 f"({', '.join(out_of_space)}) have no disk space left to take its files; retrying "
                 "will not help until their operator frees space there")
-        return EngineUnavailable(self._no_worker(adapter_rank))
+        return self._unavailable(adapter_rank)
 
-    def _no_worker(self, adapter_rank: int | None = None) -> str:
-        """Why no worker took a request (for an adapter of `adapter_rank`)."""
+    def _unavailable(self, adapter_rank: int | None = None) -> EngineUnavailable:
+        """Why no worker took a request (for an adapter of `adapter_rank`): AdapterNotServedNow
+        when workers of the model are up but none runs the adapter."""
         up = self._pool.up(self.model)
         limits = [r.rank_limit for r in up if r.supports_adapters]
         if adapter_rank is not None and up and not limits:
-            return (f"no engine worker of {self.model!r} with adapter slots is up now (those up "
-                    "were started with --max-loras 0); retry shortly, or start one with "
-                    "--max-loras above 0")
+            return AdapterNotServedNow(
+                f"no engine worker of {self.model!r} with adapter slots is up now (those up were "
+                "started with --max-loras 0); retry shortly, or start one with --max-loras above 0")
         if adapter_rank is not None and limits and max(limits) < adapter_rank:
             # NOTE: its upload was checked by a worker that served it; that one has left.
-            return (f"no engine worker of {self.model!r} that is up serves adapters of rank "
-                    f"{adapter_rank} (the highest rank they take is {max(limits):.0f}); start "
-                    f"one with --max-lora-rank {adapter_rank} or more, or retry shortly")
-        return (f"no engine worker serving {self.model!r} is available now; start one with "
-                f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
+            return AdapterNotServedNow(
+                f"no engine worker of {self.model!r} that is up serves adapters of rank "
+                f"{adapter_rank} (the highest rank they take is {max(limits):.0f}); start one "
+                f"with --max-lora-rank {adapter_rank} or more, or retry shortly")
+        return EngineUnavailable(
+            f"no engine worker serving {self.model!r} is available now; start one with "
+            f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
 
     def stats(self) -> EngineStats:
         stats = [msgspec.json.decode(r.stats, type=EngineStats) for r in self._records()]

@@ -126,14 +126,14 @@ class _Requests:
 @contextlib.contextmanager
 def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
                     shutdown_timeout_s: float = 5, drops_blobs: bool = False,
-                    in_front: Callable | None = None) -> Iterator[_Requests]:
-    """A real worker of DEMO_MODEL over `engine`, registered in the Redis at `registry_url` and
+                    in_front: Callable | None = None, model: str = DEMO_MODEL) -> Iterator[_Requests]:
+    """A real worker of `model` over `engine`, registered in the Redis at `registry_url` and
     serving on a loopback port until the block ends, then shut down as `switchboard worker` is
     (its calls in flight get `shutdown_timeout_s`); yields the record of what it was asked.
     `drops_blobs`: it drops the adapter files no request will need, as `switchboard worker`
     does (else it keeps them all). `in_front`: wraps the worker's ASGI app."""
     registry = WorkerRegistry.open(registry_url)
-    worker = Worker(model=DEMO_MODEL, engine=engine, url="", blobs=BlobStore(folder),
+    worker = Worker(model=model, engine=engine, url="", blobs=BlobStore(folder),
                     registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S,
                     lapse_beats=_LAPSE_BEATS, id=worker_id,
                     store_url=registry_url if drops_blobs else None)
@@ -1199,6 +1199,13 @@ def test_a_restarted_worker_drops_the_files_of_deleted_adapters_whose_records_we
 
 def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_rank_fits(
         demo_engine, narrow_engine, redis_url, tmp_path):  # noqa: F811
+    """Once no worker up serves its rank, the adapter's calls get a 503 asking to retry, those
+    naming it under a route too: the route's next tier, on its base model, once answered them
+    (and billed them at its price), where the call asked for the adapter."""
+    from routing.routes import parse_routes
+
+    routes = parse_routes({"escalating": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob",
+                                          "threshold": 1.0}}, None)
     folder = demo_adapter(tmp_path / "adapter", rank=2 * NARROW_MAX_LORA_RANK)
     adapter = AdapterRef(digest_files(folder), str(folder))
     expected = asyncio.run(_token_ids(demo_engine, "local", 4, adapter))
@@ -1209,11 +1216,12 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
                   if home_of("check", ["wide", f"narrow-{i}"])
                   == home_of(adapter.digest, ["wide", f"narrow-{i}"]) == f"narrow-{i}")
     with _serving_worker(narrow_engine, redis_url, tmp_path / "narrow", narrow) as narrow_seen, \
+            _serving_worker(demo_engine, redis_url, tmp_path / "large", "large", model="large"), \
             contextlib.ExitStack() as wide_running:
         wide_seen = wide_running.enter_context(
             _serving_worker(demo_engine, redis_url, tmp_path / "wide", "wide"))
         with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
-                           load_tokenizer=lambda folder: None) as server:
+                           routes=routes, load_tokenizer=lambda folder: None) as server:
             key = server.new_tenant("mixed")
             uploaded = httpx.post(server.url + "/v1/adapters", timeout=30,
                                   headers={"Authorization": f"Bearer {key}"},
@@ -1230,15 +1238,19 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
                 *[GENERATE_PATH] * 3]
 
             wide_running.close()  # the only worker that serves the adapter's rank leaves
-            refused = _completion(server.url, key, "tuned", 4)
+            before = server.admin("GET", "/admin/tenants/mixed").json()["usage"]
+            refusals = [_completion(server.url, key, model, 4) for model in ("tuned", "escalating:tuned")]
+            after = server.admin("GET", "/admin/tenants/mixed").json()["usage"]
             assert len(_answer_ids(_completion(server.url, key, DEMO_MODEL, 4))) == 4
-    assert refused.status_code == 503, refused.text
-    assert refused.headers["retry-after"] == "2"
-    error = refused.json()["error"]
-    assert error["code"] == "engine_unavailable"
-    assert (f"no engine worker of {DEMO_MODEL!r} that is up serves adapters of rank "
-            f"{2 * NARROW_MAX_LORA_RANK} (the highest rank they take is "
-            f"{NARROW_MAX_LORA_RANK})") in error["message"]
+    assert after == before  # nothing billed
+    for refused in refusals:
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "2"
+        error = refused.json()["error"]
+        assert error["code"] == "engine_unavailable"
+        assert (f"no engine worker of {DEMO_MODEL!r} that is up serves adapters of rank "
+                f"{2 * NARROW_MAX_LORA_RANK} (the highest rank they take is "
+                f"{NARROW_MAX_LORA_RANK})") in error["message"]
     assert [p for _, p in narrow_seen.seen] == [GENERATE_PATH]  # the base model's call alone
 
 
