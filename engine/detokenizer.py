@@ -13,6 +13,11 @@ from typing import Protocol
 
 # Tokens before the read offset that are decoded again for context (merges, leading spaces).
 _CONTEXT_TOKENS = 5
+# The most tokens past the read offset that a character begun but not finished at the end holds
+# back; past them, those before it are read (_read_up_to_unfinished_character). Only bytes that
+# never make a character (as a logit_bias can force) hold back so many. NOTE: a byte-fallback
+# decoder (sentencepiece's) may show such a run, read in parts, with other U+FFFDs than whole.
+_MAX_UNREAD_TOKENS = 16
 # The prompt's last tokens read for a character its end leaves partway: its bytes are at most 3 of
 # 4, in as many tokens, and special tokens between them read as no bytes.
 PROMPT_TAIL_TOKENS = 8
@@ -65,6 +70,7 @@ class IncrementalDetokenizer:
         self.token_ids = prompt[:start]
         self.prefix_offset, self.read_offset = self._context_start(start), start
         self.add_tokens(prompt[start:], check_stop=False)
+        self.num_prompt_tokens = len(self.token_ids)  # those of no bytes were left out
         self.text = ""
 
     def _context_start(self, end: int) -> int:
@@ -100,7 +106,11 @@ class IncrementalDetokenizer:
         character are shown as U+FFFD. Without it (the output ended on a stop token that is left
         out of the text: see `end_before`) they are dropped."""
         for i, token_id in enumerate(new_token_ids):
-            self.token_ids.append(token_id)
+            # NOTE: a token of no bytes (a special token) adds no text, now or to what follows:
+            # it is left out of the tokens decoded, which would otherwise grow by each (an answer
+            # of EOS tokens under ignore_eos was decoded whole at every one).
+            if self.token_bytes is None or self.token_bytes(token_id):
+                self.token_ids.append(token_id)
             if self.stop_reason is None:
                 self._decode_next(check_stop, is_last and i == len(new_token_ids) - 1)
 
@@ -143,8 +153,29 @@ class IncrementalDetokenizer:
         if unread_text and not is_incomplete:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             self.num_unread_chars_taken = 0
+        elif unfinished and len(self.token_ids) - self.read_offset > _MAX_UNREAD_TOKENS:
+            self._read_up_to_unfinished_character(unfinished)
         if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
+
+    def _read_up_to_unfinished_character(self, unfinished: bytes) -> None:
+        """Move the read offset up to the tokens of the character begun but not finished at the
+        end (its bytes `unfinished`), past those before it, whose text the bytes to come cannot
+        change (a character's first byte starts anew): output that keeps ending partway into a
+        character (bytes that never make one, as a logit_bias can force) was decoded whole at
+        every token, ever longer, on the engine's thread."""
+        start, num_bytes = len(self.token_ids), 0
+        while num_bytes < len(unfinished) and start > self.read_offset:
+            start -= 1
+            num_bytes += len(self.token_bytes(self.token_ids[start]))
+        if num_bytes < len(unfinished) or start == self.read_offset:
+            return
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        read = decode(self.token_ids[self.prefix_offset:start], skip_special_tokens=True)[len(prefix):]
+        self.text += read[self.num_unread_chars_taken:]  # NOTE: none, but where a decoder differs
+        self.num_unread_chars_taken = max(0, self.num_unread_chars_taken - len(read))
+        self.prefix_offset, self.read_offset = self.read_offset, start
 
     def _output_adds_bytes(self) -> bool:
         """Whether the output's tokens so far add bytes to the text (taken as so without the token

@@ -277,6 +277,32 @@ def test_any_character_a_prompt_ends_partway_into_is_the_outputs_first(
         decoded_after(any_tokenizer, head, byte_ids(any_tokenizer, data[:cut]) + answer)
 
 
+class _CountingDecodes:
+    """A tokenizer that counts the tokens it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.num_decoded = tokenizer, 0
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.num_decoded += len(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("repeated", ["lead byte", "EOS"])
+def test_output_that_shows_no_new_character_is_decoded_in_a_window_that_does_not_grow(
+        any_tokenizer, repeated):
+    """Bytes that never make a character, each starting one anew (as a logit_bias can force), or
+    tokens of no text (EOS under ignore_eos): the tokens decoded at each were all those since the
+    last character, so 8000 such tokens took 141 s on the engine's thread, slowing every call."""
+    reader = decoded_bytes_reader(any_tokenizer)
+    token = byte_ids(any_tokenizer, b"\xe2")[0] if repeated == "lead byte" else any_tokenizer.eos_token_id
+    prompt = any_tokenizer.encode("Hello")
+    output = [token] * 2000 + any_tokenizer.encode(" ok", add_special_tokens=False)
+    counting = _CountingDecodes(any_tokenizer)
+    assert streamed_text(counting, prompt, output, reader) == decoded_after(any_tokenizer, prompt, output)
+    assert counting.num_decoded < 100 * len(output)  # all since the last character: ~1000 each
+
+
 # Bytes that start, continue, break and finish characters of every length, and a letter.
 _BYTES = [ord("a"), 0x80, 0xBF, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xED, 0xF0, 0x9F, 0x99, 0x82, 0xFF]
 
