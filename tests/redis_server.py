@@ -27,7 +27,9 @@ def _wait_for_ping(url: str, proc: subprocess.Popen) -> bool:
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 return bool(client.ping())
-            except redis.ConnectionError:
+            # NOTE: a Redis making its append-only files takes connections but answers none for
+            # a while (past 1 s on a loaded disk): a timeout, not a refusal, and tried again too.
+            except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.05)
         return False
     finally:
@@ -53,7 +55,12 @@ def start_redis_server(data_dir: Path | None = None,
         cmd = [exe, "--save", "", *persistence, "--port", str(bound), "--bind", "127.0.0.1"]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"redis://127.0.0.1:{bound}/0"
-        if _wait_for_ping(url, proc):
+        try:
+            answered = _wait_for_ping(url, proc)
+        except BaseException:  # not left running
+            stop_redis_server(proc)
+            raise
+        if answered:
             return proc, url
         stop_redis_server(proc)
     raise RuntimeError(f"redis-server did not answer PING ({cmd})")
