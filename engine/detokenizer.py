@@ -154,25 +154,25 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             self.num_unread_chars_taken = 0
         elif unfinished and len(self.token_ids) - self.read_offset > _MAX_UNREAD_TOKENS:
-            self._read_up_to_unfinished_character(unfinished)
+            self._read_up_to_unfinished_character(unfinished, prefix)
         if check_stop and len(self.text) > num_old_chars:
             self._check_stop(num_old_chars)
 
-    def _read_up_to_unfinished_character(self, unfinished: bytes) -> None:
+    def _read_up_to_unfinished_character(self, unfinished: bytes, prefix: str) -> None:
         """Move the read offset up to the tokens of the character begun but not finished at the
         end (its bytes `unfinished`), past those before it, whose text the bytes to come cannot
         change (a character's first byte starts anew): output that keeps ending partway into a
         character (bytes that never make one, as a logit_bias can force) was decoded whole at
-        every token, ever longer, on the engine's thread."""
+        every token, ever longer, on the engine's thread. `prefix`: the text of the tokens
+        decoded for context, as _decode_next decoded it."""
         start, num_bytes = len(self.token_ids), 0
         while num_bytes < len(unfinished) and start > self.read_offset:
             start -= 1
             num_bytes += len(self.token_bytes(self.token_ids[start]))
         if num_bytes < len(unfinished) or start == self.read_offset:
             return
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        read = decode(self.token_ids[self.prefix_offset:start], skip_special_tokens=True)[len(prefix):]
+        read = self.tokenizer.decode(self.token_ids[self.prefix_offset:start],
+                                     skip_special_tokens=True)[len(prefix):]
         self.text += read[self.num_unread_chars_taken:]  # NOTE: none, but where a decoder differs
         self.num_unread_chars_taken = max(0, self.num_unread_chars_taken - len(read))
         self.prefix_offset, self.read_offset = self.read_offset, start
