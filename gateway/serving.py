@@ -220,15 +220,25 @@ async def _ensure_intact_adapter(state: GatewayState, adapter: AdapterRecord) ->
     store = state.require_store()
     if await ensure_intact_copy(state.blobs, store.shared_blobs, adapter.digest):
         return True
-    try:
-        is_deleted = state.blobs.path(adapter.digest) is None \
-            and not await store.is_digest_referenced(adapter.digest)
-    except StoreError:  # cannot tell: the engine's failure stands
-        return False
-    if is_deleted:
-        raise AdapterDeleted(f"the adapter {quoted(adapter.name)} was deleted while this call "
-                             "waited to run; GET /v1/models lists the models you can use")
+    if await _was_deleted(state, adapter):
+        raise _deleted_meanwhile(adapter, "waited to run")
     return False
+
+
+async def _was_deleted(state: GatewayState, adapter: AdapterRecord) -> bool:
+    """Whether the adapter's files are missing here because no adapter uses them any more: the
+    adapter was deleted since its record was read. False when the store cannot tell."""
+    if state.blobs.path(adapter.digest) is not None:
+        return False
+    try:
+        return not await state.require_store().is_digest_referenced(adapter.digest)
+    except StoreError:
+        return False
+
+
+def _deleted_meanwhile(adapter: AdapterRecord, doing: str) -> AdapterDeleted:
+    return AdapterDeleted(f"the adapter {quoted(adapter.name)} was deleted while this call {doing}; "
+                          "GET /v1/models lists the models you can use")
 
 
 def _adapter_not_served(adapter: AdapterRecord, engine: EngineClient) -> ApiError:
@@ -250,10 +260,12 @@ def _adapter_not_served(adapter: AdapterRecord, engine: EngineClient) -> ApiErro
 async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
     """The folder of the adapter's files in this gateway's blob folder, fetched there from the
     store's shared copy if need be (once, however many requests wait for it); 503 when neither
-    holds them, the shared copy is damaged, or the folder has no room left to copy it into."""
+    holds them, the shared copy is damaged, or the folder has no room left to copy it into; 404
+    when they are gone because the adapter was deleted meanwhile (through another gateway, say)."""
     # NOTE: no store round trip when the files are here, as they are after the first request.
     folder = state.blobs.path(adapter.digest)
     shared = state.require_store().shared_blobs
+    damage = None
     if folder is None and shared is not None:
         try:
             # The request holding it may have fetched the files meanwhile.
@@ -263,15 +275,19 @@ async def adapter_folder(state: GatewayState, adapter: AdapterRecord) -> Path:
                     folder = (state.blobs.path(adapter.digest)
                               or await fetch_blob(state.blobs, shared, adapter.digest))
         except StoreError as error:
-            raise unavailable_until_mended(
-                f"the files of adapter {adapter.name!r} are damaged in the store and were not "
-                f"used ({error}); upload the adapter again", code="adapter_files_damaged") from None
-    if folder is None:
-        where = "this server's adapter folder" + (" and the store" if shared is not None else "")
-        raise unavailable_until_mended(f"the files of adapter {adapter.name!r} are missing from "
-                                       f"{where}; upload the adapter again",
-                                       code="adapter_files_missing")
-    return folder
+            damage = error
+    if folder is not None:
+        return folder
+    if await _was_deleted(state, adapter):
+        raise engine_failed(_deleted_meanwhile(adapter, "fetched its files"))
+    if damage is not None:
+        raise unavailable_until_mended(
+            f"the files of adapter {adapter.name!r} are damaged in the store and were not "
+            f"used ({damage}); upload the adapter again", code="adapter_files_damaged")
+    where = "this server's adapter folder" + (" and the store" if shared is not None else "")
+    raise unavailable_until_mended(f"the files of adapter {adapter.name!r} are missing from "
+                                   f"{where}; upload the adapter again",
+                                   code="adapter_files_missing")
 
 
 def sampling_options(body: SamplingFields, logprobs: int | None) -> SamplingOptions:

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 _STAGED_TTL_MS = 3600 * 1000  # a write not committed in an hour has crashed
+_FETCH_TRIES = 3  # reads of a blob that is deleted and written again as it is read
 # Cleanups of failed writes under way: the event loop keeps only weak references to tasks, and a
 # cleanup outlives the write it follows when that write is cancelled again (see _shielded).
 _cleanups: set[asyncio.Task[None]] = set()
@@ -115,28 +116,50 @@ class RedisBlobs:
 
     async def fetch_into(self, digest: str, folder: Path,
                          names: Sequence[str] = ADAPTER_FILES) -> bool:
-        raw = await self._redis.get(self._keys.blob(digest))
-        if raw is None:
-            return False
-        manifest = _decode(raw, digest)
-        if sorted(f.name for f in manifest.files) != sorted(names):  # never a path of its own
-            raise StoreError(f"the manifest of blob {digest} in Redis lists other files than "
-                             f"{', '.join(names)}")
+        for _ in range(_FETCH_TRIES):
+            raw = await self._redis.get(self._keys.blob(digest))
+            if raw is None:
+                return False
+            manifest = _decode(raw, digest)
+            if sorted(f.name for f in manifest.files) != sorted(names):  # never a path of its own
+                raise StoreError(f"the manifest of blob {digest} in Redis lists other files than "
+                                 f"{', '.join(names)}")
+            missing = await self._fetch_files(digest, manifest, folder)
+            if missing is None:
+                return True
+            # NOTE: a chunk gone since the manifest was read is not damage when the blob was
+            # deleted meanwhile (its adapter deleted through another gateway: one MULTI drops the
+            # manifest and the chunks), and perhaps written anew since: read the manifest again.
+            # Only a manifest that still names a chunk that is not there is a damaged copy.
+            if await self._redis.exists(self._keys.blob_chunk(digest, missing)) == 0 \
+                    and await self._redis.exists(self._keys.blob(digest)) == 1:
+                raise StoreError(f"chunk {missing} of blob {digest} is missing from Redis")
+        raise StoreError(f"blob {digest} was deleted and written again in Redis while it was "
+                         f"read, {_FETCH_TRIES} times over")
+
+    async def _fetch_files(self, digest: str, manifest: BlobManifest, folder: Path) -> int | None:
+        """Write the files of the blob into `folder`; the number of the first chunk found
+        missing, None if none was."""
         first = 0
         for file in manifest.files:
-            await self._fetch(digest, range(first, first + file.num_chunks), folder / file.name)
+            chunks = range(first, first + file.num_chunks)
+            missing = await self._fetch(digest, chunks, folder / file.name)
+            if missing is not None:
+                return missing
             first += file.num_chunks
-        return True
+        return None
 
-    async def _fetch(self, digest: str, chunks: range, path: Path) -> None:
-        """Write chunks `chunks` of the blob as the file at `path`."""
+    async def _fetch(self, digest: str, chunks: range, path: Path) -> int | None:
+        """Write chunks `chunks` of the blob as the file at `path`; the number of the first chunk
+        found missing, None if none was."""
         out = await asyncio.to_thread(open, path, "wb")
         try:
             for n in chunks:
                 chunk = await self._redis.get(self._keys.blob_chunk(digest, n))
                 if chunk is None:
-                    raise StoreError(f"chunk {n} of blob {digest} is missing from Redis")
+                    return n
                 await asyncio.to_thread(out.write, chunk)
+            return None
         finally:
             await asyncio.to_thread(out.close)
 

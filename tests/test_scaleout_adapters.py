@@ -194,6 +194,46 @@ def test_deleting_an_adapter_removes_its_redis_copy(gateways, adapter, client):
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("when", ["before its manifest is read", "after its manifest is read",
+                                  "and uploaded again, after its manifest is read"])
+def test_an_adapter_deleted_elsewhere_while_a_gateway_fetches_it_is_not_found(
+        gateways, tenant_key, adapter, client, monkeypatch, when):
+    """Deleted through A while B fetches its files from Redis, the adapter is not found (the
+    README's 404), as when it was deleted before the call: B once answered 503
+    adapter_files_damaged or adapter_files_missing, telling the tenant to upload it again."""
+    a, b = gateways
+    digest = upload(a, tenant_key, "tuned", adapter)
+    through_a = greedy_ids(a, tenant_key, "tuned")
+    shared = b.app.state.gateway.require_store().shared_blobs
+    step = "fetch_into" if when.startswith("before") else "_fetch_files"
+    read = getattr(shared, step)
+
+    async def deleted_first(*args):
+        deleted = await asyncio.to_thread(httpx.delete, a.url + "/v1/adapters/tuned",
+                                          headers=auth(tenant_key))
+        assert deleted.status_code == 200, deleted.text
+        if when.startswith("and uploaded again"):
+            await asyncio.to_thread(upload, a, tenant_key, "tuned", adapter)
+        monkeypatch.setattr(shared, step, read)  # only the first read races the delete
+        return await read(*args)
+
+    monkeypatch.setattr(shared, step, deleted_first)
+    reply = completion(b, tenant_key, "tuned")
+    assert getattr(shared, step) == read  # the race was run
+    if when.startswith("and uploaded again"):
+        assert reply.status_code == 200, reply.text
+        assert greedy_ids(b, tenant_key, "tuned") == through_a
+        assert len(blob_keys(client, digest)) == 3  # the copy uploaded again is kept
+        return
+    assert reply.status_code == 404, reply.text
+    assert reply.json()["error"] == {
+        "message": "the adapter 'tuned' was deleted while this call fetched its files; GET "
+                   "/v1/models lists the models you can use",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert local_blobs(b).path(digest) is None and leftovers(b) == []
+    assert blob_keys(client, digest) == []
+
+
 def test_a_gateway_drops_copies_of_adapters_deleted_elsewhere_when_it_starts(
         gateways, adapter, demo_engine, redis_server, tmp_path):
     a, b = gateways
