@@ -47,6 +47,12 @@ _COPY_CHUNK = 1 << 20
 # What a tar adds around its members' data: a 512-byte header per member (long names and pax
 # headers take more, and are counted as they are read) and the end-of-archive padding.
 _TAR_OVERHEAD = 1024 * (_MAX_ARCHIVE_MEMBERS + 20)
+# How much of an archive's members other than the adapter files (the rest of a Trainer checkpoint
+# folder: optimizer.pt holds about twice the adapter's weights, tokenizer files tens of MB) is
+# read through, as a multiple of --max-upload-size and at least: they are never written, but a
+# small archive could inflate to terabytes of them.
+_SKIPPED_BYTES_FACTOR = 4
+_MIN_SKIPPED_BYTES = 64 << 20
 # Where an upload is written on its way in: starlette spools a file part past 1 MiB to the
 # temporary folder; then the files are written to a folder in the adapter folder.
 _SPOOL_FOLDER = "the temporary folder (TMPDIR) where uploads are spooled"
@@ -177,15 +183,17 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
     optimizer.pt and training_args.bin included) are skipped, never read or written. An archive
     whose weights are only a pickle (adapter_model.bin) is refused as pickle_not_allowed.
 
-    Counts every member's size against `max_bytes`, and every byte the archive inflates to
-    (headers included: tarfile reads a long name's or a pax header's data whole), so a small
-    archive that inflates to a huge one is refused before it is unpacked or held in memory.
+    The adapter files count against `max_bytes`, as uploaded as two files; the members skipped
+    against a bound of their own (see _SKIPPED_BYTES_FACTOR), and the tar headers (tarfile reads a
+    long name's or a pax header's data whole) against _TAR_OVERHEAD: so a small archive that
+    inflates to a huge one is refused before it is unpacked or held in memory.
     """
     found: set[str] = set()
     pickled_weights: str | None = None  # e.g. "adapter_model.bin", saved without safetensors
-    total = 0
+    adapter_bytes = skipped_bytes = 0
+    max_skipped_bytes = max(_SKIPPED_BYTES_FACTOR * max_bytes, _MIN_SKIPPED_BYTES)
     try:
-        inflated = _Capped(_decompressed(archive), max_bytes + _TAR_OVERHEAD, max_bytes)
+        inflated = _HeadersCapped(_decompressed(archive))
         with tarfile.open(fileobj=inflated, mode="r|") as tar:
             for count, member in enumerate(tar, 1):
                 path = PurePosixPath(member.name)
@@ -198,16 +206,21 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                         f"the archive holds more than {_MAX_ARCHIVE_MEMBERS} files; pack only the "
                         f"adapter folder, or upload {' and '.join(ADAPTER_FILES)} as two files",
                         code="invalid_upload")
-                total += max(member.size, 0)
-                if total > max_bytes:
-                    raise _too_large(max_bytes)
+                size = max(member.size, 0)
+                inflated.expect_data(size)
                 name = path.name
                 if name not in ADAPTER_FILES or member.isdir():
                     # README.md, a Trainer checkpoint's optimizer.pt and the like: not needed, never
                     # read or written. A pickle of the weights is remembered for the refusal below.
+                    skipped_bytes += size
+                    if skipped_bytes > max_skipped_bytes:
+                        raise _too_much_skipped(max_skipped_bytes)
                     if PurePosixPath(name).stem == _WEIGHTS_STEM and name.endswith(_PICKLE_SUFFIXES):
                         pickled_weights = pickled_weights or member.name
                     continue
+                adapter_bytes += size
+                if adapter_bytes > max_bytes:
+                    raise _too_large(max_bytes)
                 if not member.isfile():
                     raise invalid_request(f"{quoted(member.name)} in the archive is a link or a special "
                                           "file; pack the files themselves", code="invalid_upload")
@@ -229,6 +242,13 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
     _require_both(found, "the archive")
 
 
+def _too_much_skipped(max_skipped_bytes: int) -> ApiError:
+    return ApiError(413, f"the archive holds more than {max_skipped_bytes} bytes of files other "
+                    f"than the adapter's, more than this server reads through; pack only "
+                    f"{' and '.join(ADAPTER_FILES)} (`tar czf adapter.tar.gz -C <adapter folder> "
+                    f"{' '.join(ADAPTER_FILES)}`)", code="upload_too_large")
+
+
 def _decompressed(archive: BinaryIO) -> BinaryIO:
     """The tar stream inside `archive`: gunzipped (bz2, xz) when it is compressed, by its magic."""
     magic = archive.read(6)
@@ -242,12 +262,18 @@ def _decompressed(archive: BinaryIO) -> BinaryIO:
     return archive
 
 
-class _Capped(io.RawIOBase):
-    """A stream that refuses (413) to give more than `limit` bytes of `source`."""
+class _HeadersCapped(io.RawIOBase):
+    """A tar stream that refuses (413) to give more than _TAR_OVERHEAD bytes of `source` besides
+    the data of the members read so far (see expect_data): those are its headers."""
 
-    def __init__(self, source: BinaryIO, limit: int, max_bytes: int):
-        self._source, self._limit, self._max_bytes = source, limit, max_bytes
+    def __init__(self, source: BinaryIO):
+        self._source = source
+        self._limit = _TAR_OVERHEAD
         self._count = 0
+
+    def expect_data(self, size: int) -> None:
+        """Allow the data of a member of `size` bytes (padded to whole 512-byte blocks) next."""
+        self._limit += -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
     def readable(self) -> bool:
         return True
@@ -256,7 +282,9 @@ class _Capped(io.RawIOBase):
         data = self._source.read(self._limit - self._count + 1 if size < 0 else size)
         self._count += len(data)
         if self._count > self._limit:
-            raise _too_large(self._max_bytes)
+            raise ApiError(413, f"the archive's tar headers (long file names) take more than "
+                           f"{_TAR_OVERHEAD} bytes; pack the adapter folder with short names",
+                           code="upload_too_large")
         return data
 
 
