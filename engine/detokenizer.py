@@ -8,7 +8,7 @@ still grow into a character).
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 # Tokens before the read offset that are decoded again for context (merges, leading spaces).
@@ -32,14 +32,18 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
                  include_stop_str_in_output: bool = False,
-                 token_bytes: Callable[[int], bytes] | None = None):
+                 token_bytes: Callable[[int], bytes] | None = None,
+                 special_token_ids: Collection[int] = frozenset()):
         """`token_bytes`: the bytes each token adds to the decoded text, where the tokenizer's
         vocabulary says them (engine.tokenizer.decoded_bytes_reader). With them, a trailing
         U+FFFD is told apart: bytes that may still become a character are held back, bytes that
         never will (no character starts so) are final at once. Without them, every trailing
-        U+FFFD is held back until a character follows (or the output ends)."""
+        U+FFFD is held back until a character follows (or the output ends).
+        `special_token_ids`: the tokens decoding skips (engine.tokenizer.special_token_ids),
+        which add no text: known without the token bytes too."""
         self.tokenizer = tokenizer
         self.token_bytes = token_bytes
+        self.special_token_ids = special_token_ids
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.read_offset = len(self.token_ids)
@@ -109,7 +113,8 @@ class IncrementalDetokenizer:
             # NOTE: a token of no bytes (a special token) adds no text, now or to what follows:
             # it is left out of the tokens decoded, which would otherwise grow by each (an answer
             # of EOS tokens under ignore_eos was decoded whole at every one).
-            if self.token_bytes is None or self.token_bytes(token_id):
+            if token_id not in self.special_token_ids and (
+                    self.token_bytes is None or self.token_bytes(token_id)):
                 self.token_ids.append(token_id)
             if self.stop_reason is None:
                 self._decode_next(check_stop, is_last and i == len(new_token_ids) - 1)

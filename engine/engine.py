@@ -22,7 +22,7 @@ from engine.model.spec import ModelSpec
 from engine.request import InvalidParameter, Request, RequestStatus, SamplingParams, TokenLogprobs
 from engine.runner import ModelRunner, kv_block_bytes
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import decoded_bytes_reader, end_of_sequence_ids, load_tokenizer
+from engine.tokenizer import decoded_bytes_reader, end_of_sequence_ids, load_tokenizer, special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class LLMEngine:
         device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.model)
         self._decoded_bytes = None if self.tokenizer is None else decoded_bytes_reader(self.tokenizer)
+        self._special_ids = frozenset() if self.tokenizer is None else special_token_ids(self.tokenizer)
         self.eos_token_ids = end_of_sequence_ids(config.model, self.spec.eos_token_ids, self.tokenizer,
                                                  self.spec.vocab_size)
         num_blocks = self._num_kv_blocks(dtype, device)
@@ -145,7 +146,8 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
-                                                 params.include_stop_str_in_output, self._decoded_bytes)
+                                                 params.include_stop_str_in_output, self._decoded_bytes,
+                                                 self._special_ids)
         self._outputs[request_id] = _OutputState(detokenizer)
         return request
 
