@@ -39,6 +39,7 @@ from store.blobs import ADAPTER_FILES, is_out_of_space
 logger = logging.getLogger(__name__)
 
 ARCHIVE_PART = "file"
+_TEXT_FIELDS = ("name", "base_model")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _WEIGHTS_STEM = PurePosixPath(_WEIGHTS_FILE).stem
@@ -94,7 +95,9 @@ async def read_adapter_upload(request: Request, max_bytes: int,
     capped = Request(request.scope, _capped_receive(request, max_bytes))
     try:
         with refused_when_out_of_space(RECEIVE, _SPOOL_FOLDER, tempfile.gettempdir()):
-            form = await capped.form(max_files=2, max_fields=4, max_part_size=64 * 1024)
+            # NOTE: 4 files, not 2: a text field sent as a file (curl -F name=@x) gets a 400
+            # that says so (_refuse_text_sent_as_files), not starlette's "Too many files".
+            form = await capped.form(max_files=4, max_fields=4, max_part_size=64 * 1024)
     except _BodyTooLarge:
         raise _too_large(max_bytes) from None
     except HTTPException as error:  # how starlette reports a form it cannot parse
@@ -105,6 +108,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
         files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
         _refuse_files_sent_as_text(fields)
+        _refuse_text_sent_as_files(files)
         with refused_when_out_of_space(RECEIVE, ADAPTER_FOLDER, staging):
             folder = Path(tempfile.mkdtemp(prefix=".tmp-upload-", dir=staging))
             await asyncio.to_thread(_write_files, files, folder, max_bytes)
@@ -149,6 +153,15 @@ def _refuse_files_sent_as_text(fields: dict[str, str]) -> None:
             raise invalid_request(f"the part '{name}' came as a text field; send it as a file, "
                                   f"with a filename (curl -F '{name}=@PATH'): {_USAGE}",
                                   param=name, code="invalid_upload")
+
+
+def _refuse_text_sent_as_files(files: dict[str, UploadFile]) -> None:
+    """The other way round: a text field sent as a file (with a filename)."""
+    for name in _TEXT_FIELDS:
+        if name in files:
+            raise invalid_request(f"the field '{name}' came as a file; send it as text "
+                                  f"(curl -F '{name}=VALUE'): {_USAGE}", param=name,
+                                  code="invalid_upload")
 
 
 def _field(fields: dict[str, str], name: str) -> str:

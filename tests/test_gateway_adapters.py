@@ -832,9 +832,9 @@ FORMS = {
     "no multipart framing": (lambda a: _raw_form(b"garbage\r\n\r\n"), None, "invalid multipart"),
     "a part without a name": (lambda a: _raw_form(b"--b\r\nX: y\r\n\r\nabc\r\n--b--\r\n"), None,
                               "content-disposition"),
-    "a file part twice": (lambda a: {**_fields(), "files": [
-        ("adapter_config.json", files_of(a["all-r8"])["adapter_config.json"]),
-        *files_of(a["all-r8"]).items()]}, None, "too many files"),
+    "too many file parts": (lambda a: {**_fields(), "files": [
+        *((f"extra{i}", ("x", b"1")) for i in range(3)), *files_of(a["all-r8"]).items()]},
+        None, "too many files"),
     "a field too large": (lambda a: {**_fields(name="x" * (70 << 10)), "files": files_of(a["all-r8"])},
                           None, "maximum size"),
     "too many fields": (lambda a: {**_fields(c="1", d="2", e="3"), "files": files_of(a["all-r8"])}, None,
@@ -844,7 +844,14 @@ FORMS = {
         **_fields(**{"adapter_config.json": (a["all-r8"] / "adapter_config.json").read_text()}),
         "files": {"adapter_model.safetensors": files_of(a["all-r8"])["adapter_model.safetensors"]}},
         "adapter_config.json", "came as a text field; send it as a file"),
+    # What curl -F name=@file sends: once refused as "too many files".
+    "a text field sent as a file": (lambda a: {"data": {"base_model": DEMO_MODEL}, "files": {
+        "name": ("name.txt", b"bot"), **files_of(a["all-r8"])}},
+        "name", "the field 'name' came as a file; send it as text"),
     # Parts sent twice: which one was meant is a guess.
+    "a file part twice": (lambda a: {**_fields(), "files": [
+        ("adapter_config.json", files_of(a["all-r8"])["adapter_config.json"]),
+        *files_of(a["all-r8"]).items()]}, "adapter_config.json", "more than once"),
     "name twice": (lambda a: {**_fields(name=["a", "b"]), "files": files_of(a["all-r8"])}, "name",
                    "'name' more than once"),
     "base_model twice": (lambda a: {**_fields(base_model=[DEMO_MODEL, DEMO_MODEL]),
