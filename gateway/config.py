@@ -21,6 +21,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import msgspec
 
+from routing.pricing import MAX_USD_PER_MTOK
 from routing.routes import AUTO
 from store.redis import check_redis_url
 
@@ -303,7 +304,7 @@ def _model_table(name: str, table: Any) -> ModelEntry:
     if unknown:
         raise ValueError(f"unknown keys in {where}: {', '.join(unknown)}; known keys: "
                          f"{', '.join(sorted(known))}")
-    prices = [_number(where, k, table.get(k, 0.0), "USD per million tokens")
+    prices = [_number(where, k, table.get(k, 0.0), "USD per million tokens", maximum=MAX_USD_PER_MTOK)
               for k in ("price_input", "price_output")]
     tier = _integer(where, "tier", table.get("tier", 0), 0, "0 is the cheapest")
     if "path" in table and not (isinstance(table["path"], str) and table["path"]):
@@ -386,14 +387,17 @@ def _upstream_source(name: str, table: dict[str, Any]) -> UpstreamSource:
     return UpstreamSource(url, model, api_key_env, timeout_s, max_model_len, api)
 
 
-def _number(where: str, key: str, value: Any, unit: str, *, positive: bool = False) -> float:
-    """`value` as a float; ValueError unless it is a finite number >= 0 (> 0 when `positive`):
-    an infinite price would bill inf (stored as null) and refuse every call of a tenant with a
-    spend budget."""
+def _number(where: str, key: str, value: Any, unit: str, *, positive: bool = False,
+            maximum: float = math.inf) -> float:
+    """`value` as a float; ValueError unless it is a finite number >= 0 (> 0 when `positive`),
+    and <= `maximum`: an infinite price (or one whose cost overflows) would bill inf (stored as
+    null) and refuse every call of a tenant with a spend budget."""
     is_number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not is_number or not math.isfinite(value) or not (value > 0 if positive else value >= 0):
-        raise ValueError(f"{where} {key} must be a finite number {'>' if positive else '>='} 0 "
-                         f"({unit}), got {value!r}")
+    if not is_number or not math.isfinite(value) or not (value > 0 if positive else value >= 0) \
+            or value > maximum:
+        most = "" if maximum == math.inf else f" and <= {maximum:g}"
+        raise ValueError(f"{where} {key} must be a finite number {'>' if positive else '>='} 0"
+                         f"{most} ({unit}), got {value!r}")
     return float(value)
 
 

@@ -314,6 +314,9 @@ def test_model_tables_declare_upstreams_without_their_keys(tmp_path):
     ('upstream = "https://h/v1"\nmax_model_len = 9223372036854775807\n', "max_model_len must be"),
     # A price of inf billed inf (stored as null) and refused every call of a spend-budgeted tenant.
     ('upstream = "https://h/v1"\nprice_input = inf\n', "price_input must be a finite number"),
+    # 1e308 per million tokens is finite, but a call's cost of it overflowed to inf.
+    ('upstream = "https://h/v1"\nprice_output = 1e308\n', "price_output must be a finite number >= 0 "
+                                                          "and <= 1e\\+09"),
     ('upstream = "https://h/v1"\nupstream_model = ""\n', "upstream_model"),
     ('path = "/m"\ntier = -1\n', "tier must be an integer >= 0"),
     ('path = "/m"\ntier = 1.5\n', "tier must be an integer"),
