@@ -94,8 +94,13 @@ class TextCodec:
         return max(map(len, map(self.token_bytes, range(len(self._tokenizer)))), default=1)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str | None:
-        if self._tokenizer is None or not getattr(self._tokenizer, "chat_template", None):
+        template = getattr(self._tokenizer, "chat_template", None)
+        if not template:
             return None
+        if "developer" not in str(template):
+            # NOTE: OpenAI's newer name for the system role, which templates written before it
+            # do not know: Qwen2's drops such a message silently, Llama 2's refuses the chat.
+            messages = [m | {"role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
             return self._tokenizer.apply_chat_template(messages, tokenize=False,
                                                        add_generation_prompt=True)

@@ -8,10 +8,11 @@ import httpx
 import openai
 import pytest
 
-from engine.demo import demo_config
+from engine.demo import build_byte_tokenizer, demo_config
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, gateway_server, logged_status
+from gateway.text_codec import TextCodec
 from tests.helpers import byte_tokenizer_with_token, save_successor_model
 
 PROMPT = "The quick brown fox"
@@ -88,6 +89,24 @@ def test_greedy_chat_equals_offline_engine_on_the_templated_prompt(client, offli
     assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
     assert chat.usage.prompt_tokens == len(prompt_ids) == len(CHAT_PROMPT)
     assert chat.usage.completion_tokens == 10 and choice.finish_reason == "length"
+
+
+def test_a_developer_message_is_the_system_prompt_to_a_template_that_does_not_know_the_role(
+        client, demo_engine):
+    """OpenAI's newer name for the system role: a template written before it (Qwen2's) dropped
+    such a message silently, or (Llama 2's) refused the chat."""
+    kwargs = dict(model=DEMO_MODEL, max_completion_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    as_system = client.chat.completions.create(messages=MESSAGES, **kwargs)
+    as_developer = client.chat.completions.create(
+        messages=[{"role": "developer", "content": "Be brief."}, MESSAGES[1]], **kwargs)
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens == len(CHAT_PROMPT)
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    # A template that knows the role (as gpt-oss's) gets it as it is.
+    codec = TextCodec(build_byte_tokenizer())
+    codec._tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'developer' %}"
+                                      "[dev]{% endif %}{{ m['content'] }}{% endfor %}")
+    assert codec.render_chat([{"role": "developer", "content": "x"}]) == "[dev]x"
 
 
 def test_streamed_completion_matches_the_whole_one(client):
