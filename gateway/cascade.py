@@ -135,6 +135,7 @@ class _PassedOver:
         self.score = score
         self.attempt = attempt  # its index in the call's attempts
         self._arrived = asyncio.Event()  # set when a chunk came or its answer ended
+        self._stream = stream
         self._reading = asyncio.create_task(self._read_on(stream))
 
     async def _read_on(self, stream: AsyncIterator[GenerationChunk]) -> None:
@@ -182,6 +183,9 @@ class _PassedOver:
         self._reading.cancel()  # NOTE: does nothing to a read already over
         # An engine failure that ended the read is the call's only once it answers (`_rest`).
         await asyncio.gather(self._reading, return_exceptions=True)
+        # NOTE: a read cancelled before it began (dropped as soon as held: a later tier was
+        # surer) never ran its `finally`; closing a closed stream does nothing.
+        await self._stream.aclose()
 
 
 def _surer(held: _PassedOver | None, new: _PassedOver) -> tuple[_PassedOver, _PassedOver | None]:

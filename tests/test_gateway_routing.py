@@ -947,3 +947,32 @@ def test_routes_are_counted_per_route_and_tier(routed):
     assert metrics.prompt_tokens.value(tenant=name, model="large") == 8
     text = routed.admin("GET", "/metrics").text
     assert 'switchboard_routed_requests_total{route="auto",model="large",escalated="true"}' in text
+
+
+def test_a_tier_passed_over_and_dropped_at_once_has_its_answer_closed():
+    """Dropped as soon as held (a later tier was surer), its read never began, so the `finally`
+    that closes its answer (aborting the engine request) never ran: the request was left to
+    garbage collection."""
+    from gateway.cascade import Attempt, _PassedOver
+    from gateway.generation import Tier
+
+    class Answer:  # an engine's answer stream that is not a generator: GC never closes it
+        closed = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self) -> GenerationChunk:
+            await asyncio.Event().wait()  # the engine is still making it
+            raise AssertionError("unreachable")  # pragma: no cover
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    async def drop_at_once() -> Answer:
+        answer = Answer()
+        held = _PassedOver(Tier(DEMO_MODEL, None), answer, [], 0.1, 0)
+        await held.drop([Attempt(DEMO_MODEL, 0.1, 0.5, 0, 0)])
+        return answer
+
+    assert asyncio.run(drop_at_once()).closed
