@@ -8,13 +8,16 @@ for an unknown key.
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 from starlette.requests import Request
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, unavailable_until_mended
 from store import Store, Tenant
 from store.keys import KEY_PREFIX, hash_key, verify_key
+
+logger = logging.getLogger(__name__)
 
 _ADMIN_PREFIX = KEY_PREFIX + "admin-"
 
@@ -50,9 +53,11 @@ async def authenticate_tenant(request: Request, store: Store, metrics_key_hash: 
 
 
 async def require_admin(request: Request, store: Store, metrics_key_hash: str | None) -> None:
-    """Pass for the admin key; 403 for a tenant key or the metrics key, 401 for anything else."""
+    """Pass for the admin key; 403 for a tenant key or the metrics key, 401 for anything else
+    (503 while the store holds no admin key: see _no_admin_key)."""
     key = bearer_key(request)
-    if await _is_admin_key(store, key):
+    admin_key_hash = await store.get_admin_key_hash()
+    if admin_key_hash is not None and verify_key(key, admin_key_hash):
         return
     if _is_metrics_key(key, metrics_key_hash):
         raise ApiError(403, "this endpoint needs the admin key; the metrics key reads /metrics only",
@@ -60,20 +65,39 @@ async def require_admin(request: Request, store: Store, metrics_key_hash: str | 
     if await store.authenticate(key) is not None:
         raise ApiError(403, "this endpoint needs the admin key; tenant keys cannot manage tenants",
                        type="permission_error", code="admin_key_required")
+    if admin_key_hash is None:
+        raise _no_admin_key()
     raise _unauthenticated("invalid admin key")
 
 
 async def require_metrics_reader(request: Request, store: Store, metrics_key_hash: str | None) -> None:
     """Pass for the metrics key (when one is set) and the admin key; 403 for a tenant key, 401
-    for anything else. The series name every tenant, which no tenant may see."""
+    for anything else (503 while the store holds no admin key and no metrics key is set). The
+    series name every tenant, which no tenant may see."""
     key = bearer_key(request)
-    if _is_metrics_key(key, metrics_key_hash) or await _is_admin_key(store, key):
+    if _is_metrics_key(key, metrics_key_hash):
+        return
+    admin_key_hash = await store.get_admin_key_hash()
+    if admin_key_hash is not None and verify_key(key, admin_key_hash):
         return
     if await store.authenticate(key) is not None:
         raise ApiError(403, "/metrics needs the metrics key or the admin key: its series name every "
                        "tenant", type="permission_error", code="metrics_key_required")
+    if admin_key_hash is None and metrics_key_hash is None:
+        raise _no_admin_key()
     raise _unauthenticated("invalid key for /metrics: send the metrics key (serve --metrics-key) "
                            "or the admin key")
+
+
+def _no_admin_key() -> ApiError:
+    """A gateway sets the admin key when it starts, so a store without one lost it (with its
+    data, as a Redis restarted without persistence does): the key sent may well be the right
+    one, and only the operator can put it back."""
+    message = ("the store holds no admin key: it has lost its data (as a Redis restarted without "
+               "its data does); restart a gateway with --admin-key (or SWITCHBOARD_ADMIN_KEY) "
+               "to set it again")
+    logger.warning(message)
+    return unavailable_until_mended(message, code="admin_key_missing")
 
 
 async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:

@@ -2,7 +2,9 @@
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
+import sqlite3
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -462,3 +464,25 @@ def test_a_call_whose_key_or_tenant_changed_while_its_body_arrived_gets_what_it_
     if change == "tenant made anew":  # its one request a minute is still there
         new_key = server.admin("POST", f"/admin/tenants/{name}/keys").json()["key"]
         assert complete(server, new_key).status_code == 200
+
+
+def test_a_store_that_lost_the_admin_key_says_so_until_a_gateway_sets_it_again(
+        demo_engine, tmp_path, caplog):
+    """As a Redis restarted without its data loses it: the right admin key was refused as
+    "invalid admin key", and nothing was logged."""
+    with gateway_server(demo_engine, tmp_path) as server:
+        with contextlib.closing(sqlite3.connect(tmp_path / "switchboard.db")) as db, db:
+            db.execute("DELETE FROM settings WHERE name = 'admin_key_hash'")
+        for path in ("/admin/tenants", "/metrics"):
+            refused = get(server, path, ADMIN_KEY)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"] == {
+                "message": "the store holds no admin key: it has lost its data (as a Redis "
+                           "restarted without its data does); restart a gateway with --admin-key "
+                           "(or SWITCHBOARD_ADMIN_KEY) to set it again",
+                "type": "server_error", "param": None, "code": "admin_key_missing"}
+            assert refused.headers["x-should-retry"] == "false"
+        assert "the store holds no admin key" in caplog.text
+    with gateway_server(demo_engine, tmp_path) as server:  # started with the admin key
+        assert get(server, "/admin/tenants", ADMIN_KEY).status_code == 200
+        assert get(server, "/admin/tenants", "sb-wrong").status_code == 401
