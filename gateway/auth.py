@@ -40,12 +40,12 @@ async def authenticate_tenant(request: Request, store: Store, metrics_key_hash: 
     if tenant is not None:
         request.state.tenant = tenant.name  # for the access log and request metrics
         return tenant
-    if await _is_admin_key(store, key):
+    if _matches(key, await store.get_admin_key_hash()):
         raise ApiError(403, "this is the admin key, which manages tenants under /admin; create a "
                        "tenant (POST /admin/tenants) and a key for it "
                        "(POST /admin/tenants/{tenant}/keys) to call /v1",
                        type="permission_error", code="admin_key_not_allowed")
-    if _is_metrics_key(key, metrics_key_hash):
+    if _matches(key, metrics_key_hash):
         raise ApiError(403, "this is the metrics key, which reads /metrics only; call /v1 with a "
                        "tenant's key (POST /admin/tenants/{tenant}/keys)",
                        type="permission_error", code="metrics_key_not_allowed")
@@ -57,9 +57,9 @@ async def require_admin(request: Request, store: Store, metrics_key_hash: str | 
     (503 while the store holds no admin key: see _no_admin_key)."""
     key = bearer_key(request)
     admin_key_hash = await store.get_admin_key_hash()
-    if admin_key_hash is not None and verify_key(key, admin_key_hash):
+    if _matches(key, admin_key_hash):
         return
-    if _is_metrics_key(key, metrics_key_hash):
+    if _matches(key, metrics_key_hash):
         raise ApiError(403, "this endpoint needs the admin key; the metrics key reads /metrics only",
                        type="permission_error", code="admin_key_required")
     if await store.authenticate(key) is not None:
@@ -75,10 +75,10 @@ async def require_metrics_reader(request: Request, store: Store, metrics_key_has
     for anything else (503 while the store holds no admin key and no metrics key is set). The
     series name every tenant, which no tenant may see."""
     key = bearer_key(request)
-    if _is_metrics_key(key, metrics_key_hash):
+    if _matches(key, metrics_key_hash):
         return
     admin_key_hash = await store.get_admin_key_hash()
-    if admin_key_hash is not None and verify_key(key, admin_key_hash):
+    if _matches(key, admin_key_hash):
         return
     if await store.authenticate(key) is not None:
         raise ApiError(403, "/metrics needs the metrics key or the admin key: its series name every "
@@ -117,13 +117,9 @@ async def ensure_admin_key(store: Store, admin_key: str | None) -> str | None:
     return created if await store.set_admin_key_hash(hash_key(created), only_if_unset=True) else None
 
 
-async def _is_admin_key(store: Store, key: str) -> bool:
-    key_hash = await store.get_admin_key_hash()
+def _matches(key: str, key_hash: str | None) -> bool:
+    """Whether `key` is the one of `key_hash` (None: no such key is set)."""
     return key_hash is not None and verify_key(key, key_hash)
-
-
-def _is_metrics_key(key: str, metrics_key_hash: str | None) -> bool:
-    return metrics_key_hash is not None and verify_key(key, metrics_key_hash)
 
 
 def _unauthenticated(message: str) -> ApiError:

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from gateway.engine_client import (AdapterDeleted, AdapterUnusable, EngineStopped, EngineUnavailable,
                                    UpstreamFailure, UpstreamUnavailable, WorkersOutOfSpace)
 from store import FULL_ERRORS, UNAVAILABLE_ERRORS, StoreFull
+from store.errors import quoted
 from store.blobs import is_out_of_space
 
 logger = logging.getLogger(__name__)
@@ -60,14 +61,6 @@ class ApiError(Exception):
     def response(self) -> Response:
         return Response(msgspec.json.encode(self.body), self.status, self.headers,
                         media_type="application/json")
-
-
-def quoted(text: str, limit: int = 100) -> str:
-    """`text` quoted for an error message, cut after `limit` characters: echoing a client's long
-    string back in full only bloats the error body and the log line."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -1,6 +1,14 @@
 """Errors raised by the store. All are ValueErrors so a caller can map them to 4xx replies."""
 
 
+def quoted(value: object, limit: int = 100) -> str:
+    """`value` quoted for an error message, a string cut after `limit` characters: echoing a
+    client's long string back in full only bloats the error body and the log line."""
+    if not isinstance(value, str) or len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 class StoreError(ValueError):
     """Base class: a store call could not be done as asked; the message says why."""
 

@@ -6,7 +6,7 @@ from collections.abc import Collection
 
 import msgspec
 
-from store.errors import InvalidName, InvalidSetting, StoreError
+from store.errors import InvalidName, InvalidSetting, StoreError, quoted
 
 # NOTE: one rule for every name that becomes part of a Redis key or a path: it starts with a letter
 # or digit, so "." and ".." are impossible, and has no "/" or ":".
@@ -18,18 +18,10 @@ def validate_name(kind: str, name: str) -> str:
     """Return `name` if it is a valid tenant/adapter name, else raise InvalidName saying why."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise InvalidName(
-            f"invalid {kind} name {_cut(name)}: use 1-64 characters from letters, digits, '.', '_' "
+            f"invalid {kind} name {quoted(name)}: use 1-64 characters from letters, digits, '.', '_' "
             "and '-', starting with a letter or digit"
         )
     return name
-
-
-def _cut(value: object, limit: int = 100) -> str:
-    """`value` quoted for an error message, cut after `limit` characters: a client's name of
-    64 kB echoed whole would only bloat the error body and the log line."""
-    if not isinstance(value, str) or len(value) <= limit:
-        return repr(value)
-    return f"{value[:limit]!r}... ({len(value)} characters)"
 
 
 def is_valid_name(name: str) -> bool:
@@ -45,7 +37,7 @@ def is_digest(text: str) -> bool:
 def validate_digest(digest: str) -> str:
     """Return `digest` if it is a lowercase hex sha256, else raise InvalidName."""
     if not is_digest(digest):
-        raise InvalidName(f"invalid digest {_cut(digest)}: expected 64 lowercase hex characters")
+        raise InvalidName(f"invalid digest {quoted(digest)}: expected 64 lowercase hex characters")
     return digest
 
 
