@@ -530,8 +530,6 @@ def assert_billed_a_held_local_tier(cost: float, num_local: int, demo: tuple[int
 
 def test_a_route_escalates_from_a_local_model_to_an_upstream(front, upstream, demo_engine):
     server, key = front
-    engine = server.app.state.gateway.engines["demo"]
-    generated_before = engine.stats().num_generation_tokens  # the module's server's, so far
     body = {"prompt": "Hello there", "logprobs": 2, **GREEDY}
     direct = post(upstream.server.url, upstream.key, model=DEMO_MODEL, **body).json()
     num_local = len(demo_engine.tokenize("Hello there"))  # with <s>; here the upstream's too
