@@ -64,16 +64,20 @@ class LocalEngineClient(TextCodec):
         """Nothing: the engine serves every option (values out of bounds, the same on every
         engine, are refused by `generate`)."""
 
-    async def check_adapter(self, folder: str) -> AdapterInfo:
+    async def check_adapter(self, folder: str, max_lora_rank: int | None = None) -> AdapterInfo:
+        """`max_lora_rank` above this engine's: check the rank against it instead (a worker
+        checking an adapter that another worker of its model, restarting, serves)."""
         engine = self._engine.engine
         if engine.config.lora is None:
             raise AdapterRejected("this model is served without adapter slots (--max-loras 0), "
                                   "so it takes no adapters; start it with --max-loras above 0")
+        rank_limit = max(engine.config.lora.max_lora_rank, max_lora_rank or 0)
+
         def check() -> LoraAdapter:
             # NOTE: an executor thread whose first torch call landed in a LoRA decode's one-thread
             # window (kernels/sgmv_cpu.py) would otherwise check every upload on one thread.
             pin_num_threads(engine.num_threads)
-            return load_adapter(folder, engine.spec, engine.config.lora.max_lora_rank)
+            return load_adapter(folder, engine.spec, rank_limit)
 
         try:
             adapter = await asyncio.to_thread(check)

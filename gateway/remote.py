@@ -51,7 +51,7 @@ from gateway.engine_client import (AdapterInfo, AdapterNotServedNow, AdapterRef,
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
-                                GenerateBody, StreamLine, WorkerError)
+                                MAX_LORA_RANK_PARAM, GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S
 from store.workers import ModelSeen, Periodic, WorkerRecord, WorkerRegistry, files_digest
@@ -386,7 +386,9 @@ class RemoteEngineClient(TextCodec):
     async def check_adapter(self, folder: str) -> AdapterInfo:
         """The adapter checked by a worker of the model that takes the highest ranks, so that it
         is accepted if any worker can serve it; one that cannot be reached is passed over for
-        the next, as for a request."""
+        the next, as for a request. A worker of the model with a higher --max-lora-rank that
+        sent a heartbeat within the model's TTL (one restarting) counts as up: the worker up
+        checks the adapter against that limit, and its calls wait for such a worker (503)."""
         pool, tried, out_of_space = self._pool, set(), []
         parts = await _adapter_parts(folder)
         for _ in range(_MAX_PLACEMENTS):
@@ -397,9 +399,11 @@ class RemoteEngineClient(TextCodec):
             worker = pool.workers[place([c for c in candidates
                                          if pool.workers[c.id].rank_limit == widest], "check").id]
             tried.add(worker.id)
+            recent = self._widest_rank_seen()
             try:
-                response = await pool.http.post(worker.url + CHECK_ADAPTER_PATH, files=parts,
-                                                headers=pool.headers())
+                response = await pool.http.post(
+                    worker.url + CHECK_ADAPTER_PATH, files=parts, headers=pool.headers(),
+                    params={MAX_LORA_RANK_PARAM: recent} if recent > widest else None)
             except httpx.TransportError as error:
                 pool.mark_down(worker.id)
                 logger.warning("adapter check not done on worker %s (%s); trying another",
@@ -419,6 +423,12 @@ class RemoteEngineClient(TextCodec):
                                     f"HTTP {response.status_code}")
             return msgspec.json.decode(response.content, type=AdapterInfo)
         raise self._none_took(tried, out_of_space, adapter_rank=0)
+
+    def _widest_rank_seen(self) -> int:
+        """The highest --max-lora-rank of the model's workers with adapter slots that sent a
+        heartbeat within the model's TTL (0: none did)."""
+        seen = self._pool.seen.get(self.model)
+        return 0 if seen is None else seen.widest_rank_since(time.time() - self._pool.model_ttl_s)
 
     async def _candidates(self, tried: set[str], *,
                           adapter_rank: int | None) -> list[Candidate]:

@@ -38,7 +38,8 @@ from gateway.middleware import InFlight
 from gateway.remote import DEFAULT_POLL_S
 from gateway.sse import EventStreamResponse, event
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, DISK_FULL, GENERATE_PATH,
-                                KEEPALIVE_S, GenerateBody, StreamLine, WorkerError)
+                                KEEPALIVE_S, MAX_LORA_RANK_PARAM, GenerateBody, StreamLine,
+                                WorkerError)
 from store import UNAVAILABLE_ERRORS, RedisStore
 from store.blobs import (ADAPTER_FILES, SWEEP_PERIOD_S, UNUSED_BLOB_S, BlobStore, digest_files,
                          drop_deleted_adapters, drop_unused_adapters, is_out_of_space)
@@ -297,16 +298,22 @@ async def put_adapter(request: Request) -> Response:
 
 
 async def check_adapter(request: Request) -> Response:
-    """Validate adapter files against this worker's model (for the gateway's upload API)."""
+    """Validate adapter files against this worker's model (for the gateway's upload API), up to
+    the rank limit the gateway asks for if that is above this worker's."""
     worker = _worker(request)
     if (refused := _unauthorized(request)) is not None:
         return refused
+    asked_rank = request.query_params.get(MAX_LORA_RANK_PARAM)
+    if asked_rank is not None and not (asked_rank.isascii() and asked_rank.isdecimal()):
+        return _error(400, "rejected", f"{MAX_LORA_RANK_PARAM} must be a whole number, got "
+                      f"{quoted(asked_rank)}")
     try:
         async with _received_files(request) as folder:
             if folder is None:
                 return _error(400, "rejected", f"send the files {', '.join(ADAPTER_FILES)}")
             try:
-                info = await worker.engine.check_adapter(str(folder))
+                info = await worker.engine.check_adapter(
+                    str(folder), max_lora_rank=None if asked_rank is None else int(asked_rank))
             except AdapterRejected as error:
                 return _error(422, "adapter_rejected", str(error))
     except OSError as error:

@@ -15,6 +15,8 @@ A worker serves one model. Gateways send the internal key (store.workers) as a b
 - PUT ADAPTERS_PATH/<digest>, multipart with the adapter's two files: the worker keeps them under
   their digest (checked) for the requests that name it.
 - POST CHECK_ADAPTER_PATH, multipart with the two files: AdapterInfo, or 422 `adapter_rejected`.
+  A query parameter MAX_LORA_RANK_PARAM above the worker's --max-lora-rank checks the adapter
+  against that limit instead: that of another worker of the model, restarting.
 - Either of those two answers 507 `disk_full` when the worker has no disk space left to take the
   files (in TMPDIR, where they arrive, or in its data folder, where they are kept).
 """
@@ -29,6 +31,7 @@ GENERATE_PATH = "/internal/generate"
 KEEPALIVE_S = 2.0  # the longest a generate stream stays silent
 ADAPTERS_PATH = "/internal/adapters"
 CHECK_ADAPTER_PATH = "/internal/check-adapter"
+MAX_LORA_RANK_PARAM = "max_lora_rank"
 DISK_FULL = "disk_full"  # a WorkerError's kind (HTTP 507) for adapter files it has no room for
 
 

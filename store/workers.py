@@ -87,11 +87,20 @@ class ModelSeen(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # The latest heartbeat of a worker of it with adapter slots; None: none ever. Kept apart in
     # Redis, where a heartbeat of a worker without them would erase it.
     adapters_beat_at: float | None = None
+    # The latest heartbeat of a worker of it with adapter slots, by that worker's --max-lora-rank
+    # (of the workers that say it), kept apart in Redis as well.
+    rank_beats: dict[int, float] = msgspec.field(default_factory=dict)
 
     @classmethod
     def of(cls, record: WorkerRecord) -> "ModelSeen":
         return cls(beat_at=record.beat_at, max_model_len=record.max_model_len,
                    tokenizer=record.tokenizer)
+
+    def widest_rank_since(self, horizon: float) -> int:
+        """The highest --max-lora-rank among its workers with adapter slots whose latest heartbeat
+        was at or after `horizon` (0: none was)."""
+        return max((rank for rank, beat_at in self.rank_beats.items() if beat_at >= horizon),
+                   default=0)
 
 
 class WorkerRegistry:
@@ -103,6 +112,7 @@ class WorkerRegistry:
         self._workers = prefix + "workers"
         self._models = prefix + "models"
         self._models_with_adapters = prefix + "models_with_adapters"  # model -> latest beat_at
+        self._rank_beats = prefix + "adapter_rank_beats"  # JSON [model, rank] -> latest beat_at
         self._records_elsewhere = prefix + "adapter_records_elsewhere"
 
     @classmethod
@@ -125,6 +135,9 @@ class WorkerRegistry:
             pipe.hset(self._models, record.model, msgspec.json.encode(ModelSeen.of(record)))
             if record.supports_adapters:
                 pipe.hset(self._models_with_adapters, record.model, repr(record.beat_at))
+            if record.supports_adapters and record.max_lora_rank is not None:
+                pipe.hset(self._rank_beats, msgspec.json.encode([record.model, record.max_lora_rank]),
+                          repr(record.beat_at))
             await pipe.execute()
 
     async def remove(self, worker_id: str) -> None:
@@ -147,14 +160,20 @@ class WorkerRegistry:
 
     async def models_seen(self) -> dict[str, ModelSeen]:
         """Every model a worker ever sent a heartbeat for, as its latest heartbeat left it (and
-        when a worker of it with adapter slots last did)."""
+        when a worker of it with adapter slots last did, for each --max-lora-rank)."""
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(self._models)
             pipe.hgetall(self._models_with_adapters)
-            seen, with_adapters = await pipe.execute()
+            pipe.hgetall(self._rank_beats)
+            seen, with_adapters, by_rank = await pipe.execute()
         with_adapters = {model.decode(): float(beat_at) for model, beat_at in with_adapters.items()}
+        rank_beats: dict[str, dict[int, float]] = {}
+        for field, beat_at in by_rank.items():
+            model, rank = msgspec.json.decode(field, type=tuple[str, int])
+            rank_beats.setdefault(model, {})[rank] = float(beat_at)
         return {name: msgspec.structs.replace(msgspec.json.decode(raw, type=ModelSeen),
-                                              adapters_beat_at=with_adapters.get(name))
+                                              adapters_beat_at=with_adapters.get(name),
+                                              rank_beats=rank_beats.get(name, {}))
                 for name, raw in ((model.decode(), raw) for model, raw in seen.items())}
 
     async def internal_key(self) -> str:

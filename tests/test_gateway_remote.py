@@ -101,8 +101,12 @@ class _Registry:
     async def workers(self) -> list[WorkerRecord]:
         for r in self.records:
             before = self.seen.get(r.model)
+            rank_beats = {} if before is None else dict(before.rank_beats)
+            if r.supports_adapters and r.max_lora_rank is not None:
+                rank_beats[r.max_lora_rank] = r.beat_at
             self.seen[r.model] = msgspec.structs.replace(ModelSeen.of(r), adapters_beat_at=(
-                r.beat_at if r.supports_adapters else before and before.adapters_beat_at))
+                r.beat_at if r.supports_adapters else before and before.adapters_beat_at),
+                rank_beats=rank_beats)
         return self.records
 
     async def models_seen(self) -> dict[str, ModelSeen]:
@@ -732,6 +736,24 @@ def test_a_worker_refuses_a_key_with_characters_outside_ascii_as_any_wrong_key(
     assert len(worker.seen) == 2
 
 
+def test_a_worker_checks_an_adapter_against_the_rank_limit_a_gateway_asks_for_if_higher(
+        narrow_engine, redis_url, tmp_path):  # noqa: F811
+    """That of a worker of its model with a higher --max-lora-rank, restarting."""
+    folder = demo_adapter(tmp_path / "adapter", rank=2 * NARROW_MAX_LORA_RANK)
+    files = {n: (n, (folder / n).read_bytes()) for n in ADAPTER_FILES}
+    with _serving_worker(narrow_engine, redis_url, tmp_path / "worker", "narrow"):
+        url, key = asyncio.run(_address_and_key(redis_url, "narrow"))
+        replies = [httpx.post(url + CHECK_ADAPTER_PATH, files=files, params=params, timeout=30,
+                              headers={"Authorization": f"Bearer {key}"})
+                   for params in ({}, {"max_lora_rank": 16}, {"max_lora_rank": 2},
+                                  {"max_lora_rank": "-1"})]
+    assert [r.status_code for r in replies] == [422, 200, 422, 400], [r.text for r in replies]
+    assert f"retrain with r <= {NARROW_MAX_LORA_RANK}" in replies[0].json()["message"]
+    assert replies[1].json()["rank"] == 2 * NARROW_MAX_LORA_RANK
+    assert f"retrain with r <= {NARROW_MAX_LORA_RANK}" in replies[2].json()["message"]
+    assert "max_lora_rank must be a whole number" in replies[3].json()["message"]
+
+
 @pytest.mark.parametrize("method, path, content_type", [
     ("POST", GENERATE_PATH, "application/json"),
     ("PUT", ADAPTERS_PATH + "/" + "ab" * 32, "multipart/form-data; boundary=b"),
@@ -1252,6 +1274,49 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
                 f"{2 * NARROW_MAX_LORA_RANK} (the highest rank they take is "
                 f"{NARROW_MAX_LORA_RANK})") in error["message"]
     assert [p for _, p in narrow_seen.seen] == [GENERATE_PATH]  # the base model's call alone
+
+
+def test_an_upload_above_the_rank_of_the_workers_up_is_taken_while_a_wider_one_restarts(
+        demo_engine, narrow_engine, redis_url, tmp_path):  # noqa: F811
+    """During a rolling restart of workers with different --max-lora-rank, an adapter the
+    restarting worker serves is checked against its limit by a worker up, and taken: its calls
+    wait (503) until a worker of that rank is back. It had been refused for good (400, "retrain
+    with r <= 4"). One above every limit is still refused."""
+    from tests.conftest import DEMO_MAX_LORA_RANK
+
+    wide_rank = 2 * NARROW_MAX_LORA_RANK
+    folder = demo_adapter(tmp_path / "adapter", rank=wide_rank)
+    adapter = AdapterRef(digest_files(folder), str(folder))
+    expected = asyncio.run(_token_ids(demo_engine, "local", 4, adapter))
+    too_wide = demo_adapter(tmp_path / "too-wide", rank=2 * DEMO_MAX_LORA_RANK)
+
+    def upload_reply(server, key: str, name: str, files: Path) -> httpx.Response:
+        return httpx.post(server.url + "/v1/adapters", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"},
+                          data={"name": name, "base_model": DEMO_MODEL},
+                          files={n: (n, (files / n).read_bytes()) for n in ADAPTER_FILES})
+
+    with _serving_worker(narrow_engine, redis_url, tmp_path / "narrow", "narrow") as narrow_seen:
+        with _serving_worker(demo_engine, redis_url, tmp_path / "wide", "wide"):
+            pass  # it sent heartbeats, then left (restarting)
+        with serve_gateway({}, tmp_path / "gateway", store_url=redis_url, workers_url=redis_url,
+                           load_tokenizer=lambda folder: None) as server:
+            key = server.new_tenant("acme")
+            uploaded = upload_reply(server, key, "tuned", folder)
+            refused = upload_reply(server, key, "huge", too_wide)
+            waiting = _completion(server.url, key, "tuned", 4)
+            with _serving_worker(demo_engine, redis_url, tmp_path / "wide", "wide-again"):
+                assert eventually(lambda: _completion(server.url, key, "tuned", 4).status_code
+                                  == 200, timeout_s=30)
+                answer = _completion(server.url, key, "tuned", 4)
+    assert uploaded.status_code == 201, uploaded.text
+    assert uploaded.json()["rank"] == wide_rank
+    assert refused.status_code == 400, refused.text
+    assert f"retrain with r <= {DEMO_MAX_LORA_RANK}" in refused.json()["error"]["message"]
+    assert [p for _, p in narrow_seen.seen] == [CHECK_ADAPTER_PATH] * 2  # both checked there
+    assert waiting.status_code == 503, waiting.text
+    assert waiting.json()["error"]["code"] == "engine_unavailable"
+    assert _answer_ids(answer) == expected
 
 
 def test_gateways_agree_on_a_model_whose_workers_left_until_the_ttl_then_forget_it(

@@ -60,6 +60,30 @@ def test_a_model_seen_keeps_the_latest_heartbeat_of_a_worker_of_it_with_adapter_
     asyncio.run(scenario())
 
 
+def test_a_model_seen_keeps_the_latest_heartbeat_of_each_rank_limit_of_its_workers(
+        redis_url):  # noqa: F811
+    """So that gateways know a worker with a higher --max-lora-rank is restarting (an upload it
+    serves is taken meanwhile); workers without adapter slots, or that do not say their limit
+    (an older version), leave no rank."""
+    async def scenario() -> None:
+        registry = WorkerRegistry.open(redis_url)
+        try:
+            for worker_id, rank, beat_at in [("narrow", 4, 1.0), ("wide", 16, 2.0),
+                                             ("narrow", 4, 3.0), ("plain", 0, 4.0)]:
+                await registry.heartbeat(record(worker_id, model="ranked", max_lora_rank=rank,
+                                                max_loras=2 if rank else 0, beat_at=beat_at),
+                                         ttl_s=30)
+            await registry.heartbeat(record("older", model="ranked", beat_at=5.0), ttl_s=30)
+            seen = (await registry.models_seen())["ranked"]
+            assert seen.rank_beats == {4: 3.0, 16: 2.0}
+            assert seen.adapters_beat_at == 5.0 and seen.beat_at == 5.0
+            assert [seen.widest_rank_since(h) for h in (2.0, 2.5, 3.5)] == [16, 4, 0]
+        finally:
+            await registry.close()
+
+    asyncio.run(scenario())
+
+
 def test_one_internal_key_and_tokenizers_by_digest(redis_url):  # noqa: F811
     async def scenario() -> None:
         first, second = WorkerRegistry.open(redis_url), WorkerRegistry.open(redis_url)
