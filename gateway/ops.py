@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,7 +17,9 @@ from gateway.state import gateway_state
 from routing.models import (adapter_model_id, allowed_routes, default_route, reachable_base_models,
                             taken_names, visible_adapters)
 from routing.routes import AUTO
-from store import UNAVAILABLE_ERRORS
+from store import FULL_ERRORS, UNAVAILABLE_ERRORS, unavailable_cause
+
+logger = logging.getLogger(__name__)
 
 
 class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -87,8 +91,15 @@ async def health(request: Request) -> Response:
     try:
         await state.require_store().ensure_writable()
     except UNAVAILABLE_ERRORS as error:
-        return _health(503, Health(status="unavailable", models=list(state.engines),
-                                   error=store_unavailable(error).body.error.message))
+        why = _store_health_error(error)
+        if state.store_health_error != why:  # logged as it starts or changes, not at each probe
+            logger.warning("/health: the store cannot take writes: %s (%s: %s)",
+                           unavailable_cause(error), type(error).__name__, error)
+            state.store_health_error = why
+        return _health(503, Health(status="unavailable", models=list(state.engines), error=why))
+    if state.store_health_error is not None:
+        logger.info("/health: the store takes writes again")
+        state.store_health_error = None
     unavailable = []
     for name, engine in list(state.engines.items()):
         try:
@@ -102,6 +113,15 @@ async def health(request: Request) -> Response:
                                          "(switchboard worker --redis URL)"))
     return _health(200, Health(status="ok", models=list(state.engines),
                                unavailable_models=unavailable))
+
+
+def _store_health_error(error: Exception) -> str:
+    """/health's `error` while the store cannot take writes: what calls are told while it has no
+    room left (only its operator mends that), else what the cause is (calls are told to retry)."""
+    if isinstance(error, FULL_ERRORS):
+        return store_unavailable(error).body.error.message
+    return (f"the gateway cannot use its store (tenants, keys, limits): {unavailable_cause(error)}; "
+            "it serves again by itself once that is mended")
 
 
 def _health(status: int, body: Health) -> Response:

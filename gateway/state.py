@@ -36,6 +36,7 @@ class GatewayState:
     learned: LearnedRouting = field(default_factory=LearnedRouting)
     store: Store | None = None  # opened by the app's lifespan, on the server's event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
+    store_health_error: str | None = None  # what /health last said of the store (None: usable)
 
     @property
     def catalog(self) -> Catalog:

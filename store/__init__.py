@@ -14,11 +14,25 @@ from store.base import Store, refund_rate
 from store.errors import (AdapterStorageExceeded, AlreadyExists, InvalidName, InvalidSetting,
                           NotFound, StoreError, StoreFull, StoreUnavailable)
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
-from store.redis import REDIS_FULL_ERRORS, REDIS_UNAVAILABLE_ERRORS, RedisStore
-from store.sqlite import SqliteStore
+from store.redis import (REDIS_FULL_ERRORS, REDIS_UNAVAILABLE_CAUSES, REDIS_UNAVAILABLE_ERRORS,
+                         RedisStore)
+from store.sqlite import LOCK_TIMEOUT_S, SqliteStore
 
 UNAVAILABLE_ERRORS = (*REDIS_UNAVAILABLE_ERRORS, StoreUnavailable)
 FULL_ERRORS = (*REDIS_FULL_ERRORS, StoreFull)  # some of UNAVAILABLE_ERRORS
+_UNAVAILABLE_CAUSES = (
+    *REDIS_UNAVAILABLE_CAUSES,
+    (StoreFull, "the SQLite file's disk volume is full or fails writes"),
+    (StoreUnavailable, f"another process (a backup, a script, an sqlite3 shell) held the SQLite "
+     f"file's write lock for more than {LOCK_TIMEOUT_S:g} s"),
+)
+
+
+def unavailable_cause(error: Exception) -> str:
+    """Why the store could not do a call (`error`, one of UNAVAILABLE_ERRORS), in words that name
+    no address, path or credential, so that a health check anyone may call can show them."""
+    return next((cause for kind, cause in _UNAVAILABLE_CAUSES if isinstance(error, kind)),
+                "the store failed the call")
 
 DEFAULT_SQLITE_NAME = "switchboard.db"
 
@@ -41,6 +55,7 @@ __all__ = [
     "StoreUnavailable",
     "Tenant",
     "UNAVAILABLE_ERRORS",
+    "unavailable_cause",
     "Usage",
     "open_store",
     "refund_rate",

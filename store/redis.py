@@ -61,6 +61,24 @@ REDIS_UNAVAILABLE_ERRORS = (redis_errors.ConnectionError, redis_errors.TimeoutEr
 # someone gives Redis more memory or deletes some of its data, so retrying soon does not help.
 REDIS_FULL_ERRORS = (redis_errors.OutOfMemoryError,)
 _TIMEOUT_S = 2.0  # to connect, and for each reply: every command here is short (none blocks)
+# What each of those means, most specific first (for an operator: gateway /health).
+REDIS_UNAVAILABLE_CAUSES: tuple[tuple[type[Exception], str], ...] = (
+    (redis_errors.AuthenticationError, "Redis refuses the gateway's credentials (the user and "
+     "password in the store's redis:// URL)"),
+    (redis_errors.BusyLoadingError, "Redis is loading its data after a restart"),
+    (redis_errors.ConnectionError, "Redis cannot be reached (down, restarting, or refusing "
+     "connections)"),
+    (redis_errors.TimeoutError, f"Redis did not answer within {_TIMEOUT_S:g} s (overloaded, or "
+     "the network to it is slow)"),
+    (redis_errors.OutOfMemoryError, "Redis is out of its maxmemory"),
+    (redis_errors.ReadOnlyError, "Redis refuses writes: the store's URL names a read-only "
+     "replica (after a failover, point it at the new primary)"),
+    (redis_errors.MasterDownError, "Redis refuses writes: the replica the store's URL names lost "
+     "its primary"),
+    (PersistenceError, "Redis refuses writes because its last snapshot to disk failed (MISCONF): "
+     "see Redis's log"),
+    (redis_errors.ExecAbortError, "Redis discarded a transaction it refused a write of"),
+)
 # Per client; a call past them waits for one to come free. Redis answers one command at a time, so
 # more connections add no throughput; and a burst that opens many at once on a busy host sees some
 # of them time out connecting (after _TIMEOUT_S), each a 503: 128 did so on a loaded 2-core host.

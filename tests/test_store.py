@@ -36,6 +36,7 @@ from store import (
     Tenant,
     open_store,
     refund_rate,
+    unavailable_cause,
 )
 import gateway.admission as admission_module
 import store.redis as store_redis
@@ -47,6 +48,7 @@ from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from store.sqlite import LOCK_TIMEOUT_S
 from store.workers import WorkerRegistry
+from tests.processes import free_port
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
 
 pytestmark = pytest.mark.anyio
@@ -893,10 +895,13 @@ def _fail_snapshots(admin: redis.Redis, data_dir: Path) -> None:
         admin.set("probe", 1)
 
 
-# How a Redis comes to refuse writes, and how it takes them again.
+# How a Redis comes to refuse writes, how it takes them again, and what /health says of it.
 WRITE_REFUSALS = {
-    "out of maxmemory": (_fill_memory, lambda admin: admin.config_set("maxmemory", 0)),
-    "snapshots failing": (_fail_snapshots, lambda admin: admin.config_set("save", "")),
+    "out of maxmemory": (_fill_memory, lambda admin: admin.config_set("maxmemory", 0),
+                         "Redis is out of its maxmemory"),
+    "snapshots failing": (_fail_snapshots, lambda admin: admin.config_set("save", ""),
+                          "Redis refuses writes because its last snapshot to disk failed "
+                          "(MISCONF): see Redis's log"),
 }
 
 
@@ -907,7 +912,7 @@ async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_ag
     """Out of its maxmemory, or after a failed snapshot to disk, Redis answers reads (or not even
     PING) but refuses writes: calls, and ensure_writable (the gateway's /health), must say "retry
     later", not fail as a bug would."""
-    refuse_writes, take_writes = WRITE_REFUSALS[refusal]
+    refuse_writes, take_writes, cause = WRITE_REFUSALS[refusal]
     (tmp_path / "data").mkdir()
     server = PersistentRedisServer(tmp_path / "data")
     store, admin = await RedisStore.open(server.url), redis.Redis.from_url(server.url)
@@ -918,8 +923,9 @@ async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_ag
                    store.create_key("acme"), store.check_and_consume_rate(acme, now=T0),
                    store.reserve_tokens(acme, 10, now=T0)]
         for call in refused:
-            with pytest.raises(UNAVAILABLE_ERRORS):
+            with pytest.raises(UNAVAILABLE_ERRORS) as error:
                 await call
+            assert unavailable_cause(error.value) == cause
         take_writes(admin)
         await store.ensure_writable()
         assert (await store.check_and_consume_rate(acme, now=T0)).allowed
@@ -927,6 +933,30 @@ async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_ag
         admin.close()
         await store.close()
         server.stop()
+
+
+async def test_why_a_redis_cannot_be_used_is_said_without_its_address_or_credentials(
+        redis_url: str) -> None:
+    """As a gateway's /health, which anyone may call, says it."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.acl_setuser("gateway", enabled=True, passwords=["+right"], keys=["*"], commands=["+@all"])
+    address = redis_url.removeprefix("redis://").rstrip("/")
+    causes = []
+    try:
+        for url in (f"redis://127.0.0.1:{free_port()}", f"redis://gateway:wrong@{address}"):
+            client = store_redis.connect(url, 2.0)
+            try:
+                with pytest.raises(UNAVAILABLE_ERRORS) as error:
+                    await client.ping()
+            finally:
+                await client.aclose()
+            causes.append(unavailable_cause(error.value))
+    finally:
+        admin.acl_deluser("gateway")
+        admin.close()
+    assert causes == ["Redis cannot be reached (down, restarting, or refusing connections)",
+                      "Redis refuses the gateway's credentials (the user and password in the "
+                      "store's redis:// URL)"]
 
 
 async def test_redis_calls_past_the_pooled_connections_wait_for_one(redis_url: str, monkeypatch) -> None:
