@@ -1529,7 +1529,7 @@ class _StallingCheck:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    async def check_adapter(self, folder: str):
+    async def check_adapter(self, folder: str, max_lora_rank: int | None = None):
         self.num_checking += 1
         await asyncio.Event().wait()
 
