@@ -54,6 +54,8 @@ _TAR_OVERHEAD = 1024 * (_MAX_ARCHIVE_MEMBERS + 20)
 # small archive could inflate to terabytes of them.
 _SKIPPED_BYTES_FACTOR = 4
 _MIN_SKIPPED_BYTES = 64 << 20
+# The form around the files: part headers, boundaries and the text fields (each at most 64 KiB).
+_FORM_OVERHEAD = 256 * 1024
 # Where an upload is written on its way in: starlette spools a file part past 1 MiB to the
 # temporary folder; then the files are written to a folder in the adapter folder.
 _SPOOL_FOLDER = "the temporary folder (TMPDIR) where uploads are spooled"
@@ -82,24 +84,25 @@ async def read_adapter_upload(request: Request, max_bytes: int,
                               staging: Path) -> AsyncIterator[AdapterUpload]:
     """The upload of `request`, its files in a new folder under `staging` removed on exit.
 
-    Raises ApiError: 413 past `max_bytes` (of body, or of files unpacked from an archive), 400 for
-    anything that is not the documented form, 503 `disk_full` while the server has no disk space
-    to write it.
+    Raises ApiError: 413 past `max_bytes` of adapter files (sent, or unpacked from an archive) or
+    past max_body_bytes, 400 for anything that is not the documented form, 503 `disk_full` while the
+    server has no disk space to write it.
     """
     media_type = request.headers.get("content-type", "").partition(";")[0].strip()
     if media_type.lower() != "multipart/form-data":  # media types are case-insensitive
         raise invalid_request(f"adapter uploads are multipart: {_USAGE}", code="invalid_upload")
+    body_limit = max_body_bytes(max_bytes)
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    capped = Request(request.scope, _capped_receive(request, max_bytes))
+    if declared is not None and declared.isdigit() and int(declared) > body_limit:
+        raise _body_too_large(max_bytes)
+    capped = Request(request.scope, _capped_receive(request, body_limit))
     try:
         with refused_when_out_of_space(RECEIVE, _SPOOL_FOLDER, tempfile.gettempdir()):
             # NOTE: 4 files, not 2: a text field sent as a file (curl -F name=@x) gets a 400
             # that says so (_refuse_text_sent_as_files), not starlette's "Too many files".
             form = await capped.form(max_files=4, max_fields=4, max_part_size=64 * 1024)
     except _BodyTooLarge:
-        raise _too_large(max_bytes) from None
+        raise _body_too_large(max_bytes) from None
     except HTTPException as error:  # how starlette reports a form it cannot parse
         raise invalid_request(f"{error.detail.rstrip('.')}: {_USAGE}", code="invalid_upload") from None
     folder: Path | None = None
@@ -117,6 +120,16 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         await form.close()
         if folder is not None:
             await asyncio.to_thread(shutil.rmtree, folder, True)
+
+
+def _max_skipped_bytes(max_bytes: int) -> int:
+    return max(_SKIPPED_BYTES_FACTOR * max_bytes, _MIN_SKIPPED_BYTES)
+
+
+def max_body_bytes(max_bytes: int) -> int:
+    """The largest body read: the adapter files (`max_bytes`), and an archive's other members,
+    which only an archive may hold and which may not compress (optimizer.pt), with its headers."""
+    return max_bytes + _max_skipped_bytes(max_bytes) + _TAR_OVERHEAD + _FORM_OVERHEAD
 
 
 def _capped_receive(request: Request, max_bytes: int):
@@ -186,6 +199,8 @@ def _write_files(files: dict[str, UploadFile], folder: Path, max_bytes: int) -> 
         _extract_archive(files[ARCHIVE_PART].file, folder, max_bytes)
         return
     _require_both(set(files), "the upload")
+    if sum(files[name].size or 0 for name in ADAPTER_FILES) > max_bytes:
+        raise _too_large(max_bytes)
     for name in ADAPTER_FILES:
         with open(folder / name, "wb") as out:
             shutil.copyfileobj(files[name].file, out, _COPY_CHUNK)
@@ -204,7 +219,7 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
     found: set[str] = set()
     pickled_weights: str | None = None  # e.g. "adapter_model.bin", saved without safetensors
     adapter_bytes = skipped_bytes = 0
-    max_skipped_bytes = max(_SKIPPED_BYTES_FACTOR * max_bytes, _MIN_SKIPPED_BYTES)
+    max_skipped_bytes = _max_skipped_bytes(max_bytes)
     try:
         inflated = _HeadersCapped(_decompressed(archive))
         with tarfile.open(fileobj=inflated, mode="r|") as tar:
@@ -319,3 +334,11 @@ def _pickle_refused(name: str) -> ApiError:
 def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"the upload is larger than this server accepts ({max_bytes} bytes); "
                     "upload a smaller adapter or raise --max-upload-size", code="upload_too_large")
+
+
+def _body_too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"the upload is larger than this server reads ({max_body_bytes(max_bytes)} "
+                    f"bytes: {max_bytes} of adapter files, --max-upload-size, and up to "
+                    f"{_max_skipped_bytes(max_bytes)} of other files in an archive); upload a "
+                    "smaller adapter, pack only its two files, or raise --max-upload-size",
+                    code="upload_too_large")
