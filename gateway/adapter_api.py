@@ -27,7 +27,7 @@ from gateway.errors import (ApiError, invalid_request, not_found, quoted, refuse
 from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import ADAPTER_FOLDER, RECEIVE, AdapterUpload, read_adapter_upload
-from routing.models import allowed_base_models
+from routing.models import adapter_base_models
 from routing.routes import AUTO
 from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
                    Store, StoreError, Tenant)
@@ -148,10 +148,15 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
         raise invalid_request(f"{uploaded.name!r} is {what}; give the adapter another name",
                               param="name", code="invalid_name")
     engine = state.engines.get(uploaded.base_model)
-    if engine is None or uploaded.base_model not in allowed_base_models(tenant, state.engines):
+    if engine is None:
         raise invalid_request(f"unknown base model {quoted(uploaded.base_model)}; GET /v1/models lists "
                               "the base models you can use", param="base_model",
                               code="model_not_found")
+    if uploaded.base_model not in adapter_base_models(tenant, state.catalog):
+        raise ApiError(403, f"your tenant's policy allows neither the base model "
+                       f"{quoted(uploaded.base_model)} nor a route over it, so it takes none of "
+                       "your adapters; GET /v1/models lists the models and routes you can use",
+                       param="base_model", type="permission_error", code="model_not_allowed")
     await _refuse_past_storage_limit(state.require_store(), tenant, uploaded.folder)
     try:
         if not engine.supports_adapters:

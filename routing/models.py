@@ -63,6 +63,15 @@ def allowed_base_models(tenant: Tenant, served: Collection[str]) -> list[str]:
     return [m for m in served if may_use(tenant, m)]
 
 
+def adapter_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
+    """The served base models this tenant may upload adapters for, in serving order: those its
+    policy allows, and the models of the routes it allows (`route:adapter` runs the adapter on
+    its base model's tier of the route, as resolve_model lets it)."""
+    via_routes = {model for name, route in catalog.routes.items() if may_use(tenant, name)
+                  for model in route.tiers}
+    return [m for m in catalog.models if may_use(tenant, m) or m in via_routes]
+
+
 def reachable_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
     """The base models this tenant may use that `model` reaches by their own name: not one whose
     name a route (or `auto`) took, as an engine worker's model may (resolve_model runs the route)."""

@@ -1088,6 +1088,38 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
     assert "bot" not in metrics
 
 
+def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_them_through_it(
+        demo_engine, adapters, tmp_path):
+    """Its `route:adapter` calls were allowed, but its uploads for the route's models were
+    refused as an "unknown base model", the admin's for it too."""
+    from routing.routes import parse_routes
+    from tests.conftest import ADMIN_KEY, serve_gateway
+
+    engines = {"small": demo_engine, "large": demo_engine, "medium": demo_engine}
+    routes = parse_routes({"keep": {"tiers": ["small", "large"], "measure": "min_prob",
+                                    "threshold": 0.0}}, engines)
+    with serve_gateway(engines, tmp_path, routes=routes) as server:
+        key = server.new_tenant("route-only", allowed_models=["keep"])
+        uploads = [upload(server, key, "bot", files_of(adapters["all-r8"]), base="small"),
+                   upload(server, ADMIN_KEY, "admins", files_of(adapters["all-r8"]), base="large",
+                          path="/admin/tenants/route-only/adapters"),
+                   upload(server, key, "elsewhere", files_of(adapters["all-r8"]), base="medium")]
+        routed = greedy_ids(server, key, "keep:bot", "small")
+        direct = httpx.post(server.url + "/v1/completions", headers=auth(key),
+                            json={"model": "bot", "prompt": PROMPT, "max_tokens": 2})
+        names = [a["id"] for a in httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]]
+    assert [u.status_code for u in uploads] == [201, 201, 403], [u.text for u in uploads]
+    assert uploads[2].json()["error"] == {
+        "message": "your tenant's policy allows neither the base model 'medium' nor a route over it, "
+                   "so it takes none of your adapters; GET /v1/models lists the models and routes "
+                   "you can use", "type": "permission_error", "param": "base_model",
+        "code": "model_not_allowed"}
+    assert routed == adapters["expected"]["all-r8"]
+    # Its policy names the route alone: the adapter runs through it, not by its own name.
+    assert direct.status_code == 403 and direct.json()["error"]["code"] == "model_not_allowed"
+    assert sorted(names) == ["admins", "bot"]
+
+
 def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, adapters, tmp_path):
     """Restarted serving its model under another name, a gateway has records of adapters for the
     old name: 404, as /v1/models says (it once answered a 503 that clients retried)."""
