@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -36,15 +35,12 @@ from gateway.state import DEFAULT_MAX_UPLOAD_BYTES, GatewayState
 from routing.models import taken_names
 from routing.pricing import Price
 from routing.routes import AUTO, Route as ModelRoute
-from store import UNAVAILABLE_ERRORS, Store, open_store
+from store import open_store
 from store.blobs import SWEEP_PERIOD_S, BlobStore, drop_deleted_adapters, ensure_intact_copy
 from store.keys import hash_key
 from store.workers import Periodic, WorkerRegistry
 
 logger = logging.getLogger(__name__)
-
-# How long a starting gateway tries to open its store (see _open_store_with_admin_key).
-STORE_OPEN_PATIENCE_S = 60.0
 # How long a shutdown waits for the requests it cancelled to settle their calls before it closes
 # the store; a request that hangs in its cleanup must not hold the process.
 _ENDING_TIMEOUT_S = 10.0
@@ -103,29 +99,6 @@ def log_tiers_no_worker_serves(engines: dict[str, EngineClient],
                            "on its other models until one does)", route.name, ", ".join(missing))
 
 
-async def _open_store_with_admin_key(store_url: str | None, data_dir: Path,
-                                     admin_key: str | None) -> tuple[Store, str | None]:
-    """The store, opened, and the admin key it was given (see ensure_admin_key); tried again for
-    STORE_OPEN_PATIENCE_S while the store cannot be used. The server checked it before loading
-    its models (gateway.cli), which takes minutes: a lock held for seconds by another process
-    since (a backup, another gateway starting) or Redis restarting must not cost that start."""
-    deadline = time.monotonic() + STORE_OPEN_PATIENCE_S
-    while True:
-        try:
-            store = await open_store(store_url, data_dir)
-            try:
-                return store, await ensure_admin_key(store, admin_key)
-            except BaseException:
-                await store.close()
-                raise
-        except UNAVAILABLE_ERRORS as error:
-            if time.monotonic() >= deadline:
-                raise
-            logger.warning("cannot use the store yet (%s); trying again for up to %.0f s", error,
-                           deadline - time.monotonic())
-            await asyncio.sleep(1.0)
-
-
 def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: str | None = None,
                admin_key: str | None = None, metrics_key: str | None = None,
                adapter_dir: Path | None = None,
@@ -170,9 +143,11 @@ def create_app(engines: dict[str, EngineClient], *, data_dir: Path, store_url: s
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        gateway.store, created = await _open_store_with_admin_key(store_url, data_dir, admin_key)
+        # NOTE: `switchboard serve` waited for the store to take writes just before (gateway.cli).
+        gateway.store = await open_store(store_url, data_dir)
         pool = sweeping = None
         try:
+            created = await ensure_admin_key(gateway.store, admin_key)
             if created is not None:
                 announce_admin_key(created)
             # Files of adapters deleted through other gateways (or while this one was down).

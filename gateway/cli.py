@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from routing.pricing import Price
 from routing.routes import parse_routes
 
 logger = logging.getLogger("gateway")
+# How long `serve` waits, once its models are loaded, for a store that cannot take writes.
+STORE_WAIT_S = 60.0
 
 _SERVE_EPILOG = """\
 Sources, strongest first: these options, then the environment (SWITCHBOARD_HOME is the data
@@ -324,6 +327,10 @@ def _load_and_serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
             if engine is None:
                 return 2
             engines[name] = engine
+        problem = _wait_for_store(config)
+        if problem is not None:
+            print(f"switchboard serve: {problem}", file=sys.stderr)
+            return 2
         try:
             app = create_app(engines, data_dir=config.data_dir, store_url=config.store,
                              admin_key=config.admin_key, metrics_key=config.metrics_key,
@@ -517,6 +524,39 @@ def _folder_problem(option: str, folder: Path) -> str | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"{option}: {folder} is not a folder this process may write in"
     return None
+
+
+def _wait_for_store(config: ServeConfig) -> str | None:
+    """Why the store still cannot take writes after STORE_WAIT_S of trying (None: it can). It
+    was checked before the models loaded, which takes minutes: a lock another process held for
+    seconds since (a backup, another gateway starting), or Redis restarting, must not cost that
+    start. Done before the server starts, so that Ctrl-C and SIGTERM stop it as they stop the
+    loading of the models (uvicorn only notes them until its app has started)."""
+    import asyncio
+
+    from store import UNAVAILABLE_ERRORS, StoreError, open_store
+
+    async def check() -> None:
+        store = await open_store(config.store, config.data_dir)
+        try:
+            await store.ensure_writable()
+        finally:
+            await store.close()
+
+    setting = "--data-dir" if config.store is None else "--store"
+    deadline = time.monotonic() + STORE_WAIT_S
+    while True:
+        try:
+            asyncio.run(check())
+            return None
+        except StoreError as error:
+            return f"{setting}: {error}"
+        except UNAVAILABLE_ERRORS as error:
+            if time.monotonic() >= deadline:
+                return f"{setting}: the store still cannot take writes after {STORE_WAIT_S:g} s: {error}"
+            logger.warning("cannot use the store yet (%s); trying again for up to %.0f s", error,
+                           deadline - time.monotonic())
+            time.sleep(1.0)
 
 
 def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:

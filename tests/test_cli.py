@@ -12,6 +12,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
 from tests.helpers import fill_volume, small_volume
 from tests.processes import free_port
 from tests.redis_server import start_redis_server, stop_redis_server
+from tests.test_gateway_routing import eventually
 
 SWITCHBOARD = [sys.executable, "-m", "gateway.cli"]  # what the `switchboard` script runs
 SCRIPT = [shutil.which("switchboard")] if shutil.which("switchboard") else SWITCHBOARD
@@ -652,6 +654,100 @@ def test_ctrl_c_before_the_server_listens_for_it_stops_the_server_as_it_starts(
     assert status == 0
     assert "Application startup complete." in caplog.text and "Shutting down" in caplog.text
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _lock_once_loaded(monkeypatch, store_file: Path) -> sqlite3.Connection:
+    """A connection that takes the SQLite store's write lock (as a backup or an sqlite3 shell
+    does) once `serve` has loaded its model, after the store was checked: roll it back to free it."""
+    import gateway.cli as cli
+
+    other = sqlite3.connect(store_file, isolation_level=None, check_same_thread=False)
+    real_load = cli._load_engine
+
+    def load_then_lock(*args, **kwargs):
+        engine = real_load(*args, **kwargs)
+        other.execute("BEGIN IMMEDIATE")
+        return engine
+
+    monkeypatch.setattr(cli, "_load_engine", load_then_lock)
+    return other
+
+
+def test_a_store_locked_once_the_models_are_loaded_is_waited_for(demo_model_dir, tmp_path,
+                                                                 monkeypatch, caplog):
+    """A lock held for seconds once the models are loaded (minutes for a large one) failed the
+    start with a traceback and exit status 3."""
+    from gateway.http_server import Server
+
+    other = _lock_once_loaded(monkeypatch, tmp_path / "switchboard.db")
+    real_run = Server.run
+
+    def run_then_stop(self, sockets=None):  # the server starts, then stops as on a Ctrl-C
+        signal.raise_signal(signal.SIGINT)
+        return real_run(self, sockets=sockets)
+
+    monkeypatch.setattr(Server, "run", run_then_stop)
+    freed = threading.Thread(target=lambda: (
+        eventually(lambda: "cannot use the store yet" in caplog.text, timeout_s=120),
+        other.execute("ROLLBACK")))
+    try:
+        with caplog.at_level(logging.INFO):
+            freed.start()
+            status = main(["serve", "--port", "0", "--data-dir", str(tmp_path),
+                           "--model", f"{DEMO_MODEL}={demo_model_dir}"])
+    finally:
+        freed.join()
+        other.close()
+    assert status == 0
+    assert "stayed locked by another process" in caplog.text
+    assert "Application startup complete." in caplog.text
+
+
+def test_a_store_still_locked_after_the_wait_exits_2_saying_so(demo_model_dir, tmp_path,
+                                                               monkeypatch, capsys):
+    import gateway.cli as cli
+
+    monkeypatch.setattr(cli, "STORE_WAIT_S", 0.0)
+    other = _lock_once_loaded(monkeypatch, tmp_path / "switchboard.db")
+    try:
+        status = main(["serve", "--port", "0", "--data-dir", str(tmp_path),
+                       "--model", f"{DEMO_MODEL}={demo_model_dir}"])
+    finally:
+        other.close()
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert ("switchboard serve: --data-dir: the store still cannot take writes after 0 s: the "
+            f"SQLite store {tmp_path / 'switchboard.db'} stayed locked by another process") in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_a_signal_while_serve_waits_for_its_store_stops_it_at_once(demo_model_dir, tmp_path, sig,
+                                                                    status):
+    """As while the models load: it was ignored until the wait ended, a minute later."""
+    command = SWITCHBOARD + ["serve", "--port", str(free_port()), "--data-dir", str(tmp_path),
+                             "--model", f"{DEMO_MODEL}={demo_model_dir}"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    other = None
+    try:
+        for line in process.stderr:
+            if f"loading {DEMO_MODEL}" in line:  # the store was made and checked: lock it
+                other = sqlite3.connect(tmp_path / "switchboard.db", isolation_level=None)
+                other.execute("BEGIN IMMEDIATE")
+            if "cannot use the store yet" in line:
+                break
+        process.send_signal(sig)
+        started = time.monotonic()
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()  # it ignored the signal: leave no server behind
+            process.wait()
+        if other is not None:
+            other.close()
+    assert process.returncode == status, stderr
+    assert time.monotonic() - started < 10
+    assert "Traceback" not in stderr, stderr
 
 
 def test_help_gives_the_engine_s_own_defaults(capsys):

@@ -69,31 +69,6 @@ def test_a_sqlite_store_locked_by_another_process_answers_503_to_retry(server, c
     assert answered.status_code == 200, answered.text
 
 
-def test_a_sqlite_store_locked_as_the_gateway_starts_is_waited_for(demo_engine, tmp_path, caplog):
-    """The server checks its store before it loads its models, which takes minutes: a lock held
-    for seconds just after (a backup, another gateway starting) failed the start, with a
-    traceback and exit status 3."""
-    with gateway_server(demo_engine, tmp_path):  # the store's file, as a first start makes it
-        pass
-    other = sqlite3.connect(tmp_path / "switchboard.db", isolation_level=None,
-                            check_same_thread=False)
-    other.execute("BEGIN IMMEDIATE")
-    # NOTE: freed once the gateway has found it locked (and said so), however slow the start.
-    freed = threading.Thread(target=lambda: (
-        eventually(lambda: "cannot use the store yet" in caplog.text, timeout_s=120),
-        other.execute("ROLLBACK")))
-    try:
-        with caplog.at_level(logging.WARNING, logger="gateway.app"):
-            freed.start()
-            with gateway_server(demo_engine, tmp_path) as server:
-                assert httpx.get(server.url + "/health").status_code == 200
-                assert server.admin("GET", "/admin/tenants").status_code == 200
-    finally:
-        freed.join()
-        other.close()
-    assert "stayed locked by another process" in caplog.text
-
-
 def test_a_full_redis_store_answers_503_store_full_until_it_has_room(demo_engine, tmp_path):
     """Redis out of its maxmemory (noeviction, as README asks) refuses every write until its
     operator gives it room: calls say so, not "retry shortly", and so does /health."""
