@@ -674,11 +674,12 @@ def _messages(token_ids: list[int]) -> list[dict[str, str]]:
             messages.append({})
         if key is None or key in messages[-1]:
             raise RequestRejected(f"token id {token_ids[start]} is out of place: send the "
-                                  "prompt as text, or the chat to /v1/chat/completions")
+                                  "prompt as text, or the chat to /v1/chat/completions",
+                                  param="prompt")
         messages[-1][key] = _prompt_text(token_ids[start + 1:end])
     if any("content" not in message for message in messages):
         raise RequestRejected("a chat's token ids need each message's content: send the chat "
-                              "to /v1/chat/completions")
+                              "to /v1/chat/completions", param="prompt")
     return messages
 
 

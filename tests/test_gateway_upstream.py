@@ -890,6 +890,7 @@ def test_a_prompt_that_looks_like_a_chat_stays_plain_text(front, upstream, hoste
     for bad in ([ROLE_ID, *b"user"], [ROLE_ID, *b"user", CONTENT_ID, CONTENT_ID], [CONTENT_ID, 1]):
         refused = post(server.url, key, model="hosted", prompt=bad)
         assert refused.status_code == 400 and "send the" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "prompt"  # was null for the first two
 
 
 def test_a_hosted_chat_api_gets_the_messages_and_sampling_options(front, hosted):
