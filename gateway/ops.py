@@ -14,8 +14,8 @@ from gateway.errors import model_not_found, store_unavailable
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
-from routing.models import (adapter_model_id, allowed_routes, default_route, reachable_base_models,
-                            taken_names, visible_adapters)
+from routing.models import (allowed_routes, default_route, reachable_base_models, tenant_adapter_id,
+                            visible_adapters)
 from routing.routes import AUTO
 from store import FULL_ERRORS, UNAVAILABLE_ERRORS, unavailable_cause
 
@@ -64,15 +64,15 @@ async def _model_cards(request: Request) -> list[ModelCard]:
         cards.append(ModelCard(id=name, created=state.started_at,
                                max_model_len=max(lengths) if lengths else None))
     # An adapter whose name a route or served model took since its upload is listed as the id
-    # that still reaches it, so that ids stay unique. NOTE: one of a rank its model is not served
-    # with here (since a restart) is left out: its calls get a 503 until the operator restarts
-    # the server with a higher limit.
-    taken = taken_names(catalog)
+    # that still reaches it, so that ids stay unique; one whose base model the tenant reaches only
+    # through a route, as `route:name`. NOTE: one of a rank its model is not served with here
+    # (since a restart) is left out: its calls get a 503 until the operator restarts the server
+    # with a higher limit.
     max_ranks = {name: engine.max_adapter_rank for name, engine in engines.items()}
-    cards += [ModelCard(id=adapter_model_id(a, taken), created=int(a.created_at),
+    cards += [ModelCard(id=tenant_adapter_id(tenant, catalog, a), created=int(a.created_at),
                         owned_by=tenant.name, parent=a.base_model,
                         max_model_len=engines[a.base_model].max_model_len)
-              for a in await visible_adapters(store, tenant, max_ranks)]
+              for a in await visible_adapters(store, tenant, catalog, max_ranks)]
     return cards
 
 

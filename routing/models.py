@@ -67,9 +67,14 @@ def adapter_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
     """The served base models this tenant may upload adapters for, in serving order: those its
     policy allows, and the models of the routes it allows (`route:adapter` runs the adapter on
     its base model's tier of the route, as resolve_model lets it)."""
-    via_routes = {model for name, route in catalog.routes.items() if may_use(tenant, name)
-                  for model in route.tiers}
-    return [m for m in catalog.models if may_use(tenant, m) or m in via_routes]
+    return [m for m in catalog.models
+            if may_use(tenant, m) or route_running(tenant, catalog, m) is not None]
+
+
+def route_running(tenant: Tenant, catalog: Catalog, base_model: str) -> str | None:
+    """The first route this tenant may name that has a tier on `base_model` (None: none does)."""
+    return next((name for name, route in catalog.routes.items()
+                 if name != AUTO and may_use(tenant, name) and base_model in route.tiers), None)
 
 
 def reachable_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
@@ -104,6 +109,14 @@ def adapter_model_id(adapter: AdapterRecord, taken: Collection[str]) -> str:
     """The `model` that reaches the adapter: its name, or `base:name` while its name is `taken`
     (see taken_names)."""
     return f"{adapter.base_model}:{adapter.name}" if adapter.name in taken else adapter.name
+
+
+def tenant_adapter_id(tenant: Tenant, catalog: Catalog, adapter: AdapterRecord) -> str:
+    """The `model` that reaches the tenant's adapter: adapter_model_id's where its policy allows
+    the adapter's base model, else `route:name` for a route it allows over that model."""
+    route = None if may_use(tenant, adapter.base_model) else \
+        route_running(tenant, catalog, adapter.base_model)
+    return adapter_model_id(adapter, taken_names(catalog)) if route is None else f"{route}:{adapter.name}"
 
 
 async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
@@ -150,11 +163,12 @@ async def _tenant_adapter(store: Store, tenant: Tenant, name: str) -> AdapterRec
     return await store.get_adapter(tenant.name, name) if is_valid_name(name) else None
 
 
-async def visible_adapters(store: Store, tenant: Tenant,
+async def visible_adapters(store: Store, tenant: Tenant, catalog: Catalog,
                            max_ranks: Mapping[str, float]) -> list[AdapterRecord]:
-    """The tenant's adapters (latest versions) on base models it may use, of a rank their model
-    serves. `max_ranks`: each served base model's highest adapter rank (0: it serves none)."""
-    allowed = set(allowed_base_models(tenant, max_ranks))
+    """The tenant's adapters (latest versions) on base models it may use (by name or through a
+    route: adapter_base_models), of a rank their model serves. `max_ranks`: each served base
+    model's highest adapter rank (0: it serves none)."""
+    allowed = set(adapter_base_models(tenant, catalog)) & set(max_ranks)
     return [a for a in await store.list_adapters(tenant.name)
             if a.base_model in allowed and a.rank <= max_ranks[a.base_model]]
 

@@ -1108,7 +1108,13 @@ def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_
         direct = httpx.post(server.url + "/v1/completions", headers=auth(key),
                             json={"model": "bot", "prompt": PROMPT, "max_tokens": 2})
         names = [a["id"] for a in httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]]
+        listed = httpx.get(server.url + "/v1/models", headers=auth(key)).json()["data"]
+        card = httpx.get(server.url + "/v1/models/keep:bot", headers=auth(key))
     assert [u.status_code for u in uploads] == [201, 201, 403], [u.text for u in uploads]
+    # Listed under the ids that reach them (they were left out).
+    assert [(m["id"], m.get("parent")) for m in listed] == [
+        ("keep", None), ("keep:admins", "large"), ("keep:bot", "small")]
+    assert card.status_code == 200 and card.json()["parent"] == "small"
     assert uploads[2].json()["error"] == {
         "message": "your tenant's policy allows neither the base model 'medium' nor a route over it, "
                    "so it takes none of your adapters; GET /v1/models lists the models and routes "
