@@ -45,9 +45,10 @@ _WEIGHTS_FILE = "adapter_model.safetensors"
 _WEIGHTS_STEM = PurePosixPath(_WEIGHTS_FILE).stem
 _MAX_ARCHIVE_MEMBERS = 1000
 _COPY_CHUNK = 1 << 20
-# What a tar adds around its members' data: a 512-byte header per member (long names and pax
-# headers take more, and are counted as they are read) and the end-of-archive padding.
-_TAR_OVERHEAD = 1024 * (_MAX_ARCHIVE_MEMBERS + 20)
+# What a tar adds around its members' data: three 512-byte blocks per member (a header; in pax
+# format, as `tar --format=posix` and macOS tar write, an extended header with its data block too;
+# long names take more, and are counted as they are read) and the end-of-archive padding.
+_TAR_OVERHEAD = 3 * tarfile.BLOCKSIZE * (_MAX_ARCHIVE_MEMBERS + 20)
 # How much of an archive's members other than the adapter files (the rest of a Trainer checkpoint
 # folder: optimizer.pt holds about twice the adapter's weights, tokenizer files tens of MB) is
 # read through, as a multiple of --max-upload-size and at least: they are never written, but a
@@ -310,9 +311,9 @@ class _HeadersCapped(io.RawIOBase):
         data = self._source.read(self._limit - self._count + 1 if size < 0 else size)
         self._count += len(data)
         if self._count > self._limit:
-            raise ApiError(413, f"the archive's tar headers (long file names) take more than "
-                           f"{_TAR_OVERHEAD} bytes; pack the adapter folder with short names",
-                           code="upload_too_large")
+            raise ApiError(413, f"the archive's tar headers (long file names, pax extended "
+                           f"headers) take more than {_TAR_OVERHEAD} bytes; pack only the adapter "
+                           f"folder, with short names", code="upload_too_large")
         return data
 
 
