@@ -20,6 +20,7 @@ sharing the file, within the TTL.
 import asyncio
 import errno
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -59,6 +60,10 @@ _WRITES_PER_CHECKPOINT = 1000
 # Inline writes a checkpoint may let by while it waits for the worker or on a slow disk's fsyncs;
 # later writes wait for it (on the worker), so the WAL stays bounded however slow the disk.
 _WRITES_DURING_CHECKPOINT = _WRITES_PER_CHECKPOINT // 2
+# How often writes refused for a full volume ask for a checkpoint that truncates the WAL: on a
+# small volume the WAL itself, grown between checkpoints that only writes that succeed ask for,
+# may be what filled it.
+_FULL_CHECKPOINT_EVERY_S = 5.0
 _READ, _WRITE = "BEGIN", "BEGIN IMMEDIATE"
 
 _SCHEMA = """
@@ -98,6 +103,7 @@ class SqliteStore:
         self._inline_writes_since_checkpoint = 0
         self._is_checkpointing = False  # set from asking the worker for a checkpoint to its end
         self._is_holding_writes = False  # set while a checkpoint needs the lock to itself
+        self._full_checkpoint_at = -math.inf  # when a write refused for a full volume asked for one
         self._auth_cache_ttl_s = auth_cache_ttl_s
         self._auth_cache: dict[str, tuple[Tenant, float]] = {}  # key hash -> (tenant, expiry)
         self._auth_epoch = 0  # bumped whenever keys may have been revoked
@@ -192,6 +198,9 @@ class SqliteStore:
                                 f"for {LOCK_TIMEOUT_S:g} s")
 
     def _full(self, error: sqlite3.OperationalError) -> StoreFull:
+        if time.monotonic() - self._full_checkpoint_at >= _FULL_CHECKPOINT_EVERY_S:
+            self._full_checkpoint_at = time.monotonic()
+            self._ask_for_checkpoint("TRUNCATE")  # gives back the WAL's room on the volume
         return StoreFull(f"the SQLite store {self.path} cannot be written ({error}): free disk "
                          f"space on the volume of {self.path.parent}")
 
@@ -218,23 +227,28 @@ class SqliteStore:
 
     def _count_inline_write(self) -> None:
         self._inline_writes_since_checkpoint += 1
-        if not self._is_checkpointing \
-                and self._inline_writes_since_checkpoint >= _WRITES_PER_CHECKPOINT:
+        if self._inline_writes_since_checkpoint >= _WRITES_PER_CHECKPOINT:
+            self._ask_for_checkpoint("RESTART")
+
+    def _ask_for_checkpoint(self, mode: str) -> None:
+        """A checkpoint (see _checkpoint) on the worker thread, unless one is under way."""
+        if not self._is_checkpointing:
             self._is_checkpointing = True
             self._inline_writes_since_checkpoint = 0
-            self._executor.submit(self._checkpoint)
+            self._executor.submit(self._checkpoint, mode)
 
     def _is_checkpoint_behind(self) -> bool:
         return self._is_checkpointing \
             and self._inline_writes_since_checkpoint >= _WRITES_DURING_CHECKPOINT
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, mode: str) -> None:
         """Copy the WAL into the database file, on the worker thread, so that it starts over.
 
         A PASSIVE checkpoint copies the bulk (and fsyncs) while writes go on. Under steady writes
-        it never catches up, though, and the WAL would only grow; so a RESTART then copies the
-        few frames written meanwhile with this process's writes held off (they wait on the
-        worker thread), which lets the next write start the WAL over.
+        it never catches up, though, and the WAL would only grow; so a RESTART (`mode`; TRUNCATE
+        also gives its room on the volume back) then copies the few frames written meanwhile
+        with this process's writes held off (they wait on the worker thread), which lets the
+        next write start the WAL over.
         """
         conn = self._conn
         assert conn is not None, "SqliteStore used after close()"
@@ -242,7 +256,12 @@ class SqliteStore:
             conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
             self._is_holding_writes = True
             conn.execute(f"PRAGMA busy_timeout = {_CHECKPOINT_LOCK_TIMEOUT_MS}")
-            conn.execute("PRAGMA wal_checkpoint(RESTART)")
+            conn.execute(f"PRAGMA wal_checkpoint({mode})")
+        except sqlite3.OperationalError as error:
+            if not _is_full(error):
+                logger.exception("WAL checkpoint of %s failed", self.path)
+            else:  # the volume is full of more than the WAL: the writes' StoreFull says so
+                logger.warning("WAL checkpoint of %s failed: %s", self.path, error)
         except Exception:  # the WAL only grows until the next checkpoint succeeds
             logger.exception("WAL checkpoint of %s failed", self.path)
         finally:

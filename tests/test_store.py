@@ -32,6 +32,7 @@ from store import (
     SqliteStore,
     Store,
     StoreError,
+    StoreFull,
     StoreUnavailable,
     Tenant,
     open_store,
@@ -48,6 +49,7 @@ from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from store.sqlite import LOCK_TIMEOUT_S
 from store.workers import WorkerRegistry
+from tests.helpers import small_volume
 from tests.processes import free_port
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
 
@@ -1191,6 +1193,45 @@ async def test_sqlite_wal_stays_bounded_while_its_checkpoint_waits(tmp_path: Pat
         await store.close()
     # Unchecked, these 5000 commits grow it to ~68 MiB; the checkpoint lets 1500 by (~21 MiB).
     assert largest < 40 << 20
+
+
+async def test_a_sqlite_store_whose_own_wal_filled_its_volume_takes_writes_again(
+        tmp_path: Path) -> None:
+    """On a small volume the WAL, grown between checkpoints that only writes that succeed asked
+    for, filled it: every write then got StoreFull for good ("free disk space"), with nothing
+    there to free but the store's own WAL."""
+    with small_volume(tmp_path / "volume", "2m") as volume:
+        # A store that has billed before (its close folds the WAL into the file): its pages are
+        # there, and the writes below only rewrite them.
+        store = await SqliteStore.open(volume / "store.db")
+        acme = await make_tenant(store, monthly_token_budget=10**9)
+        held = await store.reserve_tokens(acme, 10, now=T0)
+        await store.settle(held, tokens_in=5, tokens_out=5, spend_usd=0.0)
+        await store.close()
+        store = await SqliteStore.open(volume / "store.db")
+        try:
+            num_billed = 1
+            with pytest.raises(StoreFull):
+                for _ in range(10_000):
+                    held = await store.reserve_tokens(acme, 10, now=T0)
+                    await store.settle(held, tokens_in=5, tokens_out=5, spend_usd=0.0)
+                    num_billed += 1
+            assert sorted(p.name for p in volume.iterdir()) == [
+                "store.db", "store.db-shm", "store.db-wal"]  # nothing else to free
+            deadline = time.monotonic() + 10
+            while True:  # the checkpoint the refusal asked for runs on the worker thread
+                try:
+                    await store.ensure_writable()
+                    break
+                except StoreFull:
+                    assert time.monotonic() < deadline, "the store never took writes again"
+                    await asyncio.sleep(0.1)
+            for _ in range(20):
+                held = await store.reserve_tokens(acme, 10, now=T0)
+                await store.settle(held, tokens_in=5, tokens_out=5, spend_usd=0.0)
+            assert (await store.get_usage("acme", now=T0)).requests == num_billed + 20
+        finally:
+            await store.close()
 
 
 async def test_sqlite_auth_cache_follows_revocations(tmp_path: Path) -> None:
