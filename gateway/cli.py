@@ -149,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "where `switchboard serve --redis URL` gateways find it.",
         epilog=_WORKER_EPILOG + _EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS)
-    worker.add_argument("--redis", metavar="URL", required=True,
-                        help="the Redis the gateways use (redis://host:port/0)")
+    # NOTE: required, but checked once the config file is read: `redis = ...` there counts.
+    worker.add_argument("--redis", metavar="URL",
+                        help="the Redis the gateways use (redis://host:port/0); required, here or "
+                             "as `redis` in --config")
     worker.add_argument("--model", action="append", metavar="NAME=PATH",
                         help="the Hugging Face model folder PATH, served as NAME (default: the "
                              "demo model as switchboard-demo)")
@@ -366,6 +368,10 @@ def run_worker(config: ServeConfig) -> int:
     """Check the settings, load the one model's engine, then serve the internal API until
     interrupted; the exit status."""
     _configure_logging(config)
+    if config.redis is None:
+        print("switchboard worker: give the Redis the gateways use: --redis URL, or `redis = "
+              "\"URL\"` in the --config file", file=sys.stderr)
+        return 2
     if len(config.model_paths()) > 1:  # NOTE: a worker's config has no [models.NAME] tables
         print("switchboard worker: a worker serves exactly one local model (--model NAME=PATH); "
               "run one worker per model and GPU", file=sys.stderr)

@@ -66,6 +66,17 @@ def test_a_worker_serves_exactly_one_local_model(tmp_path, capsys):
     assert "--advertise-url" in capsys.readouterr().err
 
 
+def test_a_worker_takes_its_redis_from_its_config_file_and_needs_one(tmp_path, capsys):
+    """argparse required --redis on the command line, before the file was read."""
+    config = tmp_path / "worker.toml"
+    config.write_text(f'redis = "redis://127.0.0.1:1/0"\ndata_dir = "{tmp_path / "data"}"\n')
+    assert main(["worker", "--config", str(config)]) == 2
+    assert "127.0.0.1:1" in capsys.readouterr().err  # the file's Redis, tried (nothing listens)
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n')
+    assert main(["worker", "--config", str(config)]) == 2
+    assert "switchboard worker: give the Redis the gateways use: --redis URL" in capsys.readouterr().err
+
+
 def test_a_command_is_required():
     with pytest.raises(SystemExit) as raised:
         main([])
