@@ -72,8 +72,9 @@ async def require_admin(request: Request, store: Store, metrics_key_hash: str | 
 
 async def require_metrics_reader(request: Request, store: Store, metrics_key_hash: str | None) -> None:
     """Pass for the metrics key (when one is set) and the admin key; 403 for a tenant key, 401
-    for anything else (503 while the store holds no admin key and no metrics key is set). The
-    series name every tenant, which no tenant may see."""
+    for anything else (503 while the store holds no admin key: the key sent may be the lost
+    one, whether or not a metrics key is set). The series name every tenant, which no tenant
+    may see."""
     key = bearer_key(request)
     if _matches(key, metrics_key_hash):
         return
@@ -83,7 +84,7 @@ async def require_metrics_reader(request: Request, store: Store, metrics_key_has
     if await store.authenticate(key) is not None:
         raise ApiError(403, "/metrics needs the metrics key or the admin key: its series name every "
                        "tenant", type="permission_error", code="metrics_key_required")
-    if admin_key_hash is None and metrics_key_hash is None:
+    if admin_key_hash is None:
         raise _no_admin_key()
     raise _unauthenticated("invalid key for /metrics: send the metrics key (serve --metrics-key) "
                            "or the admin key")

@@ -466,13 +466,16 @@ def test_a_call_whose_key_or_tenant_changed_while_its_body_arrived_gets_what_it_
         assert complete(server, new_key).status_code == 200
 
 
+@pytest.mark.parametrize("metrics_key", [None, "sb-metrics-key"])
 def test_a_store_that_lost_the_admin_key_says_so_until_a_gateway_sets_it_again(
-        demo_engine, tmp_path, caplog):
+        demo_engine, tmp_path, caplog, metrics_key):
     """As a Redis restarted without its data loses it: the right admin key was refused as
-    "invalid admin key", and nothing was logged."""
-    with gateway_server(demo_engine, tmp_path) as server:
+    "invalid admin key", and nothing was logged (on /metrics, while a metrics key was set)."""
+    with gateway_server(demo_engine, tmp_path, metrics_key=metrics_key) as server:
         with contextlib.closing(sqlite3.connect(tmp_path / "switchboard.db")) as db, db:
             db.execute("DELETE FROM settings WHERE name = 'admin_key_hash'")
+        if metrics_key is not None:
+            assert get(server, "/metrics", metrics_key).status_code == 200
         for path in ("/admin/tenants", "/metrics"):
             refused = get(server, path, ADMIN_KEY)
             assert refused.status_code == 503, refused.text
