@@ -314,7 +314,10 @@ def _model_table(name: str, table: Any) -> ModelEntry:
     upstream = _upstream_source(name, table) if "upstream" in table else None
     memory = table.get("kv_cache_memory")
     if memory is not None:
-        memory = parse_size(memory)
+        try:
+            memory = parse_size(memory)
+        except ValueError as error:
+            raise ValueError(f"{where} kv_cache_memory: {error}") from None
         if memory < 1:
             raise ValueError(f"{where} kv_cache_memory must be positive, like \"2GiB\"")
     return ModelEntry(name, path, *prices, tier, upstream, memory)
@@ -447,7 +450,10 @@ def load_serve_config(cli: dict[str, Any], config_file: Path | None = None,
     merged.update(cli)
     for size in ("kv_cache_memory", "max_upload_size"):
         if size in merged:
-            merged[size] = parse_size(merged[size])
+            try:
+                merged[size] = parse_size(merged[size])
+            except ValueError as error:
+                raise ValueError(f"{size}: {error}") from None
     if isinstance(merged.get("model"), str):
         merged["model"] = [merged["model"]]
     try:  # NOTE: checks every field's type (a TOML file may hold anything), then __post_init__

@@ -170,7 +170,10 @@ def test_a_worker_s_advertised_url_loses_its_trailing_slash():
 
 @pytest.mark.parametrize("text, message", [
     # Each once a traceback (AttributeError, TypeError) or a message that named no setting.
-    ("kv_cache_memory = 1.5", "cannot read 1.5 as a size"),
+    ("kv_cache_memory = 1.5", "kv_cache_memory: cannot read 1.5 as a size"),
+    ('max_upload_size = "1.5GiB"', "max_upload_size: cannot read '1.5GiB' as a size"),
+    ('[models.a]\npath = "/m"\nkv_cache_memory = "2 gigs"',
+     "[models.a] kv_cache_memory: cannot read '2 gigs' as a size"),
     ("model = [5]", "Expected `str`, got `int` - at `model[0]`"),
     ("model = 5", "Expected `array`, got `int` - at `model`"),
     ("models = [1]", "Expected `object`, got `array` - at `models`"),
