@@ -24,7 +24,6 @@ from redis._parsers import BaseParser
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.connection import parse_url
 
 from store import redis_lua
 from store.errors import AlreadyExists, NotFound
@@ -110,9 +109,15 @@ def check_redis_url(url: str) -> str:
         problem = f"the database must be a number, as redis://host:6379/0, not {parts.path!r}"
     else:
         try:
-            parse_url(url)
+            # NOTE: a connection is only built, not opened: redis-py passes a query argument it
+            # does not know on to the connection (a TypeError, as it first connects).
+            aioredis.ConnectionPool.from_url(url).make_connection()
         except ValueError as error:
             problem = str(error)
+        except TypeError as error:
+            unknown = re.search(r"argument '(\w+)'", str(error))
+            problem = (f"redis-py knows no query argument {unknown[1]!r} (a typo?)" if unknown
+                       else str(error))
     if problem is not None:
         raise ValueError(f"cannot use the Redis URL {shown!r}: {problem}")
     return url

@@ -144,6 +144,10 @@ def test_router_train_refuses_a_seed_torch_cannot_take(seed, tmp_path, capsys):
     (dict(store="redis://localhost:99999/0"), "Redis URL 'redis://localhost:99999/0': Port out"),
     (dict(store="redis://:pw@h:6379/abc"), r"'redis://:\*\*\*@h:6379/abc': the database must be"),
     (dict(store="redis://[::1/0"), "cannot use the Redis URL: Invalid IPv6 URL"),
+    # A traceback (a TypeError as it first connected), exit 1.
+    (dict(store="redis://:pw@h:6379/0?sockt_timeout=5"),
+     r"'redis://:\*\*\*@h:6379/0\?sockt_timeout=5': redis-py knows no query argument 'sockt_timeout'"),
+    (dict(redis="unix:///run/redis.sock?foo=1"), "redis-py knows no query argument 'foo'"),
     (dict(redis="unix://"), "unix:// needs the socket's path"),
     (dict(redis="http://localhost:6379/0"), "it is not a Redis URL"),
     (dict(heartbeat_s=float("inf")), r"heartbeat_s must be in \[0.1, 3600.0\] seconds, got inf"),
