@@ -549,7 +549,7 @@ def _wait_for_store(config: ServeConfig) -> str | None:
         finally:
             await store.close()
 
-    setting = "--data-dir" if config.store is None else "--store"
+    setting = _store_option(config.store)
     deadline = time.monotonic() + STORE_WAIT_S
     while True:
         try:
@@ -581,8 +581,13 @@ def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:
     try:
         asyncio.run(open_and_close())
     except (StoreError, *UNAVAILABLE_ERRORS) as error:
-        return f"{'--data-dir' if url is None else '--store'}: {error}"
+        return f"{_store_option(url)}: {error}"
     return None
+
+
+def _store_option(url: str | None) -> str:
+    """The option that chose the store at `url` (None: the default SQLite file in --data-dir)."""
+    return "--data-dir" if url is None else "--store"
 
 
 def _load_tokenizer(folder: Path):

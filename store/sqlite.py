@@ -257,13 +257,12 @@ class SqliteStore:
             self._is_holding_writes = True
             conn.execute(f"PRAGMA busy_timeout = {_CHECKPOINT_LOCK_TIMEOUT_MS}")
             conn.execute(f"PRAGMA wal_checkpoint({mode})")
-        except sqlite3.OperationalError as error:
-            if not _is_full(error):
-                logger.exception("WAL checkpoint of %s failed", self.path)
-            else:  # the volume is full of more than the WAL: the writes' StoreFull says so
+        except Exception as error:  # the WAL only grows until the next checkpoint succeeds
+            if isinstance(error, sqlite3.OperationalError) and _is_full(error):
+                # The volume is full of more than the WAL: the writes' StoreFull says so.
                 logger.warning("WAL checkpoint of %s failed: %s", self.path, error)
-        except Exception:  # the WAL only grows until the next checkpoint succeeds
-            logger.exception("WAL checkpoint of %s failed", self.path)
+            else:
+                logger.exception("WAL checkpoint of %s failed", self.path)
         finally:
             self._is_holding_writes = False
             self._is_checkpointing = False
