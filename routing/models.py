@@ -72,9 +72,13 @@ def adapter_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:
 
 
 def route_running(tenant: Tenant, catalog: Catalog, base_model: str) -> str | None:
-    """The first route this tenant may name that has a tier on `base_model` (None: none does)."""
-    return next((name for name, route in catalog.routes.items()
-                 if name != AUTO and may_use(tenant, name) and base_model in route.tiers), None)
+    """The first name of a route this tenant may name that has a tier on `base_model` (None: none
+    does): its own name, or `auto` for its default route, which a route named "auto" is reached
+    by only (allowed_routes)."""
+    names = sorted(allowed_routes(tenant, catalog), key=lambda name: name == AUTO)  # `auto` last
+    return next((name for name in names
+                 if base_model in catalog.routes[default_route(tenant, catalog)
+                                                 if name == AUTO else name].tiers), None)
 
 
 def reachable_base_models(tenant: Tenant, catalog: Catalog) -> list[str]:

@@ -1145,6 +1145,29 @@ def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_
     assert sorted(names) == ["admins", "bot"]
 
 
+def test_a_tenant_allowed_only_the_route_named_auto_uploads_adapters_run_as_auto_colon_name(
+        demo_engine, adapters, tmp_path):
+    """A route named "auto", the server's default, is reached as `auto` only: a tenant allowed it
+    alone had its uploads for the route's models refused, the admin's for it too (403)."""
+    from routing.routes import parse_routes
+    from tests.conftest import ADMIN_KEY, serve_gateway
+
+    engines = {"small": demo_engine, "large": demo_engine}
+    routes = parse_routes({"auto": {"tiers": ["small", "large"], "measure": "min_prob",
+                                    "threshold": 0.0}}, engines)
+    with serve_gateway(engines, tmp_path, routes=routes, default_route="auto") as server:
+        key = server.new_tenant("auto-only", allowed_models=["auto"])
+        uploads = [upload(server, key, "bot", files_of(adapters["all-r8"]), base="small"),
+                   upload(server, ADMIN_KEY, "admins", files_of(adapters["all-r8"]), base="large",
+                          path="/admin/tenants/auto-only/adapters")]
+        routed = greedy_ids(server, key, "auto:bot", "small")
+        listed = httpx.get(server.url + "/v1/models", headers=auth(key)).json()["data"]
+    assert [u.status_code for u in uploads] == [201, 201], [u.text for u in uploads]
+    assert [(m["id"], m.get("parent")) for m in listed] == [
+        ("auto", None), ("auto:admins", "large"), ("auto:bot", "small")]
+    assert routed == adapters["expected"]["all-r8"]
+
+
 def test_an_adapter_of_a_base_model_no_longer_served_is_not_found(demo_engine, adapters, tmp_path):
     """Restarted serving its model under another name, a gateway has records of adapters for the
     old name: 404, as /v1/models says (it once answered a 503 that clients retried)."""
