@@ -6,8 +6,8 @@ a streamed one on its first `prefix_tokens`, before any byte reaches the client,
 kept the stream goes on from there with nothing run twice. An escalated tier is aborted, and its
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
 refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
-fallback; not one whose adapter cannot run (deleted while the call waited, or made for a model no
-longer served): the call asked for that adapter, so it ends as a call to it would. If the last
+fallback; not one whose adapter cannot run (deleted while the call waited, made for a model no
+longer served, or its files damaged beyond repair): the call asked for that adapter, so it ends as a call to it would. If the last
 tier fails too before its first token, the tier escalated past that was
 surest of its answer answers after all: that one is aborted only once a later tier answers, and
 its answer is read on meanwhile (the engine makes it anyway), so the tokens it made are billed

@@ -234,14 +234,14 @@ class WorkersOutOfSpace(EngineFailure):
     adapter's files: sent again, it would fail the same way until their operator frees space."""
 
 
-class DamagedAdapterCopy(EngineFailure):
-    """This gateway's copy of the request's adapter files is damaged, and no intact copy could
-    replace it: sent again, the request would fail the same way."""
-
-
 class AdapterCannotRun(EngineFailure):
     """The request's adapter, not its engine, is what cannot run: no other engine (a route's next
     tier) answers in its place, as the call asked for the adapter."""
+
+
+class DamagedAdapterCopy(AdapterCannotRun):
+    """This gateway's copy of the request's adapter files is damaged, and no intact copy could
+    replace it: sent again, the request would fail the same way."""
 
 
 class AdapterNotServedNow(EngineUnavailable, AdapterCannotRun):

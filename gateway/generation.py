@@ -209,7 +209,7 @@ class Ask:
                         yield chunk
                     return
                 except EngineFailure as error:
-                    if is_started or not await _adapter_copy_is_intact(tier, error):
+                    if is_started or not await _is_worth_another_try(tier, error):
                         raise
                     if attempt == 2:
                         await _refuse_adapter_that_does_not_fit(tier)
@@ -220,17 +220,21 @@ class Ask:
 _NOT_RETRIED = (EngineUnavailable, EngineStopped, DamagedAdapterCopy, WorkersOutOfSpace)
 
 
-async def _adapter_copy_is_intact(tier: Tier, error: EngineFailure) -> bool:
+async def _is_worth_another_try(tier: Tier, error: EngineFailure) -> bool:
     """After an engine failed a request before its first token: whether the tier's adapter has
     an intact copy here now: sent once more, the request may run; failed again, it did not fail
-    on the copy.
+    on the copy. DamagedAdapterCopy (with the engine's message) when the copy is not intact and
+    cannot be replaced: the adapter, not the engine, cannot run, so a route's next tier does not
+    answer in its place (it did, without the adapter).
 
     An engine reads the adapter's files before a request's first token: it may have failed on
     a copy damaged on this gateway's disk (replaced here now: see Tier.ensure_intact_adapter) or
     on a worker's (dropped there by the failure, so the files are sent again)."""
     if tier.ensure_intact_adapter is None or isinstance(error, _NOT_RETRIED):
         return False
-    return await tier.ensure_intact_adapter()
+    if not await tier.ensure_intact_adapter():
+        raise DamagedAdapterCopy(str(error)) from error
+    return True
 
 
 async def _refuse_adapter_that_does_not_fit(tier: Tier) -> None:

@@ -307,6 +307,33 @@ def test_uploading_the_files_again_repairs_a_damaged_stored_copy(server, tenant,
     assert greedy_ids(server, key, "rotted") == adapters["expected"]["all-r8"]
 
 
+def test_a_route_does_not_answer_a_call_of_an_adapter_whose_stored_copy_is_damaged(
+        demo_engine, adapters, tmp_path):
+    """`route:adapter` on a damaged copy with none to replace it fails as a call to the adapter
+    does (500 naming the damage); another tier answered it, without the adapter, at its price."""
+    from routing.routes import parse_routes
+    from tests.conftest import serve_gateway
+    from tests.helpers import damage_adapter_files
+
+    engines = {DEMO_MODEL: demo_engine, "large": demo_engine}
+    routes = parse_routes({"keep": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob",
+                                    "threshold": 0.0}}, engines)
+    with serve_gateway(engines, tmp_path, routes=routes) as server:
+        key = server.new_tenant("rotting")
+        digest = upload(server, key, "bot", unique_files(adapters["all-r8"])).json()["digest"]
+        damage_adapter_files(server.app.state.gateway.blobs.path(digest))
+        replies = [httpx.post(server.url + "/v1/completions", headers=auth(key), timeout=60,
+                              json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+                   for model in ("bot", "keep:bot")]
+        stats = server.engine_metrics()
+    direct, routed = replies
+    assert (direct.status_code, routed.status_code) == (500, 500), routed.text
+    assert routed.json() == direct.json()
+    message = routed.json()["error"]["message"]
+    assert "the adapter's stored copy holds files of digest " in message, message
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("gone", ["tenant made anew", "key revoked", "admin's tenant made anew"])
 def test_an_upload_whose_tenant_or_key_went_while_it_streamed_stores_nothing(server, tenant, adapters,
                                                                              gone):
