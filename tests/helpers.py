@@ -7,12 +7,14 @@ tests/test_sgmv.py must set TRITON_INTERPRET before triton is first imported dur
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import gc
 import itertools
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -303,3 +305,21 @@ def fill_volume(folder: Path) -> Path:
             if error.errno != errno.ENOSPC:
                 raise
     return filler
+
+
+class HeldEngine:
+    """`engine`, whose first request waits for `resume` once it has come (`arrived`)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.arrived, self.resume = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def generate(self, *args, **kwargs):
+        if not self.arrived.is_set():
+            self.arrived.set()
+            await asyncio.to_thread(self.resume.wait, 30)
+        async for chunk in self._engine.generate(*args, **kwargs):
+            yield chunk

@@ -30,7 +30,7 @@ from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
                             logged_status)
-from tests.helpers import fill_volume, hf_greedy, make_peft_model, small_volume, use_up_inodes
+from tests.helpers import HeldEngine, fill_volume, hf_greedy, make_peft_model, small_volume, use_up_inodes
 from tests.test_gateway_metrics import sample
 from tests.test_gateway_routing import eventually
 from tests.redis_server import redis_server, start_redis_server, stop_redis_server  # noqa: F401
@@ -984,24 +984,6 @@ class _CountingEngine:
         return self._engine.generate(*args, **kwargs)
 
 
-class _HeldEngine:
-    """`engine`, whose first request waits for `resume` once it has come (`arrived`)."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-        self.arrived, self.resume = threading.Event(), threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    async def generate(self, *args, **kwargs):
-        if not self.arrived.is_set():
-            self.arrived.set()
-            await asyncio.to_thread(self.resume.wait, 30)
-        async for chunk in self._engine.generate(*args, **kwargs):
-            yield chunk
-
-
 @pytest.mark.parametrize("model", ["bot", "fast:bot"])
 def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found(
         demo_engine, adapters, tmp_path, model):
@@ -1013,7 +995,7 @@ def test_a_call_whose_adapter_is_deleted_before_the_engine_reads_it_is_not_found
     from routing.routes import parse_routes
     from tests.conftest import serve_gateway
 
-    engine = _HeldEngine(demo_engine)
+    engine = HeldEngine(demo_engine)
     engines = {DEMO_MODEL: engine, "large": demo_engine}
     routes = parse_routes({"fast": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob",
                                     "threshold": 0.0}}, engines)

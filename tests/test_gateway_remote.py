@@ -1430,9 +1430,9 @@ def test_a_call_whose_model_the_gateway_stops_serving_meanwhile_is_still_answere
     """A worker leaves while answering a call, and the gateway stops serving the model (its TTL
     passed) before the answer ends: the call still gets it, as billed (its logprobs once looked
     the model up again by name: a 500 with a KeyError)."""
-    from tests.test_gateway_adapters import _HeldEngine
+    from tests.helpers import HeldEngine
 
-    engine = _HeldEngine(demo_engine)
+    engine = HeldEngine(demo_engine)
     with serve_gateway({}, tmp_path / "gateway", workers_url=redis_url,
                        load_tokenizer=lambda folder: None, worker_model_ttl_s=0.001) as server, \
             ThreadPoolExecutor(2) as pool:
