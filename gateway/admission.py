@@ -16,12 +16,14 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 from gateway.errors import ApiError
 from store import UNAVAILABLE_ERRORS, RateDecision, Reservation, Store, StoreUnavailable, Tenant, refund_rate
 from store.limits import SPEND_TOLERANCE_USD, budget_left
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 # A hold lapses this long after its last renewal, so the budget a gateway that died mid-call held
@@ -58,14 +60,18 @@ class Admission:
                 logger.warning("could not renew the budget hold of tenant %s", self._reservation.tenant,
                                exc_info=True)
 
-    async def settle(self, tokens_in: int, tokens_out: int, spend_usd: float) -> None:
+    async def settle(self, tokens_in: int, tokens_out: int, spend_usd: float,
+                     on_billed: Callable[[], None] = lambda: None) -> None:
         """Bill the real counts, release the hold and leave the tpm bucket paid the tokens used:
         give it back those held for but not used, or pay those used beyond the hold. Runs as its
         own task, so a cancelled caller (a client that disconnected) still bills what was
         generated. Returns once billed, or once the store refused the first try: the tries after
-        it (see _retried) go on in that task, and must not hold back an answer that is ready."""
+        it (see _retried) go on in that task, and must not hold back an answer that is ready.
+        `on_billed` runs once the store billed the tenant: not when it billed nothing, the
+        tenant having been deleted meanwhile, nor when it could not be reached."""
         retrying = asyncio.Event()
-        await self._finally(self._settle(tokens_in, tokens_out, spend_usd, retrying), retrying)
+        await self._finally(self._settle(tokens_in, tokens_out, spend_usd, on_billed, retrying),
+                            retrying)
 
     async def withdraw(self, *, refund_requests: bool) -> None:
         """End a call that used nothing: drop its hold, billing and counting nothing, and give
@@ -87,14 +93,15 @@ class Admission:
             waiting.cancel()
 
     async def _settle(self, tokens_in: int, tokens_out: int, spend_usd: float,
-                      retrying: asyncio.Event) -> None:
+                      on_billed: Callable[[], None], retrying: asyncio.Event) -> None:
         reservation = self._reservation
         usage = (f"usage of tenant {reservation.tenant!r} for {reservation.month}: {tokens_in} "
                  f"prompt tokens, {tokens_out} output tokens, {spend_usd:.6f} USD")
         try:
-            await _retried("settle a call", reservation.tenant, retrying, UNAVAILABLE_ERRORS,
-                           lambda: self._store.settle(reservation, tokens_in=tokens_in,
-                                                      tokens_out=tokens_out, spend_usd=spend_usd))
+            billed = await _retried(
+                "settle a call", reservation.tenant, retrying, UNAVAILABLE_ERRORS,
+                lambda: self._store.settle(reservation, tokens_in=tokens_in, tokens_out=tokens_out,
+                                           spend_usd=spend_usd))
         except asyncio.CancelledError:  # a shutdown that could wait no longer (wait_for_settles)
             # NOTE: a write under way (on SQLite's worker thread) may still commit.
             logger.error("shut down before the store confirmed the settle of a call, which may not "
@@ -103,6 +110,8 @@ class Admission:
         except Exception:  # the hold lapses on its own; billing must not fail the response
             logger.exception("could not settle a call, which is not billed: %s", usage)
             return
+        if billed:
+            on_billed()
         unused = reservation.tokens - tokens_in - tokens_out  # below 0: used beyond
         if unused != 0:
             try:
@@ -123,7 +132,7 @@ class Admission:
 
 async def _retried(what: str, tenant: str, retrying: asyncio.Event,
                    retried_errors: tuple[type[Exception], ...],
-                   write: Callable[[], Awaitable[None]]) -> None:
+                   write: Callable[[], Awaitable[_T]]) -> _T:
     """`write()`, tried again for about a minute (`retrying` set from the first failure) while it
     fails with one of `retried_errors`: a call that ended during another process's long write, or
     while Redis restarted, must still be billed, or given back what it held. StoreUnavailable
@@ -131,8 +140,7 @@ async def _retried(what: str, tenant: str, retrying: asyncio.Event,
     count once however often they are made (store.Store.settle, release) retry on those."""
     for wait_s in (*SETTLE_RETRY_WAITS_S, None):
         try:
-            await write()
-            return
+            return await write()
         except retried_errors as error:
             if wait_s is None:
                 raise
@@ -140,6 +148,7 @@ async def _retried(what: str, tenant: str, retrying: asyncio.Event,
                            error, wait_s)
             retrying.set()
             await asyncio.sleep(wait_s)
+    raise AssertionError("the last try raises")  # pragma: no cover
 
 
 async def _refund_retried(store: Store, tenant: Tenant, requests: int, tokens: int,

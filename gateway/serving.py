@@ -431,21 +431,25 @@ def _uses_of(state: GatewayState, attempts: list[Attempt]) -> list[_Use]:
 
 async def _bill(request: Request, admission: Admission, tenant: str, uses: list[_Use], *,
                 refused: bool = False) -> None:
-    """Count a call's tokens and spend under the models that used them, then charge their sum to
-    its tenant: the one place a call is billed. A call that used no tokens is neither billed nor
-    counted as a request, and, when `refused` (it got an error: the engine refused it or failed
-    before starting it), does not count against rpm either, as the gateway's own 400s do not."""
+    """Charge the sum of a call's tokens and spend to its tenant, and count them under the models
+    that used them once the store billed them: the one place a call is billed. A call that used
+    no tokens is neither billed nor counted as a request, and, when `refused` (it got an error:
+    the engine refused it or failed before starting it), does not count against rpm either, as
+    the gateway's own 400s do not."""
     if not any(use.tokens_in or use.tokens_out for use in uses):
         await admission.withdraw(refund_requests=refused)
         return
     metrics = gateway_state(request).metrics
-    for use in uses:
-        metrics.count_tokens(tenant, use.model, use.tokens_in, use.tokens_out)
-        metrics.spend.inc(use.cost_usd, tenant=tenant, model=use.model)
+
+    def count() -> None:  # NOTE: not for a tenant deleted meanwhile: its call billed no one
+        for use in uses:
+            metrics.count_tokens(tenant, use.model, use.tokens_in, use.tokens_out)
+            metrics.spend.inc(use.cost_usd, tenant=tenant, model=use.model)
+
     tokens_in, tokens_out = sum(u.tokens_in for u in uses), sum(u.tokens_out for u in uses)
     request.state.prompt_tokens = tokens_in
     request.state.completion_tokens = tokens_out
-    await admission.settle(tokens_in, tokens_out, sum(u.cost_usd for u in uses))
+    await admission.settle(tokens_in, tokens_out, sum(u.cost_usd for u in uses), on_billed=count)
 
 
 async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: str,

@@ -152,9 +152,10 @@ class Store(Protocol):
 
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
-    ) -> None:
+    ) -> bool:
         """Release the hold and add the request's real counts to its month; call once, or again
-        after a try that failed with one of store.UNAVAILABLE_ERRORS: it bills the call once."""
+        after a try that failed with one of store.UNAVAILABLE_ERRORS: it bills the call once.
+        False if it billed nothing: the tenant was deleted meanwhile (and maybe made anew)."""
 
     async def release(self, reservation: Reservation) -> None:
         """Drop the hold of a call that used nothing, billing and counting nothing; call once

@@ -556,28 +556,32 @@ class RedisStore:
 
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
-    ) -> None:
+    ) -> bool:
         # NOTE: a try whose reply was lost (Redis stopped answering, or restarted, after its
-        # EXEC) may have billed the call: the marker it leaves makes trying again bill it once.
+        # EXEC) may have billed the call: the marker it leaves makes trying again bill it once,
+        # and says whether it billed the tenant ("1") or nothing ("0").
         k = self._keys
         usage, settled = k.usage(reservation.tenant, reservation.month), k.settled(reservation.id)
 
-        async def settle(pipe: Pipeline) -> None:
+        async def settle(pipe: Pipeline) -> bool:
             raw = await pipe.get(k.tenant(reservation.tenant))
-            if await pipe.exists(settled):
-                return
+            marker = await pipe.get(settled)
+            if marker is not None:
+                return marker == "1"
             current = raw is not None and \
                 msgspec.json.decode(raw, type=Tenant).created_at == reservation.tenant_created_at
             pipe.multi()
-            pipe.set(settled, "1", ex=SETTLED_KEPT_S)
+            pipe.set(settled, "1" if current else "0", ex=SETTLED_KEPT_S)
             pipe.hdel(k.holds(reservation.tenant, reservation.month), reservation.id)
             if current:  # else the tenant was deleted meanwhile (and maybe made anew): bill nothing
                 pipe.hincrby(usage, "requests", 1)
                 pipe.hincrby(usage, "tokens_in", tokens_in)
                 pipe.hincrby(usage, "tokens_out", tokens_out)
                 pipe.hincrbyfloat(usage, "spend_usd", spend_usd)
+            return current
 
-        await self._redis.transaction(settle, k.tenant(reservation.tenant), settled)
+        return await self._redis.transaction(settle, k.tenant(reservation.tenant), settled,
+                                             value_from_callable=True)
 
     async def release(self, reservation: Reservation) -> None:
         await self._redis.hdel(self._keys.holds(reservation.tenant, reservation.month),

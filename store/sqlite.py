@@ -555,12 +555,12 @@ class SqliteStore:
 
     async def settle(
         self, reservation: Reservation, *, tokens_in: int, tokens_out: int, spend_usd: float
-    ) -> None:
-        def settle(conn: sqlite3.Connection) -> None:
+    ) -> bool:
+        def settle(conn: sqlite3.Connection) -> bool:
             conn.execute("DELETE FROM reservations WHERE id = ?", (reservation.id,))
             tenant = _get_tenant(conn, reservation.tenant)
             if tenant is None or tenant.created_at != reservation.tenant_created_at:
-                return  # the tenant was deleted meanwhile (and maybe made anew): its usage went too
+                return False  # the tenant was deleted meanwhile (and maybe made anew): its usage went too
             conn.execute(
                 "INSERT INTO usage VALUES (?, ?, 1, ?, ?, ?) ON CONFLICT (tenant, month) DO UPDATE"
                 " SET requests = requests + 1, tokens_in = tokens_in + excluded.tokens_in,"
@@ -568,8 +568,9 @@ class SqliteStore:
                 " spend_usd = spend_usd + excluded.spend_usd",
                 (reservation.tenant, reservation.month, tokens_in, tokens_out, spend_usd),
             )
+            return True
 
-        await self._write(settle)
+        return await self._write(settle)
 
     async def release(self, reservation: Reservation) -> None:
         await self._write(

@@ -1,5 +1,6 @@
 """Prometheus text rendering, and the gateway's /metrics after real traffic."""
 
+import concurrent.futures
 import re
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 
 from gateway.prometheus import Counter, Gauge, Histogram, render
 from tests.conftest import DEMO_MODEL, gateway_server
-from tests.helpers import IdleEngineParts
+from tests.helpers import HeldEngine, IdleEngineParts
 from tests.test_gateway_routing import eventually
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -133,6 +134,39 @@ def test_metrics_after_traffic(server):
     assert "# TYPE switchboard_kv_cache_blocks_capacity gauge" in text
     types = re.findall(r"^# TYPE (\w+) (\w+)$", text, re.MULTILINE)
     assert [name for name, kind in types if name.endswith("_total") and kind != "counter"] == []
+
+
+def test_a_call_of_a_tenant_deleted_meanwhile_is_not_counted_as_billed(demo_engine, tmp_path):
+    """Its store bills no one (the tenant made anew under its name starts from nothing), but
+    /metrics counted its tokens as billed, under the name of the tenant made anew."""
+    engine = HeldEngine(demo_engine)
+    body = {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True}
+    with gateway_server(engine, tmp_path) as server:
+        key = server.new_tenant("renewed")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=60,
+                               headers={"Authorization": f"Bearer {key}"})
+            assert engine.arrived.wait(30)
+            try:
+                assert server.admin("DELETE", "/admin/tenants/renewed").status_code == 200
+                assert server.admin("POST", "/admin/tenants", json={"name": "renewed"}).status_code == 201
+            finally:
+                engine.resume.set()
+            reply = call.result()
+        new_key = server.admin("POST", "/admin/tenants/renewed/keys").json()["key"]
+        again = httpx.post(server.url + "/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": f"Bearer {new_key}"})
+
+        def usage() -> tuple[int, int]:
+            counts = server.admin("GET", "/admin/tenants/renewed").json()["usage"]
+            return counts["tokens_in"], counts["tokens_out"]
+
+        assert eventually(lambda: usage() != (0, 0))
+        billed, text = usage(), server.admin("GET", "/metrics").text
+    assert (reply.status_code, again.status_code) == (200, 200), reply.text
+    assert billed == (3, 5)  # the second call's alone
+    assert sample(text, "switchboard_prompt_tokens_total", tenant="renewed", model=DEMO_MODEL) == 3
+    assert sample(text, "switchboard_generation_tokens_total", tenant="renewed", model=DEMO_MODEL) == 5
 
 
 def test_latency_is_observed_once_per_call_however_many_choices(server):

@@ -309,7 +309,7 @@ def test_a_stream_whose_billing_the_shutdown_deadline_passes_is_one_warning_and_
         async def slow_settle(*args, **kwargs):  # a store slow to answer, until released
             while not released.is_set():
                 await asyncio.sleep(0.01)
-            await settle(*args, **kwargs)
+            return await settle(*args, **kwargs)
 
         monkeypatch.setattr(store, "settle", slow_settle)
         key = server.new_tenant("acme")

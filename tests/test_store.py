@@ -420,7 +420,7 @@ async def test_delete_tenant_cascades(store: Store) -> None:
 async def test_a_tenant_made_anew_under_a_deleted_name_starts_from_nothing(store: Store) -> None:
     old = await make_tenant(store, "acme", monthly_token_budget=100)
     settled = await store.reserve_tokens(old, 30, spend_usd=0.5, now=T0)
-    await store.settle(settled, tokens_in=10, tokens_out=20, spend_usd=0.5)
+    assert await store.settle(settled, tokens_in=10, tokens_out=20, spend_usd=0.5) is True
     in_flight = await store.reserve_tokens(old, 40, now=T0)  # a call still running at the delete
     await store.delete_tenant("acme")
     new = await store.create_tenant(Tenant(name="acme", created_at=T0 + 1, monthly_token_budget=100))
@@ -428,7 +428,9 @@ async def test_a_tenant_made_anew_under_a_deleted_name_starts_from_nothing(store
     assert (empty.requests, empty.tokens_in, empty.tokens_out, empty.spend_usd) == (0, 0, 0, 0.0)
     assert (empty.reserved_tokens, empty.reserved_spend_usd) == (0, 0.0)
     assert type(empty.spend_usd) is type(empty.reserved_spend_usd) is float
-    await store.settle(in_flight, tokens_in=10, tokens_out=30, spend_usd=0.1)  # bills nothing now
+    # Bills nothing now, and says so (tried again, as after a lost reply, too).
+    for _ in range(2):
+        assert await store.settle(in_flight, tokens_in=10, tokens_out=30, spend_usd=0.1) is False
     assert (await store.get_usage("acme", now=T0)).requests == 0
     assert await store.reserve_tokens(new, 100, now=T0) is not None  # the whole budget is its own
 
@@ -829,7 +831,7 @@ async def test_a_redis_settle_whose_reply_was_lost_bills_once_when_tried_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Redis stopped answering after it ran the settle's transaction: trying again must not bill
-    the call twice."""
+    the call twice, and says it billed it (for /metrics to count it once)."""
     server = PersistentRedisServer(tmp_path)
     store = await RedisStore.open(server.url)
     try:
@@ -838,15 +840,17 @@ async def test_a_redis_settle_whose_reply_was_lost_bills_once_when_tried_again(
         transaction, lost = store._redis.transaction, []
 
         async def reply_lost(*args, **kwargs):
-            await transaction(*args, **kwargs)
+            value = await transaction(*args, **kwargs)
             if not lost:
                 lost.append(True)
                 raise redis.ConnectionError("Connection closed by server.")
+            return value
 
         monkeypatch.setattr(store._redis, "transaction", reply_lost)
-        await admission.settle(10, 20, 0.0)
+        counted = []
+        await admission.settle(10, 20, 0.0, on_billed=lambda: counted.append(True))
         await wait_for_settles(60)
-        assert lost
+        assert lost and counted == [True]
         usage = await store.get_usage("acme")
         assert (usage.requests, usage.tokens_in, usage.tokens_out, usage.reserved_tokens) == (1, 10, 20, 0)
     finally:
