@@ -92,7 +92,8 @@ def check_default_route_allowed(allowed_models: Collection[str] | None,
             default_route not in allowed_models:
         raise InvalidSetting("default_route", f"default_route {default_route!r} is not among the "
                              f"tenant's allowed_models ({', '.join(allowed_models) or 'none'}); add "
-                             "it to them, or name a route they hold")
+                             "it to them, or change default_route to a route they hold or to null "
+                             "(the server's default route)")
 
 
 def with_settings(tenant: Tenant, changes: dict[str, object]) -> Tenant:

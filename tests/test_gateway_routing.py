@@ -560,12 +560,13 @@ def test_a_tenant_s_default_route_the_server_no_longer_declares_gives_way_to_the
         engines, tmp_path, caplog):
     """Restarted without the route a tenant's `auto` meant, the server gives the tenant its own
     default route (the tenant's `auto` was a 404 and left out of /v1/models), and logs a warning
-    saying what to change."""
+    saying what to change. A change of its allowed_models that leaves out the old route is refused
+    saying how to clear it (it said to add the route to them, which is refused as not served)."""
     declared = {"auto": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.5},
                 "three": {"tiers": ["small", "medium", "large"], "threshold": 0.5}}
     with serve_gateway(engines, tmp_path, routes=parse_routes(declared, engines),
                        default_route="auto") as before:
-        _, key = new_tenant(before, default_route="three")
+        name, key = new_tenant(before, default_route="three")
         assert complete(before, key, "hard one").headers["x-switchboard-route"] == "three"
     del declared["three"]
     with caplog.at_level(logging.WARNING, logger="gateway.shadowing"), serve_gateway(
@@ -573,6 +574,12 @@ def test_a_tenant_s_default_route_the_server_no_longer_declares_gives_way_to_the
             default_route="auto") as after:
         answer = complete(after, key, "hard one")
         listed = httpx.get(after.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        narrowed = after.admin("PATCH", f"/admin/tenants/{name}", json={"allowed_models": ["auto"]})
+        cleared = after.admin("PATCH", f"/admin/tenants/{name}",
+                              json={"allowed_models": ["auto"], "default_route": None})
+    assert narrowed.status_code == 400 and "or to null (the server's default route)" in \
+        narrowed.json()["error"]["message"], narrowed.text
+    assert cleared.status_code == 200, cleared.text
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-switchboard-route"] == "auto"
     assert "auto" in [m["id"] for m in listed.json()["data"]]
