@@ -567,7 +567,9 @@ def _wait_for_store(config: ServeConfig) -> str | None:
 
 def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:
     """Why the SQLite store at `url` (None: the default one in `data_dir`) cannot be used, naming
-    the setting that chose it (None: it can, or `url` is not SQLite)."""
+    the setting that chose it (None: it can, or `url` is not SQLite). One locked by another
+    process now (a backup, say) is no problem yet: _wait_for_store waits for it once the models
+    are loaded (this exited 2 at once)."""
     import asyncio
 
     from store import UNAVAILABLE_ERRORS, StoreError, open_store
@@ -580,8 +582,11 @@ def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:
 
     try:
         asyncio.run(open_and_close())
-    except (StoreError, *UNAVAILABLE_ERRORS) as error:
+    except StoreError as error:
         return f"{_store_option(url)}: {error}"
+    except UNAVAILABLE_ERRORS as error:
+        logger.warning("cannot use the store now (%s); it is waited for once the models are loaded",
+                       error)
     return None
 
 

@@ -691,13 +691,19 @@ def _lock_once_loaded(monkeypatch, store_file: Path) -> sqlite3.Connection:
     return other
 
 
-def test_a_store_locked_once_the_models_are_loaded_is_waited_for(demo_model_dir, tmp_path,
-                                                                 monkeypatch, caplog):
+@pytest.mark.parametrize("locked", ["once loaded", "at start"])
+def test_a_store_locked_for_seconds_is_waited_for(demo_model_dir, tmp_path, monkeypatch, caplog,
+                                                  locked):
     """A lock held for seconds once the models are loaded (minutes for a large one) failed the
-    start with a traceback and exit status 3."""
+    start with a traceback and exit status 3; one held as `serve` started, with exit status 2."""
     from gateway.http_server import Server
 
-    other = _lock_once_loaded(monkeypatch, tmp_path / "switchboard.db")
+    if locked == "once loaded":
+        other = _lock_once_loaded(monkeypatch, tmp_path / "switchboard.db")
+    else:
+        other = sqlite3.connect(tmp_path / "switchboard.db", isolation_level=None,
+                                check_same_thread=False)
+        other.execute("BEGIN IMMEDIATE")
     real_run = Server.run
 
     def run_then_stop(self, sockets=None):  # the server starts, then stops as on a Ctrl-C
