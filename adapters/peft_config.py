@@ -192,7 +192,9 @@ def _layer_index(key: str, layers_pattern: tuple[re.Pattern, ...]) -> int | None
     # PEFT's regexes: the first numbered path segment, or the one after a layers_pattern name.
     for pattern in layers_pattern or (_ANY_LAYER_REGEX,):
         if match := pattern.match(key):
-            return int(match["idx"])
+            # NOTE: None where a `|` in the pattern let a branch without the index match (PEFT:
+            # the module is not targeted, and the search ends there too).
+            return None if match["idx"] is None else int(match["idx"])
     return None
 
 

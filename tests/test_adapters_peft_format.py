@@ -86,6 +86,9 @@ def test_rank_and_alpha_patterns(tmp_path):
     (dict(target_modules=["q_proj", "v_proj"], layers_to_transform=[0], layers_pattern=""),
      {(0, "q_proj"), (0, "v_proj")}),
     (dict(target_modules=["q_proj"], layers_to_transform=[1], layers_pattern=[]), {(1, "q_proj")}),
+    # A `|` lets a branch without the layer index match: that module is not targeted (a 500 here).
+    (dict(target_modules=["q_proj", "down_proj"], layers_to_transform=[0],
+          layers_pattern="self_attn|model.layers"), {(0, "down_proj")}),
 ])
 def test_target_modules_give_exact_module_set(tmp_path, kwargs, expected):
     model = save_peft_adapter(tmp_path, **kwargs)
