@@ -7,11 +7,12 @@ kept the stream goes on from there with nothing run twice. An escalated tier is 
 tokens are still billed. A tier whose engine fails is escalated past too (and so is one that
 refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
 fallback; not one whose adapter cannot run (deleted while the call waited, made for a model no
-longer served, or its files damaged beyond repair): the call asked for that adapter, so it ends as a call to it would. If the last
-tier fails too before its first token, the tier escalated past that was
-surest of its answer answers after all: that one is aborted only once a later tier answers, and
-its answer is read on meanwhile (the engine makes it anyway), so the tokens it made are billed
-(all but one its engine may be making as it is aborted, as for any request stopped midway).
+longer served, or its files damaged beyond repair): the call asked for that adapter, so it ends
+as a call to it would. If the last tier fails too before its first token, the tier escalated past
+that was surest of its answer answers after all: that one is aborted only once a later tier
+answers, and its answer is read on meanwhile (the engine makes it anyway), so the tokens it made
+are billed (all but one its engine may be making as it is aborted, as for any request stopped
+midway).
 Tiers that cannot serve the call are left out (their context cannot hold the prompt and its
 answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
 are those whose engine cannot take it now (no worker of their model is up): the last tier that
