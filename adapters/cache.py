@@ -217,6 +217,11 @@ class AdapterCache:
         """Adapters in device slots, least recently acquired first."""
         return list(self._resident)
 
+    def loading_ids(self) -> set[str]:
+        """Adapters whose load from storage has not finished (its loader thread may still ask
+        the loader for their folder)."""
+        return {adapter_id for adapter_id, future in self._staged.items() if not future.done()}
+
     def in_use(self) -> dict[str, int]:
         """Adapters that requests hold (acquired, not yet released), with how many hold each."""
         return dict(self._refcounts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Iterable
@@ -78,6 +79,7 @@ class EngineMetrics:
 @dataclass
 class _OutputState:
     detokenizer: IncrementalDetokenizer | None
+    adapter_id: str | None = None
     num_logprobs_sent: int = 0
     sent_prompt_logprobs: bool = False
 
@@ -103,7 +105,10 @@ class LLMEngine:
         self.model = load_model(config.model, dtype, device, max_positions=max_len,
                                 show_progress=show_progress)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # NOTE: an adapter's folder is kept while a request uses it, not after: every version of
+        # every tenant's adapter passes through a long-running engine.
         self._adapter_paths: dict[str, Path] = {}
+        self._adapter_uses: collections.Counter[str] = collections.Counter()
         self.adapter_cache = None
         if config.lora is not None:
             self.adapter_cache = AdapterCache(config.lora, self.spec, dtype, device,
@@ -148,12 +153,14 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
                                                  params.include_stop_str_in_output, self._decoded_bytes,
                                                  self._special_ids)
-        self._outputs[request_id] = _OutputState(detokenizer)
+        self._outputs[request_id] = _OutputState(detokenizer, lora.adapter_id if lora else None)
+        if lora is not None:
+            self._adapter_uses[lora.adapter_id] += 1
         return request
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its KV blocks. False if it was not running."""
-        self._outputs.pop(request_id, None)
+        self._forget_output(request_id)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -216,7 +223,7 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_STOPPED
         finished = request.is_finished
         if finished:
-            del self._outputs[request.request_id]
+            self._forget_output(request.request_id)
         new_logprobs = request.output_logprobs[state.num_logprobs_sent:]
         state.num_logprobs_sent = len(request.output_logprobs)
         prompt_logprobs = None
@@ -237,8 +244,23 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
         )
 
+    def _forget_output(self, request_id: str) -> None:
+        """Drop what outputs a request that ended needed, and the folders of adapters no request
+        uses and no load reads any more (a request that comes later names its folder again)."""
+        state = self._outputs.pop(request_id, None)
+        if state is None or state.adapter_id is None:
+            return
+        self._adapter_uses[state.adapter_id] -= 1
+        if self._adapter_uses[state.adapter_id] > 0:
+            return
+        del self._adapter_uses[state.adapter_id]
+        # NOTE: a load started for a request that left may not have asked for its folder yet.
+        loading = self.adapter_cache.loading_ids() if self.adapter_cache is not None else set()
+        for adapter_id in self._adapter_paths.keys() - self._adapter_uses.keys() - loading:
+            del self._adapter_paths[adapter_id]
+
     def _error_output(self, request: Request) -> RequestOutput:
-        self._outputs.pop(request.request_id, None)
+        self._forget_output(request.request_id)
         return RequestOutput(request.request_id, [], "", [], finished=True, finish_reason="error",
                              stop_reason=None, num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens,

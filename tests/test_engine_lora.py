@@ -254,6 +254,8 @@ def test_random_arrivals_aborts_and_preemptions_stay_exact_and_leak_nothing(setu
     assert metrics.adapter_disk_loads <= 2 * metrics.adapter_page_ins
     assert metrics.kv_blocks_free == metrics.kv_blocks_total and metrics.num_running == 0
     assert engine.adapter_cache.in_use() == {}
+    # Nor the folder of an adapter no request uses (kept, every adapter ever run was).
+    assert engine._adapter_paths == {}
 
 
 def _hold_loads(engine: LLMEngine, only: str | None = None) -> threading.Event:
