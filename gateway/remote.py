@@ -177,8 +177,12 @@ class WorkerPool:
             if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
                 self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)
         self.workers = {r.id: r for r in records}
-        # NOTE: a stream still opening to a worker gone holds its own reference.
+        # NOTE: a stream still opening to a worker gone holds its own reference. Each worker
+        # started takes a new id: those of workers gone are forgotten, but for requests still
+        # placed on them (counted down as they end).
         self._opening = {i: bound for i, bound in self._opening.items() if i in self.workers}
+        self._inflight_at_beat = {i: n for i, n in self._inflight_at_beat.items() if i in self.workers}
+        self.inflight = {i: n for i, n in self.inflight.items() if n or i in self.workers}
         self._down = {i: beat for i, beat in self._down.items()
                       if i in self.workers and self.workers[i].beat_at <= beat}
         # The models to serve, each with the digest of the tokenizer to read its prompts with.

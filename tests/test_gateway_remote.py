@@ -353,6 +353,25 @@ def test_a_burst_is_placed_by_this_gateways_live_counts_not_a_stale_heartbeat(tm
     asyncio.run(pool.http.aclose())
 
 
+def test_the_counts_of_workers_gone_are_forgotten(tmp_path):
+    """Each worker started takes a new id: a gateway kept counts of every worker it ever saw."""
+    from gateway.remote import WorkerPool
+
+    registry = _Registry()
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, {})
+    registry.records = [_record("old", 0, 1.0), _record("gone", 0, 1.0)]
+    asyncio.run(pool.refresh())
+    with pool.placed_on("old"):
+        pass
+    with pool.placed_on("gone"):
+        registry.records = [_record("new", 0, 2.0)]  # a rolling restart
+        asyncio.run(pool.refresh())
+        assert pool.inflight == {"gone": 1}  # a request still placed there is counted down
+    asyncio.run(pool.refresh())
+    assert (pool.inflight, pool._inflight_at_beat) == ({}, {"new": 0})
+    asyncio.run(pool.http.aclose())
+
+
 def _upload_for_ghost(redis_url: str, folder: Path) -> httpx.Response:
     """An upload for GHOST through a gateway over the workers in the Redis at `redis_url`."""
     with serve_gateway({}, folder, store_url=redis_url, workers_url=redis_url,
