@@ -8,11 +8,11 @@ tokens are still billed. A tier whose engine fails is escalated past too (and so
 refuses the request, or answers without logprobs, which cannot be judged), so the last tier is the
 fallback; not one whose adapter cannot run (deleted while the call waited, made for a model no
 longer served, or its files damaged beyond repair): the call asked for that adapter, so it ends
-as a call to it would. If the last tier fails too before its first token, the tier escalated past
-that was surest of its answer answers after all: that one is aborted only once a later tier
-answers, and its answer is read on meanwhile (the engine makes it anyway), so the tokens it made
-are billed (all but one its engine may be making as it is aborted, as for any request stopped
-midway).
+as a call to it would. If the last tier fails too before its first token (a whole answer: before
+its last, as none of it has reached the client), the tier escalated past that was surest of its
+answer answers after all: that one is aborted only once a later tier answers, and its answer is
+read on meanwhile (the engine makes it anyway), so the tokens it made are billed (all but one its
+engine may be making as it is aborted, as for any request stopped midway).
 Tiers that cannot serve the call are left out (their context cannot hold the prompt and its
 answer, or they do not serve its options, as an upstream asked for the prompt's logprobs), and so
 are those whose engine cannot take it now (no worker of their model is up): the last tier that
@@ -93,11 +93,13 @@ async def run_cascade(route: CascadeRoute, steps: list[tuple[int, Tier]], ask: A
             chunks: list[GenerationChunk] = []  # NOTE: filled as they come, so a cut-off tier is billed
             if threshold is None:
                 # Unless it is the last tier with none passed over to fall back on, this one
-                # must start first: if it fails before its first token (its model's last worker
-                # just went down), the call is the tier's held, or the next tier scores it (one
-                # that only scores its prompt), rather than an error after billing the others.
+                # must start first (a whole answer: end first, as nothing reaches the client
+                # before): if it fails before (its model's last worker just went down), the call
+                # is the tier's held, or the next tier scores it (one that only scores its
+                # prompt), rather than an error after billing the others.
                 if (is_last and fallback is None) or await _first_chunks(
-                        tier, stream, 1, chunks, attempts, None, None, guard):
+                        tier, stream, 1 if streamed else None, chunks, attempts, None, None,
+                        guard):
                     attempts.append(Attempt(tier.model, None, None, 0, 0))  # counted when it finishes
                     return CascadeOutcome(tier, _replay(chunks, stream))
                 if fallback is not None:
@@ -215,12 +217,13 @@ def _score(route: CascadeRoute, tier: Tier, chunks: list[GenerationChunk],
 
 
 async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
-                            score: float | None, threshold: float | None, request_id: str,
-                            tenant: str | None,
+                            streamed: bool, score: float | None, threshold: float | None,
+                            request_id: str, tenant: str | None,
                             guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
     """Run the one prompt of `ask` on the first of `tiers` (those that can serve it),
-    unless its engine fails or refuses before the first token: then on the next (a learned
-    route's other tier). Each tier run goes into `attempts`, the one that answers too; the first
+    unless its engine fails or refuses before the first token (before the last, when the answer
+    is not streamed: none of it has reached the client): then on the next (a learned route's
+    other tier). Each tier run goes into `attempts`, the one that answers too; the first
     with `score` and `threshold`, what the router judged of the prompt to pick it (None when
     the pick cannot serve the call: it was left out, so the first tier is not the one judged)."""
     for step, tier in enumerate(tiers):
@@ -229,8 +232,8 @@ async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt]
         stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
                               tenant=tenant)
         chunks: list[GenerationChunk] = []
-        if step == len(tiers) - 1 or await _first_chunks(tier, stream, 1, chunks, attempts,
-                                                         *judged, guard):
+        if step == len(tiers) - 1 or await _first_chunks(
+                tier, stream, 1 if streamed else None, chunks, attempts, *judged, guard):
             attempts.append(Attempt(tier.model, *judged, 0, 0))  # counted when it finishes
             return CascadeOutcome(tier, _replay(chunks, stream))
     raise AssertionError("the last tier always answers")  # pragma: no cover

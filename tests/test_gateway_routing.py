@@ -56,6 +56,7 @@ class ScriptedTier(IdleEngineParts):
         self.fail = False
         self.down = False  # no engine up, as a model none of whose workers is up
         self.stall_after: int | None = None  # tokens after which answers wait to be aborted
+        self.fail_after: int | None = None  # tokens after which answers fail (the engine died)
         self.stalled = threading.Event()  # set once an answer waits there
         self.start_after: threading.Event | None = None  # answers wait for it to start
         self.started: list[str] = []  # request ids, in order
@@ -99,6 +100,8 @@ class ScriptedTier(IdleEngineParts):
                 if i == self.stall_after:
                     self.stalled.set()
                     await asyncio.Event().wait()  # until the gateway aborts the request
+                if i == self.fail_after:
+                    raise EngineFailure(f"{self.name} died midway")
                 finished = i == options.max_tokens - 1
                 logprobs = [] if options.logprobs is None else [
                     TokenLogprob(ord(self.letter), logprob, [(ord(self.letter), logprob)])]
@@ -201,6 +204,7 @@ def chatml_routed(demo_engine, chatml_engine, tmp_path_factory) -> Iterator[Gate
 def healthy(engines):
     for engine in engines.values():
         engine.fail, engine.down, engine.stall_after, engine.start_after = False, False, None, None
+        engine.fail_after = None
         engine.stalled.clear()
 
 
@@ -386,11 +390,11 @@ def test_a_failing_tier_falls_back_to_the_next_and_the_last_fails_cleanly(routed
 
 
 def answer_text(response: httpx.Response) -> str:
-    """The text of a completion, whole or streamed."""
+    """The text of a completion, whole or streamed (up to an error event)."""
     if response.headers["content-type"].startswith("application/json"):
         return response.json()["choices"][0]["text"]
     return "".join(json.loads(line[6:])["choices"][0]["text"] for line in response.text.splitlines()
-                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+                   if line.startswith("data: {") and json.loads(line[6:]).get("choices"))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -466,6 +470,27 @@ def test_a_cascade_whose_last_tier_fails_before_answering_answers_from_a_tier_it
     assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
 
 
+def test_a_whole_cascade_call_whose_last_tier_fails_midway_answers_from_a_tier_it_passed_over(
+        routed, engines):
+    """None of a whole answer has reached the client before its last token: the held tier
+    answers, and the failed tier's tokens are billed too."""
+    name, key = new_tenant(routed)
+    engines["large"].fail_after = 2
+    response = complete(routed, key, "hard one")
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == "ssss"
+    assert (response.headers["x-switchboard-model"], response.headers["x-switchboard-escalated"]) \
+        == ("small", "true")
+    usage = spend(routed, name)
+    assert (usage["requests"], usage["tokens_in"], usage["tokens_out"]) == (1, 16, 6)
+    assert usage["spend_usd"] == pytest.approx(cost("small", 8, 4) + cost("large", 8, 2))
+    assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
+
+    # A stream has sent the last tier's first tokens: the call ends in an error there, as before.
+    streamed = complete(routed, key, "hard one", stream=True)
+    assert answer_text(streamed) == "ll" and "engine_failure" in streamed.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_learned_route_hands_a_call_its_pick_fails_to_the_other_tier(routed, engines, stream):
     name, key = new_tenant(routed)
@@ -475,6 +500,15 @@ def test_a_learned_route_hands_a_call_its_pick_fails_to_the_other_tier(routed, e
         assert response.status_code == 200, response.text
         assert response.headers["x-switchboard-model"] == answering
         engines[down].fail = False
+    # Midway: a whole answer has sent nothing yet, so the other tier answers it.
+    engines["large"].fail_after = 2
+    midway = complete(routed, key, "hard 1000", model="learned", stream=stream)
+    if stream:
+        assert answer_text(midway) == "ll" and "engine_failure" in midway.text
+    else:
+        assert midway.status_code == 200, midway.text
+        assert (answer_text(midway), midway.headers["x-switchboard-model"]) == ("ssss", "small")
+    engines["large"].fail_after = None
     engines["small"].fail = engines["large"].fail = True
     metrics = routed.app.state.gateway.metrics
 
