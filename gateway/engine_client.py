@@ -199,12 +199,23 @@ class RequestRejected(ValueError):
 
 class CannotServe(RequestRejected):
     """This model cannot serve the call as asked, though another model may: a route runs the
-    call on its tiers that can (ContextExceeded, OptionNotServed)."""
+    call on its tiers that can (ContextExceeded, OptionNotServed, ChatNotServed)."""
 
 
 class ContextExceeded(CannotServe):
     """The call cannot fit the model's context: its prompt alone (`param` "prompt"), or with its
     answer's max_tokens ("max_tokens"). A model with a longer context may hold it."""
+
+
+class ChatNotServed(CannotServe):
+    """The model's chat template refuses the chat (`param` "prompt"), as Mistral's first
+    templates refuse a system message, for `reason`; another model's template may take it."""
+
+    def __init__(self, reason: str, model: str | None = None):
+        self.reason = reason
+        whose = "the model's" if model is None else f"{model!r}'s"
+        super().__init__(f"{whose} chat template rejected the messages: {reason}; send a chat "
+                         "it takes, or call another model", "prompt")
 
 
 class OptionNotServed(CannotServe):

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway.engine_client import (AdapterRef, AdapterRejected, AdapterUnusable, ContextExceeded,
-                                   DamagedAdapterCopy, EngineClient, EngineFailure, EngineStopped,
-                                   EngineUnavailable, GenerationChunk, OptionNotServed,
-                                   RequestRejected, SamplingOptions, TokenLogprob,
+from gateway.engine_client import (AdapterRef, AdapterRejected, AdapterUnusable, ChatNotServed,
+                                   ContextExceeded, DamagedAdapterCopy, EngineClient, EngineFailure,
+                                   EngineStopped, EngineUnavailable, GenerationChunk,
+                                   OptionNotServed, RequestRejected, SamplingOptions, TokenLogprob,
                                    WorkersOutOfSpace)
 from gateway.metrics import LatencyMetrics
 from gateway.protocol import MAX_LOGPROBS
@@ -115,8 +115,9 @@ class Ask:
     def read(self, tier: Tier) -> list[Reading]:
         """Each prompt as `tier` reads it, with the options of its answer there. OptionNotServed,
         before any prompt is tokenized, if the tier does not serve the options; RequestRejected
-        if it cannot read a prompt; ContextExceeded as soon as one cannot fit its context, before
-        the prompts after it are tokenized (a call's other prompts cannot save it)."""
+        if it cannot read a prompt (ChatNotServed: its chat template refuses the chat);
+        ContextExceeded as soon as one cannot fit its context, before the prompts after it are
+        tokenized (a call's other prompts cannot save it)."""
         tier.engine.check_options(self.options)
         # NOTE: an engine whose tokens are the text's bytes (an upstream) names the tokens of its
         # logprobs by ids of this gateway's own, which mean nothing to the model (nor to
@@ -128,7 +129,10 @@ class Ask:
                                   "return_tokens_as_token_ids")
         readings = []
         for prompt in self.prompts:
-            token_ids = prompt.tokens(tier.engine)
+            try:
+                token_ids = prompt.tokens(tier.engine)
+            except ChatNotServed as error:  # the engine knows no name: the tier's, which a route has
+                raise ChatNotServed(error.reason, tier.model) from None
             max_tokens, fills_context = self.max_tokens, False
             if max_tokens is None:
                 context_left = max(1, tier.engine.max_model_len - len(token_ids))

@@ -12,7 +12,7 @@ import functools
 import re
 from typing import Any
 
-from gateway.engine_client import ContextExceeded, RequestRejected
+from gateway.engine_client import ChatNotServed, ContextExceeded, RequestRejected
 
 _BYTES_PREFIX = "bytes:"
 _ESCAPED_BYTES = re.compile(r"(?:\\x[0-9a-fA-F]{2})+")
@@ -105,7 +105,7 @@ class TextCodec:
             return self._tokenizer.apply_chat_template(messages, tokenize=False,
                                                        add_generation_prompt=True)
         except Exception as error:  # templates raise jinja errors for chats they do not support
-            raise RequestRejected(f"the model's chat template rejected the messages: {error}") from None
+            raise ChatNotServed(str(error)) from None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's raw bytes, from the tokenizer's vocabulary (a special token's: its text;

@@ -945,6 +945,66 @@ def test_a_route_over_tokenizers_that_differ_on_a_special_token_reads_the_prompt
     assert complete(chatml_routed, key, [256, 258, 104, 105], model="chatml").status_code == 200
 
 
+@pytest.fixture(scope="module")
+def strict_routed(demo_engine, router_dir, tmp_path_factory) -> Iterator[GatewayServer]:
+    """Routes from a real model whose chat template refuses a system message (as Mistral's first
+    templates do) to the demo model, whose template takes it: cascade "casc" (escalating every
+    call: no answer is sure of all its tokens) and learned "smart"."""
+    from engine.config import EngineConfig
+    from engine.demo import build_byte_tokenizer
+    from gateway.local_engine import LocalEngineClient
+
+    folder = tmp_path_factory.mktemp("strict")
+    tokenizer = build_byte_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
+    tokenizer.save_pretrained(folder)
+    save_hf_model(make_hf_model(vocab_size=258, bos_token_id=256, eos_token_id=257), folder)
+    strict = LocalEngineClient.load(EngineConfig(model=str(folder), num_kv_blocks=64),
+                                    show_progress=False)
+    engines = {"strict": strict, DEMO_MODEL: demo_engine}
+    routes = parse_routes({
+        "casc": {"tiers": ["strict", DEMO_MODEL], "measure": "min_prob", "threshold": 1.0},
+        "smart": {"kind": "learned", "tiers": ["strict", DEMO_MODEL], "router": str(router_dir)},
+    }, engines)
+    try:
+        with serve_gateway(engines, tmp_path_factory.mktemp("strict-routed"),
+                           routes=routes) as server:
+            yield server
+    finally:
+        strict.close()
+
+
+def test_a_route_leaves_out_a_tier_whose_chat_template_refuses_the_chat(strict_routed):
+    """That model cannot serve the chat, as one whose context cannot hold it: called by name it
+    is a 400 naming it; a route runs the chat on its other tiers, without escalating."""
+    _, key = new_tenant(strict_routed)
+
+    def chat(model: str, messages: list[dict]) -> httpx.Response:
+        return httpx.post(strict_routed.url + "/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": model, "messages": messages, "max_tokens": 3})
+
+    with_system = [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "easy 1000"}]
+    refused = chat("strict", with_system)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["param"]) == (400, "messages"), refused.text
+    assert error["message"].startswith("'strict''s chat template rejected the messages: Only user")
+    for route in ("casc", "smart"):
+        response = chat(route, with_system)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-switchboard-model"] == DEMO_MODEL
+        # (a learned route counts its strong tier answering as escalated)
+        assert response.headers["x-switchboard-escalated"] == str(route == "smart").lower()
+    # A chat the template takes runs on it: the cascade escalates from it.
+    cascaded = chat("casc", with_system[1:])
+    assert (cascaded.headers["x-switchboard-model"],
+            cascaded.headers["x-switchboard-escalated"]) == (DEMO_MODEL, "true")
+
+
 def test_a_tenant_share_recalibrates_the_threshold_on_its_own_traffic(routed):
     _, key = new_tenant(routed, strong_share=0.5)
     # Traffic that is 3/4 hard: the router's own threshold would send 3/4 to the large model.
