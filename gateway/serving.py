@@ -173,7 +173,8 @@ async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target
         target = await resolve_model(state.require_store(), tenant, state.catalog, model)
     except ModelNotFound as error:
         raise model_not_found(model, error.why) from None
-    except ModelNotAllowed:
+    except ModelNotAllowed as error:
+        request.state.model, request.state.model_label = model, error.served
         raise ApiError(403, f"your tenant's policy does not allow the model {quoted(model)}; GET "
                        "/v1/models lists the models and routes you can use", param="model",
                        type="permission_error", code="model_not_allowed") from None

@@ -31,7 +31,12 @@ class ModelNotFound(LookupError):
 
 
 class ModelNotAllowed(PermissionError):
-    """The model or route exists, but the tenant's policy does not allow it."""
+    """The model or route exists, but the tenant's policy does not allow it: `served`, the served
+    model or route that `model` names (an adapter's base model)."""
+
+    def __init__(self, model: str, served: str):
+        super().__init__(model)
+        self.served = served
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,7 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
         raise ModelNotFound(model)
     if route_name in catalog.routes:
         if not may_use(tenant, route_name):
-            raise ModelNotAllowed(model)
+            raise ModelNotAllowed(model, route_name)
         route = catalog.routes[route_name]
         adapter = await _tenant_adapter(store, tenant, name) if sep else None
         if sep and adapter is None:
@@ -149,7 +154,7 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
         return ModelTarget(route.tiers[0], adapter, route)
     if model in catalog.models:
         if not may_use(tenant, model):
-            raise ModelNotAllowed(model)
+            raise ModelNotAllowed(model, model)
         return ModelTarget(model)
     base, name = (head, name) if sep else (None, model)
     if base is not None and base not in catalog.models:
@@ -158,7 +163,7 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
     if adapter is None or base not in (None, adapter.base_model):
         raise ModelNotFound(model)
     if not may_use(tenant, adapter.base_model):
-        raise ModelNotAllowed(model)
+        raise ModelNotAllowed(model, adapter.base_model)
     return ModelTarget(adapter.base_model, adapter)
 
 

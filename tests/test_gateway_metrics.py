@@ -136,6 +136,24 @@ def test_metrics_after_traffic(server):
     assert [name for name, kind in types if name.endswith("_total") and kind != "counter"] == []
 
 
+def test_a_call_a_tenant_s_policy_refuses_is_counted_under_the_model_it_names(server):
+    """A served model or route (an adapter's base model), which the operator controls; a name
+    that means nothing is "-"."""
+    key = server.new_tenant("barred", allowed_models=[])
+    response = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert response.status_code == 403
+
+    def refused() -> float | None:
+        try:
+            return sample(server.admin("GET", "/metrics").text, "switchboard_requests_total",
+                          tenant="barred", model=DEMO_MODEL, status=403)
+        except AssertionError:  # not counted yet
+            return None
+
+    assert eventually(lambda: refused() == 1)
+
+
 def test_a_call_of_a_tenant_deleted_meanwhile_is_not_counted_as_billed(demo_engine, tmp_path):
     """Its store bills no one (the tenant made anew under its name starts from nothing), but
     /metrics counted its tokens as billed, under the name of the tenant made anew."""
