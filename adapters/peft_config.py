@@ -135,10 +135,12 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
             "weights, LoftQ quantizes them), and here adapters share one base model; save a PiSSA, "
             "CorDA or OLoRA adapter as plain LoRA with save_pretrained(..., "
             "path_initial_model_for_weight_conversion=...), or retrain without LoftQ")
-    if (cfg.get("bias") or "none") != "none":
-        raise AdapterValidationError(
-            f"bias={reprlib.repr(cfg['bias'])} trains the base model's biases, which tenants cannot share; "
-            "only bias='none' is supported")
+    # NOTE: bias "all" or "lora_only" is refused by the bias tensors it saves (adapters share the
+    # base model's biases), not by the config: over a model without biases it saves none, and the
+    # adapter is plain LoRA.
+    if (bias := cfg.get("bias")) not in (None, "none", "all", "lora_only"):
+        raise AdapterValidationError(f"bias={reprlib.repr(bias)} is none of PEFT's settings: "
+                                     "'none', 'all' or 'lora_only'")
     # NOTE: fan_in_fan_out is ignored on purpose: PEFT turns it off for nn.Linear targets (all of
     # them here), so A and B are stored [r, in] and [out, r] either way; load_adapter checks shapes.
     regexes = Regexes()

@@ -138,6 +138,22 @@ def test_lora_delta_equals_peft_module_output(tmp_path):
             torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_a_bias_setting_over_a_model_without_biases_is_plain_lora(tmp_path, bias):
+    """PEFT trains and saves the biases such an adapter's base model has: none, here. (A model with
+    biases stores them, which is refused: test_rejection.)"""
+    model = save_peft_adapter(tmp_path, r=4, lora_alpha=8, bias=bias)
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for key, layer in peft_lora_layers(model).items():
+            m = adapter.modules[key]
+            x = torch.randn(6, layer.in_features, generator=gen)
+            ours = layer.base_layer(x) + (x @ m.lora_a.T @ m.lora_b.T) * m.scaling
+            torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
+    assert len(adapter.modules) == len(peft_lora_layers(model)) > 0
+
+
 @pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_a_pissa_or_olora_adapter_saved_as_plain_lora_loads_as_it_was_trained(tmp_path, init):
     """PEFT converts such an adapter (trained over base weights it changed) into plain LoRA of twice
@@ -280,7 +296,8 @@ REJECTIONS = {
     "modules_to_save": (_remake(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
     "embedding": (_remake(target_modules=["embed_tokens", "q_proj"]), "embeddings .* not supported yet"),
     "lm_head": (_remake(target_modules=["lm_head"]), r"lm_head \(lm_head\) is not supported yet"),
-    "bias": (_remake(target_modules=["q_proj"], bias="all"), "bias='all'"),
+    "bias": (_remake(target_modules=["q_proj"], bias="all", model_overrides=dict(attention_bias=True)),
+             r"_proj.bias: bias terms are not supported; train with bias='none'"),
     "lora_bias": (_remake(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
     "rank too large": (_remake(r=32), "rank 32, above this server's max_lora_rank 16"),
     "rank pattern too large": (_remake(rank_pattern={"o_proj": 17}), "o_proj has rank 17"),
