@@ -52,6 +52,8 @@ _UNSUPPORTED_FIELDS = {
                          "LoRA adapter",
 }
 
+_SUB_CONFIGS = {field for field in _UNSUPPORTED_FIELDS if field.endswith("_config")} | {"use_bdlora"}
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -125,8 +127,9 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
             f"peft_type {reprlib.repr(cfg.get('peft_type'))} is not supported: only LoRA adapters "
             "(peft_type LORA) can be served")
     for field, why in _UNSUPPORTED_FIELDS.items():
-        # NOTE: PEFT turns a variant on by any *_config that is not null, {} included.
-        if cfg.get(field) is not None if field.endswith("_config") else cfg.get(field):
+        # NOTE: PEFT turns a variant on by any sub-config (*_config, use_bdlora) that is not null,
+        # {} included.
+        if cfg.get(field) is not None if field in _SUB_CONFIGS else cfg.get(field):
             raise AdapterValidationError(f"{why} ({CONFIG_NAME} has {field}={reprlib.repr(cfg[field])})")
     if _changes_base_weights(init := cfg.get("init_lora_weights")):
         raise AdapterValidationError(

@@ -282,6 +282,7 @@ REJECTIONS = {
     "arrow": (_edit_config(arrow_config={"top_k": 3}), r"arrow_config\) .* has arrow_config=\{'top_k': 3\}"),
     "velora": (_edit_config(velora_config={"rank": 1}), "VeLoRA adapters"),
     "monteclora": (_edit_config(monteclora_config={}), "MonteCLoRA adapters"),
+    "bdlora": (_edit_config(use_bdlora={}), r"block-diagonal LoRA \(use_bdlora\) is not supported"),
     "pissa": (_remake(r=2, init_lora_weights="pissa"), "init_lora_weights='pissa' is not supported"),
     "pissa, fast SVD": (_edit_config(init_lora_weights="pissa_niter_4"), "'pissa_niter_4' is not supported"),
     "olora": (_remake(r=2, init_lora_weights="olora"), "'olora' is not supported"),
