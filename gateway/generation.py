@@ -118,6 +118,11 @@ class Ask:
         if it cannot read a prompt (ChatNotServed: its chat template refuses the chat);
         ContextExceeded as soon as one cannot fit its context, before the prompts after it are
         tokenized (a call's other prompts cannot save it)."""
+        if self.max_tokens is not None and self.options.min_tokens > self.max_tokens:
+            # NOTE: the engine refuses it too, but names max_tokens, which a chat may not have sent.
+            raise RequestRejected(f"min_tokens must be in [0, {self.max_tokens_param}] = "
+                                  f"[0, {self.max_tokens}], got {self.options.min_tokens}",
+                                  "min_tokens")
         tier.engine.check_options(self.options)
         # NOTE: an engine whose tokens are the text's bytes (an upstream) names the tokens of its
         # logprobs by ids of this gateway's own, which mean nothing to the model (nor to

@@ -468,6 +468,15 @@ def test_bad_penalties_and_biases_are_bad_requests(client, extra, param, words):
     assert words in raised.value.body["message"]
 
 
+def test_min_tokens_above_max_completion_tokens_names_the_field_the_chat_sent(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_completion_tokens=1,
+                                       extra_body={"min_tokens": 2})
+    assert raised.value.body["param"] == "min_tokens"
+    assert "min_tokens must be in [0, max_completion_tokens] = [0, 1], got 2" in \
+        raised.value.body["message"]
+
+
 @pytest.mark.parametrize("extra, param, limit", [
     ({"stop": ["x"] * 33}, "stop", "length <= 32"),
     ({"stop": "y" * 1001}, "stop", "length <= 1000"),
