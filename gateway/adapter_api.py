@@ -107,8 +107,10 @@ def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_cou
         await charge_request(store, tenant)
         try:
             return await _upload(request, tenant, resolve_tenant)
-        except ApiError:
-            await refund_request(store, tenant)  # refused, as an API call refused costs no rpm
+        except (ApiError, asyncio.CancelledError):
+            # Refused, as an API call refused costs no rpm; or stopped by a shutdown's deadline,
+            # which tells the client to send it again.
+            await refund_request(store, tenant)
             raise
 
     upload.__name__ = name

@@ -529,9 +529,10 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     except BaseException as error:  # only a route's tiers have used tokens yet; bill those
         if target.route is not None:
             state.metrics.count_tier_calls(target.route.name, [a.model for a in attempts])
-        # An EngineFailure is a refusal (its adapter cannot run), as for a call to the adapter.
+        # An EngineFailure is a refusal (its adapter cannot run), as for a call to the adapter;
+        # so is the shutdown's deadline (see below: its client is told to send the call again).
         await _bill(request, admission, tenant.name, _uses_of(state, attempts),
-                    refused=isinstance(error, EngineFailure))
+                    refused=isinstance(error, (EngineFailure, asyncio.CancelledError)))
         if isinstance(error, EngineFailure):  # the call's adapter cannot run (see cascade.py)
             raise engine_failed(error) from None
         raise
@@ -554,6 +555,12 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     except EngineFailure as error:
         await call.finish(refused=True)
         raise engine_failed(error) from None
+    except asyncio.CancelledError:
+        # NOTE: only a shutdown's deadline cancels a call (a client leaving is a 499 here): it
+        # tells the client to send the call again, so one that used nothing is refused, and
+        # gives its request back to rpm, as when a stopping worker refuses it.
+        await call.finish(refused=True)
+        raise
     except BaseException:
         await call.finish()
         raise

@@ -591,7 +591,7 @@ def test_a_shutdown_drops_the_requests_still_running_at_its_deadline_and_settles
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_for_health(url, process)
-            key = GatewayServer(url, ADMIN_KEY, None).new_tenant("acme")
+            key = GatewayServer(url, ADMIN_KEY, None).new_tenant("acme", rpm=2)
             with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
                     "model": "stuck", "prompt": "hi", "max_tokens": 50, "stream": True},
                     headers={"Authorization": f"Bearer {key}"}) as stream, \
@@ -622,16 +622,20 @@ def test_a_shutdown_drops_the_requests_still_running_at_its_deadline_and_settles
     assert head.startswith("HTTP/1.1 503 ") and "retry-after: 2" in head.lower()
     assert json.loads(body)["error"]["code"] == "server_shutdown"
 
-    async def usage() -> Usage:
+    async def usage() -> tuple[Usage, bool]:
+        """The tenant's usage, and whether its rpm takes another call now."""
         store = await open_store(None, home)
         try:
-            return await store.get_usage("acme")
+            rate = await store.check_and_consume_rate(await store.get_tenant("acme"), requests=1)
+            return await store.get_usage("acme"), rate.allowed
         finally:
             await store.close()
 
-    # Billed as if its client had gone: the token streamed, and no budget left held.
-    billed = asyncio.run(usage())
+    # Billed as if its client had gone: the token streamed, and no budget left held. The upload,
+    # which its client is told to send again, gave its request back to rpm.
+    billed, takes_another_call = asyncio.run(usage())
     assert (billed.requests, billed.tokens_out, billed.reserved_tokens) == (1, 1, 0), billed
+    assert takes_another_call
 
 
 def test_ctrl_c_while_the_model_loads_exits_without_a_traceback(demo_model_dir, tmp_path):

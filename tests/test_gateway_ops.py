@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 import redis
 
 from gateway.app import ROUTES
@@ -19,6 +20,7 @@ from gateway.errors import REDIS_FULL_MESSAGE, SQLITE_FULL_MESSAGE
 from gateway.openapi import openapi_path
 from store import StoreUnavailable, unavailable_cause
 from store.sqlite import LOCK_TIMEOUT_S, SqliteStore
+from routing.routes import parse_routes
 from tests.conftest import DEMO_MODEL, gateway_server, logged_status, serve_gateway
 from tests.helpers import fill_volume, small_volume
 from tests.redis_server import start_redis_server, stop_redis_server
@@ -262,6 +264,33 @@ def test_a_call_the_shutdown_stops_is_logged_and_counted_as_the_503_its_client_g
     requests = server.app.state.gateway.metrics.requests
     assert [requests.value(tenant="acme", model="small", status=status)
             for status in ("503", "500")] == [1, 0]
+
+
+@pytest.mark.parametrize("model", ["small", "casc"])
+def test_a_call_the_shutdown_stops_before_its_first_token_gives_its_request_back(tmp_path, model):
+    """Its client is told to send it again: that call, here or on a gateway sharing the store, is
+    not refused for the rpm the stopped one held (as a call a stopping worker refuses)."""
+    waiting = ScriptedTier("small")
+    waiting.start_after = threading.Event()  # never set: its answers wait before their first token
+    engines = {"small": waiting, "large": ScriptedTier("large")}
+    routes = parse_routes({"casc": {"tiers": ["small", "large"], "measure": "min_prob",
+                                    "threshold": 0.5}}, engines)
+    body = {"model": model, "prompt": "easy", "max_tokens": 4}
+    with ThreadPoolExecutor(1) as clients:
+        with serve_gateway(engines, tmp_path, shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S,
+                           routes=routes) as server:
+            key = server.new_tenant("acme", rpm=1)
+            headers = {"Authorization": f"Bearer {key}"}
+            reply = clients.submit(httpx.post, server.url + "/v1/completions", timeout=30,
+                                   json=body, headers=headers)
+            assert eventually(lambda: waiting.started)
+        stopped = reply.result()
+    assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "server_shutdown"
+    waiting.start_after = None
+    with serve_gateway(engines, tmp_path, routes=routes) as server:
+        again = httpx.post(server.url + "/v1/completions", timeout=30, json=body, headers=headers)
+        assert again.status_code == 200, again.text  # was a 429: rpm 1 was used up
+        assert server.settled_usage("acme")["requests"] == 1
 
 
 def test_a_stream_the_shutdown_stops_ends_with_a_server_shutdown_event_and_one_log_line(
