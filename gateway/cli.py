@@ -293,7 +293,8 @@ def serve(config: ServeConfig) -> int:
     problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.store)
                or (_redis_problem(config.redis) if config.redis != config.store else None)
                or _sqlite_problem(config.store, config.data_dir)
-               or _folder_problem("--adapter-dir", config.adapter_folder()))
+               or _folder_problem("--adapter-dir", config.adapter_folder())
+               or _models_problem(config.model_paths()))
     if problem is not None:
         print(f"switchboard serve: {problem}", file=sys.stderr)
         return 2
@@ -382,7 +383,8 @@ def run_worker(config: ServeConfig) -> int:
         return 2
     adapter_folder = config.data_dir / "worker-adapters"  # the files gateways send it
     problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.redis)
-               or _folder_problem("--data-dir", adapter_folder))
+               or _folder_problem("--data-dir", adapter_folder)
+               or _models_problem(config.model_paths()))
     if problem is not None:
         print(f"switchboard worker: {problem}", file=sys.stderr)
         return 2
@@ -529,6 +531,21 @@ def _folder_problem(option: str, folder: Path) -> str | None:
         return f"{option}: cannot make the folder {folder}: {error.strerror or error}"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"{option}: {folder} is not a folder this process may write in"
+    return None
+
+
+def _models_problem(models: dict[str, Path]) -> str | None:
+    """Why one of the local `models` cannot be served, as far as its folder's config.json says
+    (None: each may be): said before the first of them loads, which takes minutes."""
+    if not models:
+        return None
+    from engine.model.spec import ModelSpec  # NOTE: torch-free
+
+    for name, path in models.items():
+        try:
+            ModelSpec.from_folder(path)
+        except (OSError, ValueError) as error:
+            return f"cannot serve {name!r} from {path}: {error}"
     return None
 
 

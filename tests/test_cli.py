@@ -464,6 +464,24 @@ def test_an_unusable_sqlite_store_is_refused_before_any_model_loads(problem, set
     assert "cannot serve 'gone'" not in err  # refused before the model was looked at
 
 
+def test_a_model_folder_that_cannot_be_served_is_refused_before_any_model_loads(
+        demo_model_dir, tmp_path, capsys):
+    """Models load one by one, for minutes each on a GPU: a typo in the last one's path was said
+    once the others had loaded."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    for path, reason in [(tmp_path / "nowhere", "does not exist"),
+                         (broken, "config.json lacks 'num_attention_heads', which a llama config has")]:
+        config = tmp_path / "models.toml"
+        config.write_text(f'[models.good]\npath = "{demo_model_dir}"\n[models.bad]\npath = "{path}"\n')
+        argv = ["serve", "--config", str(config), "--data-dir", str(tmp_path / "data"), "--port", "0"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"switchboard serve: cannot serve 'bad' from {path}: {path}" in err and reason in err
+        assert "Loading" not in err and "Traceback" not in err  # no model's progress bar
+
+
 @pytest.mark.parametrize("command", ["serve", "worker"])
 def test_a_data_dir_that_cannot_be_made_is_refused_before_any_model_loads(command, tmp_path, capsys):
     (tmp_path / "file").write_text("")
@@ -543,10 +561,10 @@ def test_an_adapter_folder_that_cannot_be_made_is_refused_before_any_model_loads
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])
-def test_a_port_in_use_is_refused_before_any_model_loads(command, tmp_path):
+def test_a_port_in_use_is_refused_before_any_model_loads(command, demo_model_dir, tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as other_server:
         port = other_server.getsockname()[1]
-        argv = ["--model", f"gone={tmp_path / 'nowhere'}", "--data-dir", str(tmp_path),
+        argv = ["--model", f"{DEMO_MODEL}={demo_model_dir}", "--data-dir", str(tmp_path),
                 "--port", str(port)]
         result = _run_until_refused(command, argv)
     assert (result.returncode, result.stderr) == (

@@ -59,10 +59,27 @@ class ModelSpec:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
+        """The spec of a Hugging Face model folder's config.json; UnsupportedModelError saying
+        what is wrong with the folder or its config."""
+        if not Path(folder).is_dir():
+            state = "is not a folder" if Path(folder).exists() else "does not exist"
+            raise UnsupportedModelError(f"{folder} {state}; pass a Hugging Face model folder")
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise UnsupportedModelError(f"{folder} has no config.json; pass a Hugging Face model folder")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_bytes())
+        except ValueError as error:
+            raise UnsupportedModelError(f"{path} is not valid JSON ({error})") from None
+        if not isinstance(cfg, dict):
+            raise UnsupportedModelError(f"{path} holds no JSON object")
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as error:
+            raise UnsupportedModelError(f"{path} lacks {error.args[0]!r}, which a "
+                                        f"{cfg.get('model_type') or 'model'} config has") from None
+        except (TypeError, AttributeError) as error:  # a value of the wrong type
+            raise UnsupportedModelError(f"{path} holds a value of the wrong type ({error})") from None
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelSpec":
