@@ -21,6 +21,19 @@ def test_unsupported_architecture_is_named(tmp_path):
         ModelSpec.from_folder(tmp_path)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "config.json is not valid JSON"),
+    ("[1, 2]", "config.json holds no JSON object"),
+    ('{"model_type": "llama"}', "config.json lacks 'num_attention_heads', which a llama config has"),
+    ('{"model_type": "llama", "num_attention_heads": "4", "num_hidden_layers": 2, "vocab_size": 9, '
+     '"hidden_size": 8, "intermediate_size": 8}', "config.json holds a value of the wrong type"),
+])
+def test_a_config_json_that_cannot_be_read_says_why(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelSpec.from_folder(tmp_path)
+
+
 def test_unsupported_rope_type_is_named(tmp_path):
     model = make_hf_model("llama")
     folder = save_hf_model(model, tmp_path / "m")
