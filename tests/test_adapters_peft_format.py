@@ -126,16 +126,22 @@ def test_a_scaling_near_the_float32_limit_loads(tmp_path):
     assert {module.scaling for module in adapter.modules.values()} == {3e38, -3e38}
 
 
-def test_lora_delta_equals_peft_module_output(tmp_path):
-    model = save_peft_adapter(tmp_path, r=5, lora_alpha=7, rank_pattern={"gate_proj": 3}, use_rslora=True)
-    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+def assert_deltas_match_peft(adapter, model) -> None:
+    """Each of `model`'s LoRA layers gives what its base layer plus `adapter`'s module gives."""
     gen = torch.Generator().manual_seed(0)
+    layers = peft_lora_layers(model)
+    assert set(adapter.modules) == set(layers) and layers
     with torch.no_grad():
-        for key, layer in peft_lora_layers(model).items():
+        for key, layer in layers.items():
             m = adapter.modules[key]
             x = torch.randn(6, layer.in_features, generator=gen)
             ours = layer.base_layer(x) + (x @ m.lora_a.T @ m.lora_b.T) * m.scaling
             torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_lora_delta_equals_peft_module_output(tmp_path):
+    model = save_peft_adapter(tmp_path, r=5, lora_alpha=7, rank_pattern={"gate_proj": 3}, use_rslora=True)
+    assert_deltas_match_peft(load_adapter(tmp_path, SPEC, MAX_RANK), model)
 
 
 @pytest.mark.parametrize("bias", ["all", "lora_only"])
@@ -143,15 +149,7 @@ def test_a_bias_setting_over_a_model_without_biases_is_plain_lora(tmp_path, bias
     """PEFT trains and saves the biases such an adapter's base model has: none, here. (A model with
     biases stores them, which is refused: test_rejection.)"""
     model = save_peft_adapter(tmp_path, r=4, lora_alpha=8, bias=bias)
-    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for key, layer in peft_lora_layers(model).items():
-            m = adapter.modules[key]
-            x = torch.randn(6, layer.in_features, generator=gen)
-            ours = layer.base_layer(x) + (x @ m.lora_a.T @ m.lora_b.T) * m.scaling
-            torch.testing.assert_close(ours, layer(x), rtol=1e-5, atol=1e-5)
-    assert len(adapter.modules) == len(peft_lora_layers(model)) > 0
+    assert_deltas_match_peft(load_adapter(tmp_path, SPEC, MAX_RANK), model)
 
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])

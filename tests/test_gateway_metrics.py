@@ -83,6 +83,14 @@ def sample(text: str, name: str, **labels) -> float:
     raise AssertionError(f"no sample {name} {labels} in /metrics")
 
 
+def served_sample(server, name: str, **labels) -> float | None:
+    """`sample` of the server's /metrics now; None while it has no such series yet."""
+    try:
+        return sample(server.admin("GET", "/metrics").text, name, **labels)
+    except AssertionError:
+        return None
+
+
 def test_metrics_after_traffic(server):
     key = server.new_tenant("metered")
     headers = {"Authorization": f"Bearer {key}"}
@@ -94,15 +102,9 @@ def test_metrics_after_traffic(server):
     assert httpx.post(server.url + "/v1/completions", json={**body, "model": "nope"},
                       headers=headers).status_code == 404
 
-    def num_answered() -> float | None:
-        """The calls counted as answered: a stream only once billed, after its client had it."""
-        try:
-            return sample(server.admin("GET", "/metrics").text, "switchboard_requests_total",
-                          tenant="metered", model=DEMO_MODEL, status=200)
-        except AssertionError:  # none counted yet
-            return None
-
-    assert eventually(lambda: num_answered() == 2)
+    # A stream is counted as answered once billed, after its client had it.
+    assert eventually(lambda: served_sample(server, "switchboard_requests_total", tenant="metered",
+                                            model=DEMO_MODEL, status=200) == 2)
     text = server.admin("GET", "/metrics").text
     assert sample(text, "switchboard_requests_total", tenant="metered", model=DEMO_MODEL,
                   status=200) == 2
@@ -143,15 +145,8 @@ def test_a_call_a_tenant_s_policy_refuses_is_counted_under_the_model_it_names(se
     response = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
                           json={"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1}, timeout=30)
     assert response.status_code == 403
-
-    def refused() -> float | None:
-        try:
-            return sample(server.admin("GET", "/metrics").text, "switchboard_requests_total",
-                          tenant="barred", model=DEMO_MODEL, status=403)
-        except AssertionError:  # not counted yet
-            return None
-
-    assert eventually(lambda: refused() == 1)
+    assert eventually(lambda: served_sample(server, "switchboard_requests_total", tenant="barred",
+                                            model=DEMO_MODEL, status=403) == 1)
 
 
 def test_a_call_of_a_tenant_deleted_meanwhile_is_not_counted_as_billed(demo_engine, tmp_path):
