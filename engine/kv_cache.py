@@ -116,8 +116,9 @@ class KVCacheManager:
             request.block_ids.extend(computed_blocks)
             request.num_computed_tokens = len(computed_blocks) * self.block_size
             # NOTE: a request back from a preemption finds its own blocks: counting it would raise
-            # the hit rate with what says nothing of how clients' prompts share prefixes.
-            if request.num_preemptions == 0:
+            # the hit rate with what says nothing of how clients' prompts share prefixes. One
+            # asking for prompt logprobs never looks (it needs every prompt position's logits).
+            if request.num_preemptions == 0 and not request.needs_prompt_logprobs:
                 self.prefix_stats.num_queried_tokens += request.num_tokens
                 self.prefix_stats.num_hit_tokens += request.num_computed_tokens
         for _ in range(self.num_blocks_to_allocate(request, num_new_tokens)):

@@ -86,6 +86,16 @@ def test_preempted_request_comes_back_and_finishes(prefix_caching):
     assert scheduler.kv.prefix_stats.num_queried_tokens == 16
 
 
+def test_a_request_for_prompt_logprobs_is_no_prefix_cache_lookup():
+    """It never looks (it needs the logits of every prompt position): counted, it lowered the hit
+    rate with misses that say nothing of how prompts share prefixes."""
+    scheduler = create_scheduler(enable_prefix_caching=True)
+    for request in (create_request(prompt_logprobs=0), create_request()):
+        scheduler.add_request(request)
+    assert len(run_step(scheduler).scheduled) == 2
+    assert scheduler.kv.prefix_stats.num_queried_tokens == 8
+
+
 def test_priority_runs_first_and_fcfs_within_priority():
     scheduler = create_scheduler(max_num_seqs=1)
     low = create_request(priority=5, max_tokens=1)
