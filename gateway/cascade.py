@@ -217,13 +217,12 @@ def _score(route: CascadeRoute, tier: Tier, chunks: list[GenerationChunk],
 
 
 async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt], *,
-                            streamed: bool, score: float | None, threshold: float | None,
-                            request_id: str, tenant: str | None,
+                            score: float | None, threshold: float | None, request_id: str,
+                            tenant: str | None,
                             guard: Callable[[Awaitable], Awaitable]) -> CascadeOutcome:
     """Run the one prompt of `ask` on the first of `tiers` (those that can serve it),
-    unless its engine fails or refuses before the first token (before the last, when the answer
-    is not streamed: none of it has reached the client): then on the next (a learned route's
-    other tier). Each tier run goes into `attempts`, the one that answers too; the first
+    unless its engine fails or refuses before the first token: then on the next (a learned
+    route's other tier). Each tier run goes into `attempts`, the one that answers too; the first
     with `score` and `threshold`, what the router judged of the prompt to pick it (None when
     the pick cannot serve the call: it was left out, so the first tier is not the one judged)."""
     for step, tier in enumerate(tiers):
@@ -232,8 +231,8 @@ async def run_with_fallback(tiers: list[Tier], ask: Ask, attempts: list[Attempt]
         stream = ask.generate(tier, prompt, options, request_id=f"{request_id}-{step}",
                               tenant=tenant)
         chunks: list[GenerationChunk] = []
-        if step == len(tiers) - 1 or await _first_chunks(
-                tier, stream, 1 if streamed else None, chunks, attempts, *judged, guard):
+        if step == len(tiers) - 1 or await _first_chunks(tier, stream, 1, chunks, attempts,
+                                                         *judged, guard):
             attempts.append(Attempt(tier.model, *judged, 0, 0))  # counted when it finishes
             return CascadeOutcome(tier, _replay(chunks, stream))
     raise AssertionError("the last tier always answers")  # pragma: no cover

@@ -511,12 +511,12 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
             by_step = {target.step(i): tier for i, tier in enumerate(target.tiers)}
             picked, other = by_step.get(decision.tier), by_step.get(1 - decision.tier)
             # The other tier answers if the picked one cannot serve the call (left out, it is
-            # not the tier judged: the call has no score), or fails before its first token
-            # (a whole answer: before its last).
+            # not the tier judged: the call has no score), or fails before its first token.
+            # NOTE: not after, even for a whole answer: the call holds one tier's tokens (_hold).
             judged = (decision.score, decision.threshold) if picked in serving else (None, None)
             outcome = await run_with_fallback(
-                [t for t in (picked, other) if t in serving], ask, attempts, streamed=streamed,
-                score=judged[0], threshold=judged[1], request_id=call_id, tenant=tenant.incarnation,
+                [t for t in (picked, other) if t in serving], ask, attempts, score=judged[0],
+                threshold=judged[1], request_id=call_id, tenant=tenant.incarnation,
                 guard=functools.partial(_unless_disconnected, request))
             tier = outcome.tier
             streams, prompt_indices, same_prompt_as = [outcome.stream], [0], None
