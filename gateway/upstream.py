@@ -225,29 +225,53 @@ class _Counts:
 
 
 class _PromptRatio:
-    """The upstream's prompt tokens per prompt byte, from the usage of the answers it finished.
+    """The upstream's prompt tokens as `per_byte` * bytes + `per_message` * messages, fitted by
+    least squares to the usage of the answers it finished.
 
     The upstream counts a prompt only in the usage it sends after the answer ends, and its
     tokenizer is unknown here, so an answer left before then has its prompt estimated from what
-    the upstream said of earlier ones (its tokenizer, its template and special tokens), or at
-    DEFAULT_BYTES_PER_TOKEN (English text under common BPE vocabularies) before it said any.
-    Billing the prompt's bytes instead would charge several times its tokens.
+    the upstream said of earlier ones (its tokenizer; its template and special tokens, which add
+    tokens per message whatever the text: a ratio of tokens to bytes alone, learnt on short
+    chats, would bill a long one several times its tokens), or at DEFAULT_BYTES_PER_TOKEN
+    (English text under common BPE vocabularies) before it said any. Billing the prompt's bytes
+    instead would charge several times its tokens. (The caller caps the estimate at what the
+    call held for the prompt.)
     """
 
     DEFAULT_BYTES_PER_TOKEN = 4
 
     def __init__(self) -> None:
-        self._num_bytes = 0
-        self._num_tokens = 0
+        # Sums over the answers learnt from: bytes², bytes·messages, messages², bytes·tokens,
+        # messages·tokens (the normal equations of the fit).
+        self._bb = self._bm = self._mm = self._bt = self._mt = 0.0
 
-    def learn(self, num_prompt_bytes: int, num_prompt_tokens: int) -> None:
-        self._num_bytes += num_prompt_bytes
-        self._num_tokens += num_prompt_tokens
+    def learn(self, num_prompt_bytes: int, num_messages: int, num_prompt_tokens: int) -> None:
+        b, m, t = num_prompt_bytes, num_messages, num_prompt_tokens
+        self._bb += b * b
+        self._bm += b * m
+        self._mm += m * m
+        self._bt += b * t
+        self._mt += m * t
 
-    def estimate(self, num_prompt_bytes: int) -> int:
-        if self._num_bytes == 0:
+    def estimate(self, num_prompt_bytes: int, num_messages: int) -> int:
+        if self._mm == 0:  # nothing learnt yet (every prompt has a message)
             return -(-num_prompt_bytes // self.DEFAULT_BYTES_PER_TOKEN)
-        return max(1, round(num_prompt_bytes * self._num_tokens / self._num_bytes))
+        per_byte, per_message = self._fit()
+        return max(1, round(per_byte * num_prompt_bytes + per_message * num_messages))
+
+    def _fit(self) -> tuple[float, float]:
+        """(per_byte, per_message), neither negative."""
+        determinant = self._bb * self._mm - self._bm * self._bm
+        if self._bb > 0 and determinant > 1e-9 * self._bb * self._mm:
+            per_byte = (self._bt * self._mm - self._mt * self._bm) / determinant
+            per_message = (self._mt * self._bb - self._bt * self._bm) / determinant
+            if per_byte >= 0 and per_message >= 0:
+                return per_byte, per_message
+            if per_byte < 0:  # say, a hidden system prompt far longer than the texts
+                return 0.0, self._mt / self._mm
+        # The prompts learnt from all had the same bytes per message (one answer, say), or fewer
+        # tokens per message than none: tokens per byte alone.
+        return (self._bt / self._bb, 0.0) if self._bb > 0 else (0.0, self._mt / self._mm)
 
 
 class _PromptOverhead:
@@ -531,8 +555,9 @@ class UpstreamEngineClient:
                       with_logprobs: bool) -> AsyncIterator[GenerationChunk]:
         """The answer's chunks; the finished one is held back until the stream ends, since the
         upstream sends its usage after it."""
-        num_prompt_bytes = len(prompt_token_ids)
-        counts = _Counts(self._prompt_ratio.estimate(num_prompt_bytes))
+        num_prompt_bytes, num_messages = len(prompt_token_ids), _num_messages(prompt_token_ids)
+        counts = _Counts(min(self._prompt_ratio.estimate(num_prompt_bytes, num_messages),
+                             self.max_prompt_tokens(prompt_token_ids)))
         ending: _Choice | None = None
         async for event in self._events(lines):
             for choice in event.choices:
@@ -545,9 +570,8 @@ class UpstreamEngineClient:
         if ending is None:
             raise _UpstreamError(f"{self._where} ended its stream before the answer finished")
         if counts.usage is not None:  # once an answer: some upstreams send usage with each event
-            self._prompt_ratio.learn(num_prompt_bytes, counts.usage.prompt_tokens)
-            self._prompt_overhead.learn(num_prompt_bytes, _num_messages(prompt_token_ids),
-                                        counts.usage.prompt_tokens)
+            self._prompt_ratio.learn(num_prompt_bytes, num_messages, counts.usage.prompt_tokens)
+            self._prompt_overhead.learn(num_prompt_bytes, num_messages, counts.usage.prompt_tokens)
         self._num_prompt_tokens += counts.num_prompt_tokens
         yield self._chunk(ending, counts, with_logprobs,
                           _FINISH_REASONS.get(ending.finish_reason, "stop"))

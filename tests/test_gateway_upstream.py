@@ -34,7 +34,7 @@ from engine.demo import demo_config
 from gateway.config import UpstreamSource, load_serve_config
 from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
 from gateway.upstream import (CONTENT_ID, NAME_ID, ROLE_ID, RenderedChat,
-                              UpstreamEngineClient, open_upstreams)
+                              UpstreamEngineClient, _PromptRatio, open_upstreams)
 from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server, serve_gateway
@@ -967,6 +967,28 @@ def test_an_answer_left_early_bills_its_prompt_at_the_upstream_s_tokens_per_byte
         assert (first, last) == (round(len(long) * 11 / len(short)), 11)
     finally:
         engine.close()
+    # Learnt from a prompt of 2 bytes (5.5 tokens a byte), a long one is billed no more than it
+    # held: its bytes and the 9 tokens a message the upstream added to the short one.
+    engine = UpstreamEngineClient("hosted", UpstreamSource(stalling + "/hosted/v1", "chat-model",
+                                                           None, TIMEOUT_S, api="chat"))
+    try:
+        asyncio.run(prompt_counts(engine.tokenize("ab")))
+        first, *_, last = asyncio.run(prompt_counts(long))
+        assert (first, last) == (len(long) + 9, 11) and first == engine.max_prompt_tokens(long)
+    finally:
+        engine.close()
+
+
+def test_an_upstream_s_prompt_tokens_are_learnt_per_byte_and_per_message():
+    """What a template adds to each message is no part of its text's tokens per byte: learnt from
+    short chats, those would bill a long one several times its tokens."""
+    ratio = _PromptRatio()
+    for num_bytes, num_messages in [(40, 1), (100, 3), (400, 2), (2000, 5)]:
+        ratio.learn(num_bytes, num_messages, round(0.25 * num_bytes + 30 * num_messages))
+    assert ratio.estimate(10_000, 4) == 2500 + 120
+    by_text_alone = _PromptRatio()  # every prompt of one size: tokens per byte alone
+    by_text_alone.learn(100, 1, 50)
+    assert by_text_alone.estimate(1000, 1) == 500
 
 
 def test_an_upstream_answer_without_logprobs_is_billed_by_the_upstream_s_token_count(front, hosted):
