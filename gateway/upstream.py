@@ -116,6 +116,7 @@ class _ErrorBody(msgspec.Struct):
 class _TopLogprob(msgspec.Struct):
     token: str
     logprob: float
+    bytes: list[int] | None | msgspec.UnsetType = msgspec.UNSET  # as _ChatTokenLogprob's
 
 
 class _ChatTokenLogprob(msgspec.Struct):
@@ -138,19 +139,27 @@ class _Logprobs(msgspec.Struct):
     def entries(self) -> list[_Entry] | None:
         """Each token's entry; None if the lists differ in length."""
         if self.content is not None:
-            return [_Entry(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs or ()],
-                           e.bytes is None) for e in self.content]
+            return [_Entry(e.token, e.logprob, [_textless(t.token, t.logprob, t.bytes)
+                                                for t in e.top_logprobs or ()], e.bytes is None)
+                    for e in self.content]
         tops = self.top_logprobs or [None] * len(self.tokens)
         if not len(self.tokens) == len(self.token_logprobs) == len(tops):
             return None
-        return [_Entry(token, logprob, list((top or {}).items()), False)
+        return [_Entry(token, logprob, [(t, lp, None) for t, lp in (top or {}).items()], False)
                 for token, logprob, top in zip(self.tokens, self.token_logprobs, tops)]
+
+
+def _textless(token: str, logprob: float, token_bytes: list[int] | None | msgspec.UnsetType
+              ) -> tuple[str, float, bool | None]:
+    """A top alternative, and whether it adds no text (its bytes null; None: not said)."""
+    return token, logprob, None if token_bytes is msgspec.UNSET else token_bytes is None
 
 
 class _Entry(NamedTuple):
     token: str
     logprob: float
-    top: list[tuple[str, float]]  # the top alternatives
+    # The top alternatives: each with whether the upstream said it adds no text (None: not said)
+    top: list[tuple[str, float, bool | None]]
     is_textless: bool  # the upstream said it adds no text (the completions API never says)
 
 
@@ -611,12 +620,15 @@ class UpstreamEngineClient:
             num_prompt_tokens=counts.num_prompt_tokens, num_output_tokens=counts.num_output_tokens,
             num_cached_tokens=counts.num_cached_tokens)
 
-    def _best_first(self, top: list[tuple[str, float]], chosen: str, chosen_id: int
+    def _best_first(self, top: list[tuple[str, float, bool | None]], chosen: str, chosen_id: int
                     ) -> list[tuple[int, float]]:
-        """The alternatives by id, best first; the chosen token among them has its id."""
+        """The alternatives by id, best first; the chosen token among them has its id (where
+        the upstream does not say whether an alternative adds text, one named as the chosen
+        token is that token)."""
         ranked = sorted(top, key=lambda item: item[1], reverse=True)
-        return [(chosen_id if token == chosen else self._token_id(token), logprob)
-                for token, logprob in ranked]
+        return [(chosen_id if token == chosen and is_textless is None
+                 else self._token_id(token, bool(is_textless)), logprob)
+                for token, logprob, is_textless in ranked]
 
     def _token_id(self, token: str, is_textless: bool = False) -> int:
         """The id of a token of the upstream's: one for its text, another for the same name

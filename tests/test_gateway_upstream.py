@@ -856,6 +856,27 @@ def test_a_chat_upstream_s_special_tokens_add_no_bytes_as_the_upstream_says(fron
     assert tops[0] == tops[1]
 
 
+def test_a_chat_upstream_s_alternatives_keep_the_bytes_it_says(front, hosted):
+    """An alternative the reply did not take may be a special token too (null bytes), or text
+    that reads as one."""
+    server, _ = front
+    key = server.new_tenant("alternatives")
+    special, text = {"token": "</s>", "logprob": -3.0, "bytes": None}, _logprob("</s>", -3.0)
+    hosted.events = [{"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None,
+                                   "logprobs": {"content": [
+        {**_logprob("o", -0.1), "top_logprobs": [_logprob("o", -0.1), special]},
+        {**_logprob("k", -0.2), "top_logprobs": [_logprob("k", -0.2), text]}]}}]},
+        *HOSTED_EVENTS[2:]]
+    try:
+        answer = chat(server.url, key, model="hosted", messages=CHAT, logprobs=True,
+                      top_logprobs=2).json()
+    finally:
+        hosted.events = HOSTED_EVENTS
+    tops = [[(t["token"], t["bytes"]) for t in e["top_logprobs"]]
+            for e in answer["choices"][0]["logprobs"]["content"]]
+    assert tops == [[("o", [111]), ("</s>", None)], [("k", [107]), ("</s>", [60, 47, 115, 62])]]
+
+
 def test_a_chat_upstream_tier_is_judged_by_its_logprobs(front, upstream):
     server, key = front
     direct = chat(upstream.server.url, upstream.key, model=DEMO_MODEL, messages=CHAT,
