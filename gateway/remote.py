@@ -173,6 +173,7 @@ class WorkerPool:
         # persistence, or flushed): models seen before then are still served within the TTL of
         # their last heartbeat, until their workers' next ones tell it again.
         self.seen = {**self.seen, **await self.registry.models_seen()}
+        reading = await self.registry.reading_tokenizers()
         for r in records:
             if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
                 self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)
@@ -189,6 +190,14 @@ class WorkerPool:
         horizon = time.time() - self.model_ttl_s
         served = {m: s.tokenizer for m, s in self.seen.items() if s.beat_at >= horizon}
         served |= {r.model: r.tokenizer for r in records}  # NOTE: up, whatever its clock says
+        for model in served:
+            digests = {r.tokenizer for r in records if r.model == model}
+            if len(digests) > 1 and model in reading:
+                # Midway through a rolling upgrade of its tokenizer files: a gateway new to the
+                # model reads its prompts as the others do, with those its workers last all had.
+                served[model] = reading[model]
+            elif len(digests) == 1 and None not in digests and reading.get(model) not in digests:
+                await self.registry.set_reading_tokenizer(model, *digests)
         for model in [m for m in self.clients if m not in served]:
             self._stop_serving(model)
         for model, tokenizer in served.items():

@@ -114,6 +114,7 @@ class WorkerRegistry:
         self._models_with_adapters = prefix + "models_with_adapters"  # model -> latest beat_at
         self._rank_beats = prefix + "adapter_rank_beats"  # JSON [model, rank] -> latest beat_at
         self._records_elsewhere = prefix + "adapter_records_elsewhere"
+        self._reading_tokenizers = prefix + "reading_tokenizers"  # model -> tokenizer digest
 
     @classmethod
     def open(cls, url: str, prefix: str = "sb:", timeout_s: float = 2.0) -> "WorkerRegistry":
@@ -194,6 +195,16 @@ class WorkerRegistry:
         """The files published under `digest`, or None if there are none."""
         files = await self._redis.hgetall(f"{self._prefix}tokenizer:{digest}")
         return {name.decode(): data for name, data in files.items()} or None
+
+    async def reading_tokenizers(self) -> dict[str, str]:
+        """The digest of the tokenizer gateways read each model's prompts with: the one its
+        workers up last all had (set_reading_tokenizer)."""
+        return {model.decode(): digest.decode()
+                for model, digest in (await self._redis.hgetall(self._reading_tokenizers)).items()}
+
+    async def set_reading_tokenizer(self, model: str, digest: str) -> None:
+        """Say that every worker of `model` up now has the tokenizer `digest`."""
+        await self._redis.hset(self._reading_tokenizers, model, digest)
 
     async def mark_adapter_records_elsewhere(self, ttl_s: float) -> None:
         """Say that a gateway keeps adapter records in a store other than this Redis, for `ttl_s`."""

@@ -85,6 +85,7 @@ class _Registry:
         self.records: list[WorkerRecord] = []
         self.seen: dict[str, ModelSeen] = {}
         self.tokenizers: dict[str, dict[str, bytes]] = {}
+        self.reading: dict[str, str] = {}  # model -> the tokenizer gateways read its prompts with
 
     def publish_tokenizer(self, files: dict[str, bytes]) -> str:
         """Publish tokenizer files as a worker does; their digest."""
@@ -111,6 +112,12 @@ class _Registry:
 
     async def models_seen(self) -> dict[str, ModelSeen]:
         return self.seen
+
+    async def reading_tokenizers(self) -> dict[str, str]:
+        return dict(self.reading)
+
+    async def set_reading_tokenizer(self, model: str, digest: str) -> None:
+        self.reading[model] = digest
 
 
 class _Requests:
@@ -579,10 +586,18 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
     registry.records = [_record("a", tokenizer=old), _record("b", tokenizer=new)]
     asyncio.run(pool.refresh())  # halfway through an upgrade: still the old one
     assert models[GHOST].render_chat(chat) == "hi"
+    # A gateway started now reads as the others do (it once took the last worker's, by id: b's).
+    later_models: dict = {}
+    later = WorkerPool(registry, tmp_path / "later", load_tokenizer, later_models)
+    asyncio.run(later.refresh())
+    assert later_models[GHOST].render_chat(chat) == "hi"
     registry.records = [_record("b", tokenizer=new), _record("c", tokenizer=new)]
-    asyncio.run(pool.refresh())  # it once kept the old template for good
-    assert models[GHOST].render_chat(chat) == "NEW hi"
-    asyncio.run(pool.http.aclose())
+    for each in (pool, later):
+        asyncio.run(each.refresh())  # it once kept the old template for good
+    assert models[GHOST].render_chat(chat) == later_models[GHOST].render_chat(chat) == "NEW hi"
+    assert registry.reading == {GHOST: new}
+    for each in (pool, later):
+        asyncio.run(each.http.aclose())
 
 
 def test_refreshes_at_once_serve_a_new_model_once_and_stop_serving_it_once_it_is_gone(

@@ -96,6 +96,10 @@ def test_one_internal_key_and_tokenizers_by_digest(redis_url):  # noqa: F811
             assert await second.get_tokenizer(digest) == files
             assert await second.get_tokenizer("0" * 64) is None
             assert files_digest({"a": b"bc"}) != files_digest({"ab": b"c"})
+            # The tokenizer every gateway reads a model's prompts with, one for all of them.
+            assert await second.reading_tokenizers() == {}
+            await first.set_reading_tokenizer("m", digest)
+            assert await second.reading_tokenizers() == {"m": digest}
         finally:
             await first.close()
             await second.close()
