@@ -350,6 +350,7 @@ class RemoteEngineClient(TextCodec):
         self.tokenizer_digest = tokenizer_digest  # of the workers' tokenizer files it reads with
         self.model = model
         self._pool = pool
+        self._totals = _WorkerTotals()
 
     def _records(self) -> list[WorkerRecord]:
         return [r for r in self._pool.workers.values() if r.model == self.model]
@@ -565,14 +566,50 @@ class RemoteEngineClient(TextCodec):
             f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
 
     def stats(self) -> EngineStats:
-        stats = [msgspec.json.decode(r.stats, type=EngineStats) for r in self._records()]
-        total = {f: sum(getattr(s, f) for s in stats) for f in EngineStats.__struct_fields__
-                 if f != "prefix_cache_hit_rate"}
-        rate = sum(s.prefix_cache_hit_rate for s in stats) / len(stats) if stats else 0.0
-        return EngineStats(prefix_cache_hit_rate=rate, **total)
+        return self._totals.add_up({r.id: msgspec.json.decode(r.stats, type=EngineStats)
+                                    for r in self._records()}, time.monotonic())
 
     def close(self) -> None:
         """Nothing to stop here: the pool's connections close with the gateway's lifespan."""
+
+
+# EngineStats' cumulative counters; its other fields are gauges of the engines up now.
+_COUNTERS = ("num_prompt_tokens", "num_generation_tokens", "num_preemptions", "adapter_hits",
+             "adapter_misses", "adapter_evictions", "adapter_disk_loads")
+
+
+class _WorkerTotals:
+    """A model's engine stats over its workers. Its counters never go down as workers come and
+    go (Prometheus reads a counter going down as a reset, and counts every other worker's whole
+    total again): a worker gone still adds what it counted; one back under its id (its
+    heartbeats lapsed while it hung) counts once. A worker started again takes a new id, counting
+    from 0. The prefix cache's hit rate is the workers' own, weighted by their prompt tokens."""
+
+    FOLD_AFTER_S = 3600.0  # a worker gone that long is not coming back under its id
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, EngineStats]] = {}  # by worker id: seen at, stats
+        self._folded = dict.fromkeys(_COUNTERS, 0)  # those of workers gone for FOLD_AFTER_S
+
+    def add_up(self, current: dict[str, EngineStats], now: float) -> EngineStats:
+        """The stats of `current`, the workers registered now (by id), at monotonic time `now`."""
+        self._latest |= {worker_id: (now, stats) for worker_id, stats in current.items()}
+        for worker_id, (seen_at, stats) in list(self._latest.items()):
+            if now - seen_at > self.FOLD_AFTER_S:
+                for name in _COUNTERS:
+                    self._folded[name] += getattr(stats, name)
+                del self._latest[worker_id]
+        live = list(current.values())
+        gauges = {f: sum(getattr(s, f) for s in live) for f in EngineStats.__struct_fields__
+                  if f not in _COUNTERS and f != "prefix_cache_hit_rate"}
+        counters = {f: self._folded[f] + sum(getattr(s, f) for _, s in self._latest.values())
+                    for f in _COUNTERS}
+        num_prompt_tokens = sum(s.num_prompt_tokens for s in live)
+        if num_prompt_tokens:
+            rate = sum(s.prefix_cache_hit_rate * s.num_prompt_tokens for s in live) / num_prompt_tokens
+        else:
+            rate = sum(s.prefix_cache_hit_rate for s in live) / len(live) if live else 0.0
+        return EngineStats(prefix_cache_hit_rate=rate, **gauges, **counters)
 
 
 class _Retry(Exception):

@@ -32,7 +32,8 @@ import pytest
 
 from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
                                    GenerationChunk, RequestRejected, SamplingOptions)
-from gateway.remote import DEFAULT_POLL_S, RemoteEngineClient, WorkerPool, _stream_lines
+from gateway.remote import (DEFAULT_POLL_S, RemoteEngineClient, WorkerPool, _stream_lines,
+                            _WorkerTotals)
 from gateway.worker import Worker, create_worker_app, tokenizer_files
 from gateway.worker_api import ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, GenerateBody
 from routing.placement import home_of
@@ -598,6 +599,41 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
     assert registry.reading == {GHOST: new}
     for each in (pool, later):
         asyncio.run(each.http.aclose())
+
+
+def test_a_model_s_engine_counters_never_go_down_as_its_workers_come_and_go(tmp_path):
+    """Summed over the workers registered now, they fell as one left (a rolling restart), which
+    Prometheus reads as a reset; its gauges are those of the workers registered now."""
+    registry, models = _Registry(), {}
+    pool = WorkerPool(registry, tmp_path, lambda folder: None, models)
+
+    def worker(worker_id: str, prompt_tokens: int, hits: int, rate: float) -> WorkerRecord:
+        stats = EngineStats(num_running=1, num_waiting=0, kv_blocks_total=8, kv_blocks_used=2,
+                            prefix_cache_hit_rate=rate, num_prompt_tokens=prompt_tokens,
+                            num_generation_tokens=0, num_preemptions=0, adapter_hits=hits)
+        return _record(worker_id, stats=msgspec.json.encode(stats))
+
+    def totals() -> tuple:
+        asyncio.run(pool.refresh())
+        stats = models[GHOST].stats()
+        return (stats.num_prompt_tokens, stats.adapter_hits, stats.num_running,
+                round(stats.prefix_cache_hit_rate, 6))
+
+    registry.records = [worker("a", 10, 3, 0.5), worker("b", 30, 5, 0.1)]
+    assert totals() == (40, 8, 2, 0.2)  # the hit rate weighted by prompt tokens
+    registry.records = [worker("a", 12, 3, 0.5)]  # b left
+    assert totals() == (42, 8, 1, 0.5)
+    registry.records = [worker("a", 12, 3, 0.5), worker("b", 35, 6, 0.1)]  # back under its id
+    assert totals() == (47, 9, 2, round((6 + 3.5) / 47, 6))
+    registry.records = [worker("c", 0, 0, 0.0)]  # both restarted, under a new id
+    assert totals() == (47, 9, 1, 0.0)
+    asyncio.run(pool.http.aclose())
+    # A long-running gateway keeps no entry for each worker ever started: long gone, their
+    # counts are folded into one.
+    kept = _WorkerTotals()
+    kept.add_up({"a": msgspec.json.decode(worker("a", 10, 3, 0.5).stats, type=EngineStats)}, 0.0)
+    assert kept.add_up({}, _WorkerTotals.FOLD_AFTER_S + 1).num_prompt_tokens == 10
+    assert kept._latest == {}
 
 
 def test_refreshes_at_once_serve_a_new_model_once_and_stop_serving_it_once_it_is_gone(
