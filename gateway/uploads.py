@@ -105,7 +105,13 @@ async def read_adapter_upload(request: Request, max_bytes: int,
     except _BodyTooLarge:
         raise _body_too_large(max_bytes) from None
     except HTTPException as error:  # how starlette reports a form it cannot parse
-        raise invalid_request(f"{error.detail.rstrip('.')}: {_USAGE}", code="invalid_upload") from None
+        detail = error.detail.rstrip(".")
+        if detail.startswith("Part exceeded maximum size"):
+            # NOTE: a file's part sent without a filename (requests' files={name: (None, data)})
+            # is read as a text field, which a file of weights always outgrows.
+            detail += (" (a part without a filename is a text field: send the adapter's files, "
+                       "or its archive, as files, with a filename)")
+        raise invalid_request(f"{detail}: {_USAGE}", code="invalid_upload") from None
     folder: Path | None = None
     try:
         _refuse_repeated_parts(form)

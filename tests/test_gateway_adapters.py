@@ -890,6 +890,11 @@ FORMS = {
         None, "too many files"),
     "a field too large": (lambda a: {**_fields(name="x" * (70 << 10)), "files": files_of(a["all-r8"])},
                           None, "maximum size"),
+    # What requests sends for files={name: (None, data)}: a text field, too large for one.
+    "a large file sent without a filename": (lambda a: {**_fields(), "files": {
+        **files_of(a["all-r8"]), "adapter_model.safetensors": (
+            None, (a["all-r8"] / "adapter_model.safetensors").read_bytes())}},
+        None, "a part without a filename is a text field: send the adapter's files"),
     "too many fields": (lambda a: {**_fields(c="1", d="2", e="3"), "files": files_of(a["all-r8"])}, None,
                         "too many fields"),
     # What requests.post(data=...) sends: once refused as lacking the file.
