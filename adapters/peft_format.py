@@ -172,8 +172,8 @@ def _check_header(f, key: tuple[int, str], names: tuple[str, str], settings: Lor
     rank, (in_features, out_features) = settings.rank(name), shape
     if rank > max_lora_rank:
         raise AdapterValidationError(
-            f"{name} has rank {reprlib.repr(rank)}, above this server's max_lora_rank {max_lora_rank}; "
-            f"retrain with r <= {max_lora_rank}")
+            f"{name} has rank {reprlib.repr(rank)}, above the highest its engines serve "
+            f"(--max-lora-rank {max_lora_rank}); retrain with r <= {max_lora_rank}")
     _check_scaling(name, settings)
     for tensor_name, want in zip(names, ([rank, in_features], [out_features, rank])):
         tensor = f.get_slice(tensor_name)

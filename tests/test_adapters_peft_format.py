@@ -298,7 +298,7 @@ REJECTIONS = {
     "bias": (_remake(target_modules=["q_proj"], bias="all", model_overrides=dict(attention_bias=True)),
              r"_proj.bias: bias terms are not supported; train with bias='none'"),
     "lora_bias": (_remake(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
-    "rank too large": (_remake(r=32), "rank 32, above this server's max_lora_rank 16"),
+    "rank too large": (_remake(r=32), r"rank 32, above the highest its engines serve \(--max-lora-rank 16\)"),
     "rank pattern too large": (_remake(rank_pattern={"o_proj": 17}), "o_proj has rank 17"),
     "other hidden size": (_remake(model_overrides=dict(hidden_size=32)), "belongs to a different base model"),
     "more layers": (_remake(model_overrides=dict(num_hidden_layers=3)), "layer 2, but the base model has 2"),
