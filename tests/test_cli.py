@@ -23,7 +23,7 @@ import torch
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from gateway.cli import main
+from gateway.cli import STORE_WAIT_S, main
 from gateway.config import ServeConfig, load_serve_config, parse_size
 from store import Usage, open_store
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server
@@ -784,7 +784,7 @@ def test_a_signal_while_serve_waits_for_its_store_stops_it_at_once(demo_model_di
                 break
         process.send_signal(sig)
         started = time.monotonic()
-        _, stderr = process.communicate(timeout=30)
+        _, stderr = process.communicate(timeout=STORE_WAIT_S)
     finally:
         if process.poll() is None:
             process.kill()  # it ignored the signal: leave no server behind
@@ -792,7 +792,9 @@ def test_a_signal_while_serve_waits_for_its_store_stops_it_at_once(demo_model_di
         if other is not None:
             other.close()
     assert process.returncode == status, stderr
-    assert time.monotonic() - started < 10
+    # NOTE: well before the wait's end; not much sooner: on a loaded machine the interpreter's
+    # teardown after torch takes up to some 10 s of its own.
+    assert time.monotonic() - started < STORE_WAIT_S / 2
     assert "Traceback" not in stderr, stderr
 
 

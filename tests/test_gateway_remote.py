@@ -865,8 +865,20 @@ class _SlowToAnswer:
         await self.app(scope, receive, send)
 
 
+@pytest.fixture
+def patient_connects(monkeypatch) -> None:
+    """Streams to workers wait 30 s for their connections: the 32 a gateway opens at once to one
+    worker (loopback: the kernel takes each at once) may wait over the usual 2 s for this test's
+    event loop on a loaded 2-core machine, and one timed out took the worker for down. The bound
+    on openings is what such tests check."""
+    import gateway.remote
+
+    monkeypatch.setattr(gateway.remote, "_STREAM_TIMEOUT",
+                        httpx.Timeout(gateway.remote.STREAM_SILENCE_S, connect=30))
+
+
 def test_a_gateway_opens_a_bounded_number_of_streams_at_once_however_many_calls_start(
-        demo_engine, redis_url, tmp_path):  # noqa: F811
+        demo_engine, redis_url, tmp_path, patient_connects):  # noqa: F811
     """A call of 2048 prompts opened its 2048 streams at once: on the gateway's busy event loop
     their connects timed out, and it took every worker for down, for every caller."""
     slow = None
@@ -889,7 +901,7 @@ def test_a_gateway_opens_a_bounded_number_of_streams_at_once_however_many_calls_
 
 
 def test_a_worker_that_hangs_with_its_port_open_holds_up_no_stream_to_another(
-        demo_engine, redis_url, tmp_path):  # noqa: F811
+        demo_engine, redis_url, tmp_path, patient_connects):  # noqa: F811
     """Streams opening to a hung worker (the kernel takes its connections, nothing answers) wait
     for their headers until they time out: they once held the gateway's every opening, so calls
     to live workers waited for them too (12 s, in a burst to a worker stopped by SIGSTOP)."""
