@@ -153,6 +153,12 @@ class _PassedOver:
             self._arrived.set()
             await stream.aclose()  # aborts the engine request if its answer is not over
 
+    @property
+    def has_failed(self) -> bool:
+        """Whether its answer ended early with its engine's failure (as it was read on)."""
+        reading = self._reading
+        return reading.done() and not reading.cancelled() and reading.exception() is not None
+
     def answer(self, attempts: list[Attempt]) -> CascadeOutcome:
         # NOTE: its tokens so far are its answer's now, counted when that finishes.
         attempts[self.attempt] = dataclasses.replace(attempts[self.attempt], tokens_in=0,
@@ -193,10 +199,10 @@ class _PassedOver:
 
 def _surer(held: _PassedOver | None, new: _PassedOver) -> tuple[_PassedOver, _PassedOver | None]:
     """Of the tier held to fall back on and one just passed over, the one to hold and the one to
-    drop: the surer of its answer (one that could not be judged is the least sure; on a tie the
-    later tier, a stronger model)."""
+    drop: the surer of its answer (one that could not be judged, or whose engine failed since, is
+    the least sure; on a tie the later tier, a stronger model)."""
     def sureness(tier: _PassedOver) -> float:
-        return -math.inf if tier.score is None else tier.score
+        return -math.inf if tier.score is None or tier.has_failed else tier.score
 
     if held is None:
         return new, None

@@ -36,9 +36,9 @@ from tests.helpers import IdleEngineParts, make_hf_model, save_hf_model
 PRICES = {"small": Price(1.0, 2.0), "medium": Price(3.0, 6.0), "large": Price(10.0, 20.0)}
 # The probability each model gives every token of its answer, by the prompt's first word.
 SCRIPTS = {
-    "small": {"easy": 0.9, "hard": 0.2, "harder": 0.1},
-    "medium": {"easy": 0.95, "hard": 0.7, "harder": 0.3},
-    "large": {"easy": 0.99, "hard": 0.9, "harder": 0.8},
+    "small": {"easy": 0.9, "hard": 0.2, "harder": 0.1, "odd": 0.4},
+    "medium": {"easy": 0.95, "hard": 0.7, "harder": 0.3, "odd": 0.3},
+    "large": {"easy": 0.99, "hard": 0.9, "harder": 0.8, "odd": 0.9},
 }
 _names = itertools.count()
 
@@ -57,6 +57,7 @@ class ScriptedTier(IdleEngineParts):
         self.down = False  # no engine up, as a model none of whose workers is up
         self.stall_after: int | None = None  # tokens after which answers wait to be aborted
         self.fail_after: int | None = None  # tokens after which answers fail (the engine died)
+        self.failed = threading.Event()  # set once an answer failed there
         self.stalled = threading.Event()  # set once an answer waits there
         self.start_after: threading.Event | None = None  # answers wait for it to start
         self.started: list[str] = []  # request ids, in order
@@ -101,6 +102,7 @@ class ScriptedTier(IdleEngineParts):
                     self.stalled.set()
                     await asyncio.Event().wait()  # until the gateway aborts the request
                 if i == self.fail_after:
+                    self.failed.set()
                     raise EngineFailure(f"{self.name} died midway")
                 finished = i == options.max_tokens - 1
                 logprobs = [] if options.logprobs is None else [
@@ -160,6 +162,8 @@ def routed(engines, router_dir, tmp_path_factory):
                  "prefix_tokens": 2},
         "three": {"tiers": ["small", "medium", "large"], "measure": "mean_logprob",
                   "thresholds": [math.log(0.5), math.log(0.5)]},
+        "three-prefixed": {"tiers": ["small", "medium", "large"], "measure": "min_prob",
+                           "threshold": 0.5, "prefix_tokens": 2},
         "to-cramped": {"tiers": ["small", "cramped"], "measure": "min_prob", "threshold": 0.5},
         "from-cramped": {"tiers": ["cramped", "large"], "measure": "min_prob", "threshold": 0.95},
         "learned-cramped": {"kind": "learned", "tiers": ["cramped", "large"],
@@ -205,6 +209,7 @@ def healthy(engines):
     for engine in engines.values():
         engine.fail, engine.down, engine.stall_after, engine.start_after = False, False, None, None
         engine.fail_after = None
+        engine.failed.clear()
         engine.stalled.clear()
 
 
@@ -468,6 +473,19 @@ def test_a_cascade_whose_last_tier_fails_before_answering_answers_from_a_tier_it
                ("three", "medium"): 1, ("three", "large"): 1}
     assert eventually(lambda: tier_calls() == {k: v + counted.get(k, 0) for k, v in before.items()})
     assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
+
+
+def test_a_held_tier_whose_engine_failed_since_is_the_least_sure_to_fall_back_on(routed, engines):
+    """Small (0.4) is surer than medium (0.3), but its engine failed while it was held: medium is
+    held instead, and answers when the last tier fails (small was kept, to replay three tokens and
+    its failure)."""
+    _, key = new_tenant(routed)
+    engines["small"].fail_after = 3
+    engines["medium"].start_after = engines["small"].failed
+    engines["large"].fail = True
+    response = complete(routed, key, "odd x", model="three-prefixed", stream=True, max_tokens=6)
+    assert response.headers["x-switchboard-model"] == "medium"
+    assert answer_text(response) == "mmmmmm" and "engine_failure" not in response.text
 
 
 def test_a_whole_cascade_call_whose_last_tier_fails_midway_answers_from_a_tier_it_passed_over(
