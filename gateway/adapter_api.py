@@ -92,6 +92,18 @@ async def _named_tenant(request: Request) -> Tenant:
     return tenant
 
 
+def _not_a_base_model(state: GatewayState, tenant: Tenant, name: str) -> str:
+    """Why `name` takes no adapters, and which models `tenant` may upload them for: a tenant
+    allowed only routes sees no base model in /v1/models (its adapters run as route:adapter)."""
+    uploadable = adapter_base_models(tenant, state.catalog)
+    choices = (f"the base models you may upload adapters for are {', '.join(uploadable)}"
+               if uploadable else "you may upload adapters for no base model served now")
+    if name in state.routes:
+        return (f"{quoted(name)} is a route, not a base model: upload the adapter for one of its "
+                f"models, and call it as {name}:NAME; {choices}")
+    return f"unknown base model {quoted(name)}; {choices}"
+
+
 def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_counted: bool,
                name: str) -> Endpoint:
     """The upload endpoint `name` for the tenant `resolve_tenant` finds for the request;
@@ -151,9 +163,8 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                               param="name", code="invalid_name")
     engine = state.engines.get(uploaded.base_model)
     if engine is None:
-        raise invalid_request(f"unknown base model {quoted(uploaded.base_model)}; GET /v1/models lists "
-                              "the base models you can use", param="base_model",
-                              code="model_not_found")
+        raise invalid_request(_not_a_base_model(state, tenant, uploaded.base_model),
+                              param="base_model", code="model_not_found")
     if uploaded.base_model not in adapter_base_models(tenant, state.catalog):
         raise ApiError(403, f"your tenant's policy allows neither the base model "
                        f"{quoted(uploaded.base_model)} nor a route over it, so it takes none of "

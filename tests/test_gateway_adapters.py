@@ -1136,14 +1136,19 @@ def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_
         uploads = [upload(server, key, "bot", files_of(adapters["all-r8"]), base="small"),
                    upload(server, ADMIN_KEY, "admins", files_of(adapters["all-r8"]), base="large",
                           path="/admin/tenants/route-only/adapters"),
-                   upload(server, key, "elsewhere", files_of(adapters["all-r8"]), base="medium")]
+                   upload(server, key, "elsewhere", files_of(adapters["all-r8"]), base="medium"),
+                   upload(server, key, "on-route", files_of(adapters["all-r8"]), base="keep")]
         routed = greedy_ids(server, key, "keep:bot", "small")
         direct = httpx.post(server.url + "/v1/completions", headers=auth(key),
                             json={"model": "bot", "prompt": PROMPT, "max_tokens": 2})
         names = [a["id"] for a in httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]]
         listed = httpx.get(server.url + "/v1/models", headers=auth(key)).json()["data"]
         card = httpx.get(server.url + "/v1/models/keep:bot", headers=auth(key))
-    assert [u.status_code for u in uploads] == [201, 201, 403], [u.text for u in uploads]
+    assert [u.status_code for u in uploads] == [201, 201, 403, 400], [u.text for u in uploads]
+    # Its /v1/models lists no base model to upload for: the refusal names them.
+    assert uploads[3].json()["error"]["message"] == (
+        "'keep' is a route, not a base model: upload the adapter for one of its models, and call "
+        "it as keep:NAME; the base models you may upload adapters for are small, large")
     # Listed under the ids that reach them (they were left out).
     assert [(m["id"], m.get("parent")) for m in listed] == [
         ("keep", None), ("keep:admins", "large"), ("keep:bot", "small")]
