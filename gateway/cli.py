@@ -434,10 +434,28 @@ def _on_port(command: str, config: ServeConfig, run: Callable[[list[socket.socke
             sock.close()
 
 
+_PORT_0_TRIES = 8  # --port 0 over several addresses: ports the system picks, taken elsewhere
+
+
 def _bind(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to `port` on every address `host` names, not yet listening: taken before
     the models load, so a port in use is refused at once, while clients are refused (not kept
-    waiting) until the server listens. ValueError naming the setting at fault."""
+    waiting) until the server listens. With port 0, one port the system picks, for every
+    address. ValueError naming the setting at fault."""
+    for attempt in range(_PORT_0_TRIES):
+        try:
+            return _bind_once(host, port)
+        except OSError as error:
+            # NOTE: the port the system picked for the first address may be taken on another.
+            if port == 0 and error.errno == errno.EADDRINUSE and attempt < _PORT_0_TRIES - 1:
+                continue
+            is_host = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
+            raise ValueError(f"{'--host' if is_host else '--port'}: cannot listen on {host}:{port}: "
+                             f"{error.strerror or error}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _bind_once(host: str, port: int) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -449,13 +467,13 @@ def _bind(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:  # as asyncio's too: "::" takes IPv6 only
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if len(sockets) > 1:  # the port picked for the first (the same unless port 0)
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
             sock.bind(address)
-    except OSError as error:
+    except OSError:
         for sock in sockets:
             sock.close()
-        is_host = isinstance(error, socket.gaierror) or error.errno == errno.EADDRNOTAVAIL
-        raise ValueError(f"{'--host' if is_host else '--port'}: cannot listen on {host}:{port}: "
-                         f"{error.strerror or error}") from None
+        raise
     return sockets
 
 

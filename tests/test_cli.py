@@ -571,6 +571,24 @@ def test_a_port_in_use_is_refused_before_any_model_loads(command, demo_model_dir
         2, f"switchboard {command}: --port: cannot listen on 127.0.0.1:{port}: Address already in use\n")
 
 
+def test_port_0_is_one_port_on_every_address_of_the_host(monkeypatch):
+    """As `localhost` names ::1 and 127.0.0.1 on most hosts: each address once drew a port of its
+    own, and the URL announced named the first's alone."""
+    import gateway.cli as cli
+
+    both = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: both)
+    sockets = cli._bind("localhost", 0)
+    try:
+        ports = {sock.getsockname()[1] for sock in sockets}
+        assert len(sockets) == 2 and len(ports) == 1
+        assert cli._base_url("localhost", sockets) == f"http://localhost:{ports.pop()}"
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 @pytest.mark.parametrize("command", ["serve", "worker"])
 def test_sigterm_shuts_down_gracefully_and_exits_0(command, demo_model_dir, tmp_path):
     # What systemd, Docker and Kubernetes send to stop a service; once the process died of it
