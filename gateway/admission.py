@@ -208,17 +208,26 @@ class Estimate:
     max_tokens_param: str | None = "max_tokens"
     route: str | None = None  # the route it runs on, which answers one choice of one prompt
     holds_every_tier: bool = False  # a cascade: it may run, and bill, each of its tiers
+    # A call that set neither, fitted to its tenant's limits as read just before, not cut to its
+    # least: the most output tokens an answer held (a call in flight took the room meanwhile).
+    fitted_tokens: int | None = None
 
     def counted(self) -> str:
-        output = "one output token" if self.max_tokens_param is None else self.max_tokens_param
+        if self.fitted_tokens is not None:
+            output = (f"up to {self.fitted_tokens} output tokens (the room your limits had as "
+                      "the call was read)")
+        else:
+            output = "one output token" if self.max_tokens_param is None else self.max_tokens_param
         if self.holds_every_tier:
             return f"prompt plus {output} on each tier of route {self.route!r}, which may run them all"
         return f"prompt plus {output} for every choice" + (
-            ", the least it can use" if self.max_tokens_param is None else "")
+            ", the least it can use" if self.max_tokens_param is None and self.fitted_tokens is None
+            else "")
 
     def advice(self) -> str:
         """What makes the estimate smaller ("lower max_tokens or n, or shorten the prompt")."""
-        param = self.max_tokens_param
+        # NOTE: a fitted call held less than the rest of the context: a lower max_tokens holds less.
+        param = self.max_tokens_param or ("max_tokens" if self.fitted_tokens is not None else None)
         if self.route is not None:  # n is 1: a route answers one choice
             shorter = "shorten the prompt" if param is None else f"lower {param} or shorten the prompt"
             return f"{shorter}, or call one model instead of route {self.route!r}"

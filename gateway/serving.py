@@ -481,7 +481,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     route = target.route
     estimate = Estimate(ask.length_param(), None if route is None else route.name,
                         holds_every_tier=isinstance(route, CascadeRoute)
-                        and sum(reading is not None for reading in readings) > 1)
+                        and sum(reading is not None for reading in readings) > 1,
+                        fitted_tokens=_fitted_tokens(ask, readings))
     admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n),
                             estimate=estimate)
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -676,6 +677,15 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return dataclasses.replace(ask, implicit_max_tokens=low), capped(low)
+
+
+def _fitted_tokens(ask: Ask, readings: list[list[Reading] | None]) -> int | None:
+    """For a call that left max_tokens out, the most output tokens an answer holds, unless that
+    is its least (one token, or min_tokens): what admission's refusal says it counted."""
+    if ask.max_tokens is not None:
+        return None
+    longest = max(o.max_tokens for reading in readings if reading for _, o in reading)
+    return longest if longest > max(1, ask.options.min_tokens) else None
 
 
 def _estimate(engine: EngineClient, reading: list[Reading], n: int) -> tuple[int, int]:

@@ -374,6 +374,36 @@ def test_a_chat_without_max_tokens_is_shortened_to_what_the_monthly_budget_leave
     client.close()
 
 
+def test_a_fitted_chat_that_a_call_in_flight_leaves_no_room_says_what_it_held(server, monkeypatch):
+    """Fitted to the 50 tokens its budget had left as it was read, it then found them held by a
+    call admitted meanwhile: the refusal once said it held "one output token, the least it can
+    use", and advised against nothing but n and the prompt."""
+    import gateway.serving
+
+    name = f"t{next(_names)}"
+    key = server.new_tenant(name, monthly_token_budget=50)
+    real_admit = gateway.serving.admit
+
+    async def admit_after_another(store, tenant, *args, **kwargs):
+        in_flight = await real_admit(store, tenant, 50)  # a call admitted first
+        try:
+            return await real_admit(store, tenant, *args, **kwargs)
+        finally:
+            await in_flight.withdraw(refund_requests=True)
+
+    monkeypatch.setattr(gateway.serving, "admit", admit_after_another)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as raised:
+        client.chat.completions.create(model=DEMO_MODEL, messages=[{"role": "user", "content": "hi"}])
+    client.close()
+    assert raised.value.body["code"] == "insufficient_quota"
+    assert " output tokens (the room your limits had as the call was read) for every choice)" in \
+        raised.value.message and "the least" not in raised.value.message
+    assert "lower max_tokens or n, or shorten the prompt" in raised.value.message
+    usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
+    assert (usage["requests"], usage["reserved_tokens"]) == (0, 0)
+
+
 def test_monthly_budget_is_settled_with_real_counts(server):
     name = f"t{next(_names)}"
     key = server.new_tenant(name, monthly_token_budget=30)
