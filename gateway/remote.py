@@ -190,28 +190,30 @@ class WorkerPool:
         horizon = time.time() - self.model_ttl_s
         served = {m: s.tokenizer for m, s in self.seen.items() if s.beat_at >= horizon}
         served |= {r.model: r.tokenizer for r in records}  # NOTE: up, whatever its clock says
-        for model in served:
-            digests = {r.tokenizer for r in records if r.model == model}
-            if len(digests) > 1 and model in reading:
-                # Midway through a rolling upgrade of its tokenizer files: a gateway new to the
-                # model reads its prompts as the others do, with those its workers last all had.
-                served[model] = reading[model]
-            elif len(digests) == 1 and None not in digests and reading.get(model) not in digests:
-                await self.registry.set_reading_tokenizer(model, *digests)
+        up_tokenizers: dict[str, set[str | None]] = {}  # each model's, over its workers up
+        for r in records:
+            up_tokenizers.setdefault(r.model, set()).add(r.tokenizer)
+        agreed = {model: digest for model, (digest, *others) in up_tokenizers.items() if not others}
+        for model in (up_tokenizers.keys() - agreed.keys()) & reading.keys():
+            # Midway through a rolling upgrade of its tokenizer files: a gateway new to the
+            # model reads its prompts as the others do, with those its workers last all had.
+            served[model] = reading[model]
+        for model, digest in agreed.items():
+            if digest is not None and reading.get(model) != digest:
+                await self.registry.set_reading_tokenizer(model, digest)
         for model in [m for m in self.clients if m not in served]:
             self._stop_serving(model)
         for model, tokenizer in served.items():
             if model not in self.clients:
                 await self._start_serving(model, tokenizer)
-        for record in records:
-            client = self.clients[record.model]
-            if record.tokenizer != client.tokenizer_digest and all(
-                    r.tokenizer == record.tokenizer for r in records if r.model == record.model):
+        for model, digest in agreed.items():
+            client = self.clients[model]
+            if digest != client.tokenizer_digest:
                 # Every worker of the model now has other tokenizer files (a rolling upgrade
                 # done): prompts must be read as they read them.
-                client.use_tokenizer(await self._tokenizer(record.tokenizer), record.tokenizer)
+                client.use_tokenizer(await self._tokenizer(digest), digest)
                 logger.info("%s's workers have a new tokenizer (%s): reading prompts with it",
-                            record.model, record.tokenizer)
+                            model, digest)
 
     async def _start_serving(self, model: str, tokenizer: str | None) -> None:
         self.clients[model] = client = RemoteEngineClient(
