@@ -666,8 +666,8 @@ def _fit_to_limits(state: GatewayState, target: Target, ask: Ask,
         held_tokens, held_spend = _hold(state, target, capped(cap), n)
         return held_tokens <= tokens and held_spend <= spend_usd
 
-    longest = max(o.max_tokens for reading in readings if reading for _, o in reading)
-    least = min(longest, max(1, ask.options.min_tokens))
+    longest = _longest_answer(readings)
+    least = min(longest, _least_answer(ask))
     if fits(longest):
         return ask, readings
     if not fits(least):
@@ -684,8 +684,19 @@ def _fitted_tokens(ask: Ask, readings: list[list[Reading] | None]) -> int | None
     is its least (one token, or min_tokens): what admission's refusal says it counted."""
     if ask.max_tokens is not None:
         return None
-    longest = max(o.max_tokens for reading in readings if reading for _, o in reading)
-    return longest if longest > max(1, ask.options.min_tokens) else None
+    longest = _longest_answer(readings)
+    return longest if longest > _least_answer(ask) else None
+
+
+def _longest_answer(readings: list[list[Reading] | None]) -> int:
+    """The most output tokens an answer of the call may have, on any tier that serves it."""
+    return max(o.max_tokens for reading in readings if reading for _, o in reading)
+
+
+def _least_answer(ask: Ask) -> int:
+    """The fewest output tokens an answer of a call that left max_tokens out is cut to: one, or
+    its min_tokens."""
+    return max(1, ask.options.min_tokens)
 
 
 def _estimate(engine: EngineClient, reading: list[Reading], n: int) -> tuple[int, int]:
