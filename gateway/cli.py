@@ -361,7 +361,7 @@ def _load_engine(command: str, name: str, path: Path, config: ServeConfig) -> En
     try:
         return load_engines({name: path}, **config.engine_options_of(name))[name]
     except (OSError, ValueError) as error:
-        print(f"switchboard {command}: cannot serve {name!r} from {path}: {error}", file=sys.stderr)
+        print(f"switchboard {command}: {_cannot_serve(name, path, error)}", file=sys.stderr)
         return None
 
 
@@ -555,16 +555,18 @@ def _folder_problem(option: str, folder: Path) -> str | None:
 def _models_problem(models: dict[str, Path]) -> str | None:
     """Why one of the local `models` cannot be served, as far as its folder's config.json says
     (None: each may be): said before the first of them loads, which takes minutes."""
-    if not models:
-        return None
     from engine.model.spec import ModelSpec  # NOTE: torch-free
 
     for name, path in models.items():
         try:
             ModelSpec.from_folder(path)
         except (OSError, ValueError) as error:
-            return f"cannot serve {name!r} from {path}: {error}"
+            return _cannot_serve(name, path, error)
     return None
+
+
+def _cannot_serve(name: str, path: Path, error: Exception) -> str:
+    return f"cannot serve {name!r} from {path}: {error}"
 
 
 def _wait_for_store(config: ServeConfig) -> str | None:
