@@ -247,6 +247,22 @@ class RedisKeys:
         return f"{self.p}blob-staged:{token}:{index}"  # a chunk of a write not committed yet
 
 
+class ReadTogether:
+    """Reads of several keys at one instant, as a transaction would give them, that still answer
+    while Redis is out of its maxmemory (redis_lua.READ_TOGETHER)."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._script = client.register_script(redis_lua.READ_TOGETHER)
+
+    async def __call__(self, *reads: tuple[str, str]) -> list:
+        """The reply to each (command, key) of `reads`, in order: a dict for HGETALL, a list for
+        HVALS."""
+        replies = await self._script(keys=[key for _, key in reads],
+                                     args=[command for command, _ in reads])
+        return [dict(zip(reply[::2], reply[1::2])) if command == "HGETALL" else reply
+                for (command, _), reply in zip(reads, replies)]
+
+
 class RedisStore:
     """The Store protocol over Redis; build it with `await RedisStore.open(url)`."""
 
@@ -257,6 +273,7 @@ class RedisStore:
         self._rate_script = client.register_script(redis_lua.RATE)
         self._reserve_script = client.register_script(redis_lua.RESERVE)
         self._extend_hold_script = client.register_script(redis_lua.EXTEND_HOLD)
+        self._read_together = ReadTogether(client)
         # NOTE: its own client, with decode_responses=False: adapter files are bytes.
         self.shared_blobs = RedisBlobs(blob_client, self._keys)
 
@@ -484,10 +501,8 @@ class RedisStore:
     async def _all_versions(self, tenant: str) -> list[list[AdapterRecord]]:
         """Every version of each of the tenant's adapters, the adapters sorted by name."""
         names = sorted(await self._redis.smembers(self._keys.adapters(tenant)))
-        async with self._redis.pipeline(transaction=True) as pipe:
-            for name in names:
-                pipe.hvals(self._keys.adapter(tenant, name))
-            results = await pipe.execute()
+        results = await self._read_together(*(("HVALS", self._keys.adapter(tenant, name))
+                                               for name in names))
         return [_decode_versions(raws) for raws in results]
 
     async def delete_adapter(self, tenant: str, name: str) -> list[AdapterRecord]:
@@ -592,10 +607,8 @@ class RedisStore:
     ) -> Usage:
         now = now_or(now)
         month = month or month_of(now)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._keys.usage(tenant, month))
-            pipe.hvals(self._keys.holds(tenant, month))
-            counters, holds = await pipe.execute()
+        counters, holds = await self._read_together(("HGETALL", self._keys.usage(tenant, month)),
+                                                    ("HVALS", self._keys.holds(tenant, month)))
         live = [(int(t), float(s)) for t, s, exp in (h.split() for h in holds) if float(exp) > now]
         return Usage(
             tenant=tenant,

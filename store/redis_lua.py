@@ -1,4 +1,5 @@
-"""Lua scripts that make the Redis backend's limit checks atomic across gateway processes.
+"""Lua scripts that make the Redis backend's limit checks, and its reads of several keys, atomic
+across gateway processes.
 
 Each script runs as one Redis command, so no other client sees or changes the state between the
 check and the write. They mirror store.limits (take, budget_allows); numbers cross as strings in
@@ -93,4 +94,16 @@ if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
 end
 return 1
+"""
+
+
+# KEYS: the keys to read; ARGV[i]: the read command for KEYS[i] (HGETALL, HVALS). Returns one reply
+# per key, all read at one instant.
+# NOTE: a script, not a MULTI transaction: Redis out of its maxmemory refuses every command queued
+# in a transaction, reads too, but runs a script up to its first write, so these reads go on
+# answering while Redis is full.
+READ_TOGETHER = """
+local replies = {}
+for i, key in ipairs(KEYS) do replies[i] = redis.call(ARGV[i], key) end
+return replies
 """

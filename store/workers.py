@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import msgspec
 import redis.asyncio as aioredis
 
-from store.redis import connect
+from store.redis import ReadTogether, connect
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class WorkerRegistry:
         self._rank_beats = prefix + "adapter_rank_beats"  # JSON [model, rank] -> latest beat_at
         self._records_elsewhere = prefix + "adapter_records_elsewhere"
         self._reading_tokenizers = prefix + "reading_tokenizers"  # model -> tokenizer digest
+        self._read_together = ReadTogether(client)
 
     @classmethod
     def open(cls, url: str, prefix: str = "sb:", timeout_s: float = 2.0) -> "WorkerRegistry":
@@ -162,11 +163,9 @@ class WorkerRegistry:
     async def models_seen(self) -> dict[str, ModelSeen]:
         """Every model a worker ever sent a heartbeat for, as its latest heartbeat left it (and
         when a worker of it with adapter slots last did, for each --max-lora-rank)."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(self._models)
-            pipe.hgetall(self._models_with_adapters)
-            pipe.hgetall(self._rank_beats)
-            seen, with_adapters, by_rank = await pipe.execute()
+        seen, with_adapters, by_rank = await self._read_together(
+            ("HGETALL", self._models), ("HGETALL", self._models_with_adapters),
+            ("HGETALL", self._rank_beats))
         with_adapters = {model.decode(): float(beat_at) for model, beat_at in with_adapters.items()}
         rank_beats: dict[str, dict[int, float]] = {}
         for field, beat_at in by_rank.items():

@@ -575,6 +575,33 @@ def test_an_upload_redis_has_no_room_for_keeps_nothing_and_others_go_on(demo_eng
         stop_redis_server(process)
 
 
+def test_a_full_redis_still_lists_models_adapters_and_usage(demo_engine, adapters, tmp_path):
+    """Redis out of its maxmemory refuses what would write (a call holds its budget), but reads
+    go on: a tenant still sees its models and adapters, and the admin its usage. Read in a
+    transaction, which a full Redis refuses even for reads, they answered 503 store_full."""
+    process, url = start_redis_server()
+    client = redis.Redis.from_url(url)
+    try:
+        with gateway_server(demo_engine, tmp_path, url) as server:
+            key = server.new_tenant("reader")
+            assert upload(server, key, "mine", files_of(adapters["attn-r4"])).status_code == 201
+            auth = {"Authorization": f"Bearer {key}"}
+            client.config_set("maxmemory", 1)
+            models = httpx.get(server.url + "/v1/models", headers=auth, timeout=60)
+            assert models.status_code == 200, models.text
+            assert [m["id"] for m in models.json()["data"]] == [DEMO_MODEL, "mine"]
+            listed = httpx.get(server.url + "/v1/adapters", headers=auth, timeout=60)
+            assert (listed.status_code, [a["id"] for a in listed.json()["data"]]) == (200, ["mine"])
+            detail = server.admin("GET", "/admin/tenants/reader")
+            assert (detail.status_code, detail.json()["usage"]["requests"]) == (200, 0)
+            refused = httpx.post(server.url + "/v1/completions", headers=auth, timeout=60,
+                                 json={"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 1})
+            assert (refused.status_code, refused.json()["error"]["code"]) == (503, "store_full")
+    finally:
+        client.close()
+        stop_redis_server(process)
+
+
 def test_an_upload_past_its_tenant_s_limit_is_refused_before_it_reaches_redis(demo_engine,
                                                                               adapters, tmp_path):
     """An upload its tenant has no room for is refused before its files are placed: written to

@@ -48,7 +48,7 @@ from gateway.errors import ApiError
 from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from store.sqlite import LOCK_TIMEOUT_S
-from store.workers import WorkerRegistry
+from store.workers import WorkerRecord, WorkerRegistry
 from tests.helpers import small_volume
 from tests.processes import free_port
 from tests.redis_server import PersistentRedisServer, redis_server, redis_url  # noqa: F401
@@ -917,14 +917,25 @@ async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_ag
 ) -> None:
     """Out of its maxmemory, or after a failed snapshot to disk, Redis answers reads (or not even
     PING) but refuses writes: calls, and ensure_writable (the gateway's /health), must say "retry
-    later", not fail as a bug would."""
+    later", not fail as a bug would. Reads, of several keys at once too, go on answering."""
     refuse_writes, take_writes, cause = WRITE_REFUSALS[refusal]
     (tmp_path / "data").mkdir()
     server = PersistentRedisServer(tmp_path / "data")
     store, admin = await RedisStore.open(server.url), redis.Redis.from_url(server.url)
+    registry = WorkerRegistry(store_redis.connect(server.url, 2.0))
     try:
         acme = await make_tenant(store, rpm=10, monthly_token_budget=1000)
+        held = await store.reserve_tokens(acme, 10, now=T0)
+        stored = [await store.put_adapter_record(adapter("acme", name)) for name in ("a", "b")]
+        await registry.heartbeat(WorkerRecord(
+            id="w1", url="http://127.0.0.1:1", model="demo-llama", max_model_len=64, max_loras=2,
+            max_lora_rank=8, tokenizer=None, num_running=0, num_waiting=0, adapters_device=[],
+            adapters_host=[], stats=b"{}", beat_at=T0), ttl_s=60)
         refuse_writes(admin, tmp_path / "data")
+        assert await store.list_adapters("acme") == stored
+        assert (await store.get_usage("acme", held.month, now=T0)).reserved_tokens == held.tokens
+        seen = await registry.models_seen()
+        assert list(seen) == ["demo-llama"] and seen["demo-llama"].rank_beats == {8: T0}
         refused = [store.ensure_writable(), store.create_tenant(Tenant(name="b", created_at=T0)),
                    store.create_key("acme"), store.check_and_consume_rate(acme, now=T0),
                    store.reserve_tokens(acme, 10, now=T0)]
@@ -938,6 +949,7 @@ async def test_a_redis_that_refuses_writes_is_unavailable_until_it_takes_them_ag
     finally:
         admin.close()
         await store.close()
+        await registry.close()
         server.stop()
 
 
