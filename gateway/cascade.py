@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.engine_client import AdapterCannotRun, EngineFailure, GenerationChunk, RequestRejected
-from gateway.generation import Ask, Choice, Tier
+from gateway.generation import Ask, Choice, HeldChunk, Tier
 from routing.confidence import confidence
 from routing.routes import CascadeRoute
 
@@ -145,7 +145,7 @@ class _PassedOver:
         try:
             if not (self.chunks and self.chunks[-1].finished):
                 async for chunk in stream:
-                    self.chunks.append(chunk)
+                    self.chunks.append(HeldChunk.of(chunk))
                     self._arrived.set()
                     if chunk.finished:
                         break
@@ -268,7 +268,7 @@ async def _collect(stream: AsyncIterator[GenerationChunk], num_tokens: int | Non
     answer."""
     count = 0
     async for chunk in stream:
-        chunks.append(chunk)
+        chunks.append(HeldChunk.of(chunk))
         count += len(chunk.token_ids)
         if chunk.finished or (num_tokens is not None and count >= num_tokens):
             break

@@ -294,6 +294,19 @@ class Choice:
         return max(len(self.token_ids), self.num_engine_output_tokens)
 
 
+class HeldChunk(GenerationChunk, frozen=True, kw_only=True):
+    """A chunk read before the call's answer began (a route judging a tier, or holding one to
+    fall back on), handed on later: latencies are timed by when it arrived, not when it is
+    handed on, which would make a judged answer's tokens seem to come all at once."""
+
+    arrived_at: float  # time.monotonic()
+
+    @classmethod
+    def of(cls, chunk: GenerationChunk) -> HeldChunk:
+        """`chunk`, arrived now."""
+        return cls(**msgspec.structs.asdict(chunk), arrived_at=time.monotonic())
+
+
 class Generation:
     """Runs `streams` (choice i comes from prompt `prompt_indices[i]`) and merges their chunks.
     `same_prompt_as[p]`: the first prompt of the call with prompt p's tokens (by default, p).
@@ -430,6 +443,7 @@ class Generation:
     async def _pump(self, index: int, stream: AsyncIterator[GenerationChunk]) -> None:
         try:
             async for chunk in stream:
-                self._queue.put_nowait((index, chunk, time.monotonic()))
+                at = chunk.arrived_at if isinstance(chunk, HeldChunk) else time.monotonic()
+                self._queue.put_nowait((index, chunk, at))
         except Exception as error:  # handed to the consumer, which decides what the client sees
             self._queue.put_nowait((index, error, time.monotonic()))

@@ -117,6 +117,10 @@ class Histogram(Metric):
         series = self._series.get(self._key(labels))
         return 0 if series is None else sum(series[0])
 
+    def sum(self, **labels: str) -> float:
+        series = self._series.get(self._key(labels))
+        return 0.0 if series is None else series[1][0]
+
     def _observe(self, key: tuple[str, ...], value: float) -> None:
         counts, total = self._series.setdefault(key, ([0] * len(self.buckets), [0.0]))
         counts[bisect_left(self.buckets, value)] += 1

@@ -60,6 +60,7 @@ class ScriptedTier(IdleEngineParts):
         self.failed = threading.Event()  # set once an answer failed there
         self.stalled = threading.Event()  # set once an answer waits there
         self.start_after: threading.Event | None = None  # answers wait for it to start
+        self.token_delay_s = 0.0  # how long each token takes to make
         self.started: list[str] = []  # request ids, in order
         self.running: set[str] = set()
         self.closed_early: list[str] = []  # requests aborted before their last token
@@ -104,6 +105,7 @@ class ScriptedTier(IdleEngineParts):
                 if i == self.fail_after:
                     self.failed.set()
                     raise EngineFailure(f"{self.name} died midway")
+                await asyncio.sleep(self.token_delay_s)
                 finished = i == options.max_tokens - 1
                 logprobs = [] if options.logprobs is None else [
                     TokenLogprob(ord(self.letter), logprob, [(ord(self.letter), logprob)])]
@@ -208,7 +210,7 @@ def chatml_routed(demo_engine, chatml_engine, tmp_path_factory) -> Iterator[Gate
 def healthy(engines):
     for engine in engines.values():
         engine.fail, engine.down, engine.stall_after, engine.start_after = False, False, None, None
-        engine.fail_after = None
+        engine.fail_after, engine.token_delay_s = None, 0.0
         engine.failed.clear()
         engine.stalled.clear()
 
@@ -370,6 +372,24 @@ def test_a_client_leaving_mid_cascade_is_billed_every_token_generated(routed, en
     assert engines["medium"].closed_early[-1] == engines["medium"].started[-1]
     assert len(engines["large"].started) == large_before
     assert eventually(lambda: all(e.stats().num_running == 0 for e in engines.values()))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_routed_call_s_latencies_are_timed_as_its_tokens_came_not_as_judging_handed_them_on(
+        routed, engines, stream):
+    """A tier judged on its first tokens hands them on at once when it answers: timed then, the
+    answering model's time per output token read 0 and its time to first token the whole wait."""
+    _, key = new_tenant(routed)
+    engines["small"].token_delay_s = 0.05
+    latency = routed.app.state.gateway.metrics.time_per_output_token
+    before = latency.count(model="small"), latency.sum(model="small")
+    response = complete(routed, key, "easy one", max_tokens=6, stream=stream)  # small answers
+    assert (response.status_code, answer_text(response)) == (200, "ssssss")
+    assert response.headers["x-switchboard-model"] == "small"
+    # Five gaps of at least the delay each (prefix_tokens 2: streamed, two judged tokens came
+    # before the answer began, then four as they came).
+    assert latency.count(model="small") - before[0] == 5
+    assert latency.sum(model="small") - before[1] >= 5 * 0.05
 
 
 def test_three_tiers_escalate_step_by_step(routed):
