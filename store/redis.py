@@ -15,7 +15,7 @@ script that a restarted server no longer has (NOSCRIPT).
 import re
 import time
 from contextvars import ContextVar
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as aioredis
@@ -92,6 +92,13 @@ SETTLED_KEPT_S = 600
 POOL_WAIT_S = 60.0
 
 
+def _masked(parts: SplitResult) -> str:
+    """The URL's netloc with its password as ***: rebuilt, as the password's text may also be
+    found earlier in the URL (a user of that name)."""
+    credentials, _, address = parts.netloc.rpartition("@")
+    return f"{credentials.partition(':')[0]}:***@{address}"
+
+
 def check_redis_url(url: str) -> str:
     """`url` if redis-py can connect by it (redis://, rediss:// with an optional number db, or
     unix:// with a socket path); ValueError saying what is wrong, never echoing a password."""
@@ -99,7 +106,7 @@ def check_redis_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError as error:  # NOTE: its message does not hold the URL, nor its password
         raise ValueError(f"cannot use the Redis URL: {error}") from None
-    shown = url if parts.password is None else url.replace(parts.password, "***", 1)
+    shown = url if parts.password is None else urlunsplit(parts._replace(netloc=_masked(parts)))
     problem = None
     if parts.scheme not in ("redis", "rediss", "unix"):
         problem = "it is not a Redis URL (redis://host:port/0, rediss://..., unix:///path)"

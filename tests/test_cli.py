@@ -144,6 +144,9 @@ def test_router_train_refuses_a_seed_torch_cannot_take(seed, tmp_path, capsys):
     (dict(store="redis://localhost:99999/0"), "Redis URL 'redis://localhost:99999/0': Port out"),
     (dict(store="redis://:pw@h:6379/abc"), r"'redis://:\*\*\*@h:6379/abc': the database must be"),
     (dict(store="redis://[::1/0"), "cannot use the Redis URL: Invalid IPv6 URL"),
+    # The password's text first found in the user's name (or scheme): the password was shown.
+    (dict(store="redis://admin:admin@h:6379/x"), r"'redis://admin:\*\*\*@h:6379/x': the database"),
+    (dict(store="redis://u:redis@h:6379/x"), r"'redis://u:\*\*\*@h:6379/x': the database"),
     # A traceback (a TypeError as it first connected), exit 1.
     (dict(store="redis://:pw@h:6379/0?sockt_timeout=5"),
      r"'redis://:\*\*\*@h:6379/0\?sockt_timeout=5': redis-py knows no query argument 'sockt_timeout'"),
