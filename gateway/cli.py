@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve models over the OpenAI API", epilog=_SERVE_EPILOG + _EXIT_STATUS,
         description="Serve models over an OpenAI-compatible HTTP API.",
         formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
-    serve.add_argument("--config", type=Path, metavar="FILE.toml", help="read settings from a TOML file")
+    serve.add_argument("--config", type=_user_path, metavar="FILE.toml",
+                       help="read settings from a TOML file")
     serve.add_argument("--model", action="append", metavar="NAME=PATH",
                        help="serve the Hugging Face model folder PATH as NAME (repeatable; "
                             "default: the demo model as switchboard-demo)")
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--data-dir", type=Path,
                         help=f"data folder: adapter files sent by gateways, the demo model "
                              f"(default $SWITCHBOARD_HOME, else ./{DEFAULT_DATA_DIR})")
-    worker.add_argument("--config", type=Path, metavar="FILE.toml",
+    worker.add_argument("--config", type=_user_path, metavar="FILE.toml",
                         help="read settings from a TOML file (the keys of the long options)")
     _add_engine_options(worker)
     _add_server_options(worker, "worker")
@@ -180,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fit a router from JSONL lines {\"prompt\": ..., \"small_correct\": true|false}, "
                     "calibrating its threshold on a held-out part so that the target share of "
                     "prompts goes to the strong model.")
-    train.add_argument("data", type=Path, help="the JSONL file of prompts and outcomes")
-    train.add_argument("--out", type=Path, required=True, help="folder to write router.json into")
+    train.add_argument("data", type=_user_path, help="the JSONL file of prompts and outcomes")
+    train.add_argument("--out", type=_user_path, required=True, help="folder to write router.json into")
     train.add_argument("--target-strong-share", type=float, default=0.4,
                        help="share of requests the strong model should answer (default 0.4)")
     train.add_argument("--holdout", type=float, default=0.2,
@@ -190,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=_seed, default=0,
                        help=f"seed of the split and the fit, 0 to {_MAX_SEED} (default 0)")
     return parser
+
+
+def _user_path(text: str) -> Path:
+    """A path option, "~" expanded: a shell leaves it as is after "=" (--config=~/sb.toml)."""
+    return Path(text).expanduser()
 
 
 def _seed(text: str) -> int:

@@ -227,11 +227,16 @@ def test_keys_no_http_header_can_carry_exit_2_without_echoing_them(name, key, tm
         load_serve_config({}, None, {variable: key})
 
 
-def test_unknown_config_keys_exit_2_with_the_reason(tmp_path, capsys):
+def test_unknown_config_keys_exit_2_with_the_reason(tmp_path, capsys, monkeypatch):
     config = tmp_path / "bad.toml"
     config.write_text("prot = 1\n")
     assert main(["serve", "--config", str(config)]) == 2
     assert "unknown keys" in capsys.readouterr().err
+    # "~" after "=", which a shell leaves as is: the file was looked for in a folder named "~".
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for command in ("serve", "worker"):
+        assert main([command, "--config=~/bad.toml"]) == 2
+        assert "unknown keys" in capsys.readouterr().err
 
 
 def test_serve_prints_a_new_admin_key_once_and_serves(demo_model_dir, tmp_path):

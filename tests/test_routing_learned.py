@@ -85,7 +85,7 @@ def test_training_data_errors_name_the_line():
         train_router([Example("a", True), Example("b", True)], 0.5)
 
 
-def test_router_train_command(tmp_path, capsys):
+def test_router_train_command(tmp_path, capsys, monkeypatch):
     data = tmp_path / "outcomes.jsonl"
     data.write_text("".join(json.dumps({"prompt": e.prompt, "small_correct": e.small_correct})
                             + "\n" for e in arithmetic_examples(300)))
@@ -93,6 +93,10 @@ def test_router_train_command(tmp_path, capsys):
                  "--target-strong-share", "0.5", "--epochs", "30"]) == 0
     assert "sends 50.0% to the strong model" in capsys.readouterr().out
     assert LearnedRouter.load(tmp_path / "r").settings.target_strong_share == 0.5
+    # "~" after "=", which a shell leaves as is: the router went into a folder named "~" here.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["router", "train", "--out=~/home-router", "--epochs=30", f"~/{data.name}"]) == 0
+    assert LearnedRouter.load(tmp_path / "home-router").settings.target_strong_share == 0.4
     assert main(["router", "train", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
     # An --out that is a file is refused before training (it once failed after, with a traceback).
     assert main(["router", "train", str(data), "--out", str(data)]) == 2
