@@ -73,10 +73,23 @@ async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     NOTE: not httpx's `aiter_lines`, which also splits at U+2028, U+0085 and other characters
     that JSON strings carry unescaped, so a token's text could cut an event in two.
     """
-    pending = b""
+    # NOTE: the line not ended yet is kept as the pieces it came in, joined once it ends: read
+    # again with each piece, a line of megabytes (an echoed prompt's logprobs) cost its length
+    # times the number of its pieces.
+    pending: list[bytes] = []
+    after_cr = False  # the last byte read was a CR, which ended a line: an LF next is its CRLF's
     async for chunk in chunks:
-        *lines, pending = _LINE_BREAK.split(pending + chunk)
-        for line in lines:  # NOTE: CR and LF bytes never occur inside a UTF-8 sequence
-            yield line.decode()
+        if not chunk:
+            continue
+        if after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        after_cr = chunk.endswith(b"\r")
+        *ended, rest = _LINE_BREAK.split(chunk)
+        for line in ended:  # NOTE: CR and LF bytes never occur inside a UTF-8 sequence
+            pending.append(line)
+            yield b"".join(pending).decode()
+            pending.clear()
+        if rest:
+            pending.append(rest)
     if pending:
-        yield pending.decode()
+        yield b"".join(pending).decode()

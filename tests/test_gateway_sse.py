@@ -33,3 +33,11 @@ def test_events_survive_characters_that_other_line_readers_split_at():
 
 def test_a_last_line_without_its_break_is_still_read():
     assert _lines(b"data: 1\r\ndata: 2", 3) == ["data: 1", "data: 2"]
+
+
+def test_a_crlf_cut_between_its_cr_and_its_lf_is_one_line_break():
+    """An LF that comes first in a piece after a CR ended the last one is that CR's: it was read
+    as a line break of its own, an empty line (which ends an event) that the stream never held."""
+    for size in (1, 2, 3):
+        assert _lines(b"a\r\nbc\r\n\r\nd", size) == ["a", "bc", "", "d"]
+    assert _lines(b"a\r\rb\n\rc", 2) == ["a", "", "b", "", "c"]  # lone CRs, and LF then CR
