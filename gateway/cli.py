@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import os
+import resource
 import signal
 import socket
 import sys
@@ -292,9 +293,32 @@ def _configure_logging(config: ServeConfig) -> None:
             logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
+# As vLLM does: every request to an engine worker or an upstream holds a connection (a call
+# with 2048 choices, 2048), and each file descriptor counts against the process's soft limit,
+# often 1024 under systemd or Docker, while its hard limit allows far more.
+_OPEN_FILES_TARGET = 65536
+
+
+def _raise_open_files_limit() -> None:
+    """Raise the process's soft limit on open files towards _OPEN_FILES_TARGET, as far as its
+    hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _OPEN_FILES_TARGET if hard == resource.RLIM_INFINITY else min(hard, _OPEN_FILES_TARGET)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as error:
+        logger.warning("cannot raise the open-files limit from %d (%s): calls with many choices "
+                       "may fail; raise it with `ulimit -n`", soft, error)
+        return
+    logger.info("raised the open-files limit from %d to %d", soft, target)
+
+
 def serve(config: ServeConfig) -> int:
     """Check the settings, load the engines, then serve until interrupted; the exit status."""
     _configure_logging(config)
+    _raise_open_files_limit()
     # NOTE: before minutes of model loading.
     problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.store)
                or (_redis_problem(config.redis) if config.redis != config.store else None)
@@ -375,6 +399,7 @@ def run_worker(config: ServeConfig) -> int:
     """Check the settings, load the one model's engine, then serve the internal API until
     interrupted; the exit status."""
     _configure_logging(config)
+    _raise_open_files_limit()
     if config.redis is None:
         print("switchboard worker: give the Redis the gateways use: --redis URL, or `redis = "
               "\"URL\"` in the --config file", file=sys.stderr)

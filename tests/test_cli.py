@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import resource
 import subprocess
 import sys
 import threading
@@ -64,6 +65,23 @@ def test_a_worker_serves_exactly_one_local_model(tmp_path, capsys):
                 "--host", "0.0.0.0"]
     assert main(anywhere) == 2
     assert "--advertise-url" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_servers_raise_their_open_files_limit_as_far_as_its_hard_limit_allows(command, tmp_path):
+    """Each request to a worker or an upstream holds a connection: at a soft limit of 1024 (as
+    under systemd or Docker), a call with 1100 choices failed as if its worker were down."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"this machine's hard limit on open files is {hard}")
+    expected = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    result = subprocess.run(
+        SWITCHBOARD + [command, "--data-dir", str(not_a_folder)], capture_output=True, text=True,
+        timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    assert result.returncode == 2  # then refused: no Redis, or a --data-dir that is a file
+    assert f"raised the open-files limit from 256 to {expected}" in result.stderr
 
 
 def test_a_worker_takes_its_redis_from_its_config_file_and_needs_one(tmp_path, capsys):
