@@ -360,7 +360,7 @@ def _load_and_serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
             if engine is None:
                 return 2
             engines[name] = engine
-        problem = _wait_for_store(config)
+        problem = _wait_for_stores(config)
         if problem is not None:
             print(f"switchboard serve: {problem}", file=sys.stderr)
             return 2
@@ -439,6 +439,9 @@ def _load_and_run_worker(config: ServeConfig, sockets: list[socket.socket],
     if engine is None:
         return 2
     try:
+        if (problem := _wait_until_writable("--redis", config.redis, config.data_dir)):
+            print(f"switchboard worker: {problem}", file=sys.stderr)
+            return 2
         worker = Worker(model=name, engine=engine,
                         url=config.advertise_url or _base_url(config.host, sockets),
                         blobs=BlobStore(adapter_folder),
@@ -600,24 +603,36 @@ def _cannot_serve(name: str, path: Path, error: Exception) -> str:
     return f"cannot serve {name!r} from {path}: {error}"
 
 
-def _wait_for_store(config: ServeConfig) -> str | None:
-    """Why the store still cannot take writes after STORE_WAIT_S of trying (None: it can). It
-    was checked before the models loaded, which takes minutes: a lock another process held for
-    seconds since (a backup, another gateway starting), or Redis restarting, must not cost that
-    start. Done before the server starts, so that Ctrl-C and SIGTERM stop it as they stop the
-    loading of the models (uvicorn only notes them until its app has started)."""
+def _wait_for_stores(config: ServeConfig) -> str | None:
+    """Why the store, or the Redis of the worker registry (--redis, where it is another), still
+    cannot take writes after STORE_WAIT_S of trying (None: both can). See _wait_until_writable."""
+    if (problem := _wait_until_writable(_store_option(config.store), config.store,
+                                        config.data_dir)):
+        return problem
+    if config.redis is not None and config.redis != config.store:
+        return _wait_until_writable("--redis", config.redis, config.data_dir)
+    return None
+
+
+def _wait_until_writable(setting: str, url: str | None, data_dir: Path) -> str | None:
+    """Why the store at `url` (set by `setting`) still cannot take writes after STORE_WAIT_S of
+    trying (None: it can). It was checked before the models loaded, which takes minutes: a lock
+    another process held for seconds since (a backup, another gateway starting), or Redis
+    restarting, must not cost that start. Done before the server starts, so that Ctrl-C and
+    SIGTERM stop it as they stop the loading of the models (uvicorn only notes them until its app
+    has started)."""
     import asyncio
 
     from store import UNAVAILABLE_ERRORS, StoreError, open_store
 
     async def check() -> None:
-        store = await open_store(config.store, config.data_dir)
+        store = await open_store(url, data_dir)
         try:
             await store.ensure_writable()
         finally:
             await store.close()
 
-    setting = _store_option(config.store)
+    what = "the Redis" if setting == "--redis" else "the store"
     deadline = time.monotonic() + STORE_WAIT_S
     while True:
         try:
@@ -627,8 +642,8 @@ def _wait_for_store(config: ServeConfig) -> str | None:
             return f"{setting}: {error}"
         except UNAVAILABLE_ERRORS as error:
             if time.monotonic() >= deadline:
-                return f"{setting}: the store still cannot take writes after {STORE_WAIT_S:g} s: {error}"
-            logger.warning("cannot use the store yet (%s); trying again for up to %.0f s", error,
+                return f"{setting}: {what} still cannot take writes after {STORE_WAIT_S:g} s: {error}"
+            logger.warning("cannot use %s yet (%s); trying again for up to %.0f s", what, error,
                            deadline - time.monotonic())
             time.sleep(1.0)
 
@@ -636,7 +651,7 @@ def _wait_for_store(config: ServeConfig) -> str | None:
 def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:
     """Why the SQLite store at `url` (None: the default one in `data_dir`) cannot be used, naming
     the setting that chose it (None: it can, or `url` is not SQLite). One locked by another
-    process now (a backup, say) is no problem yet: _wait_for_store waits for it once the models
+    process now (a backup, say) is no problem yet: _wait_for_stores waits for it once the models
     are loaded (this exited 2 at once)."""
     import asyncio
 

@@ -811,6 +811,36 @@ def test_a_store_still_locked_after_the_wait_exits_2_saying_so(demo_model_dir, t
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_a_registry_redis_gone_once_the_model_is_loaded_exits_2_saying_so(
+        command, demo_model_dir, tmp_path, monkeypatch, capsys):
+    """A worker's Redis, or the registry's of a gateway whose store is another, gone while the
+    model loaded: waited for as a store is, then a clear exit 2 (a traceback, exit 3, once the
+    model had loaded: minutes on a GPU)."""
+    import gateway.cli as cli
+
+    monkeypatch.setattr(cli, "STORE_WAIT_S", 0.0)
+    redis, url = start_redis_server()
+    real_load = cli._load_engine
+
+    def load_then_stop_redis(*args, **kwargs):
+        engine = real_load(*args, **kwargs)
+        stop_redis_server(redis)
+        return engine
+
+    monkeypatch.setattr(cli, "_load_engine", load_then_stop_redis)
+    own_store = ["--store", f"sqlite:///{tmp_path / 'own.db'}"] if command == "serve" else []
+    try:
+        status = main([command, "--port", "0", "--data-dir", str(tmp_path), "--redis", url,
+                       *own_store, "--model", f"{DEMO_MODEL}={demo_model_dir}"])
+    finally:
+        stop_redis_server(redis)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert f"switchboard {command}: --redis: the Redis still cannot take writes after 0 s: " in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
 def test_a_signal_while_serve_waits_for_its_store_stops_it_at_once(demo_model_dir, tmp_path, sig,
                                                                     status):
