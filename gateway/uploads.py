@@ -241,6 +241,12 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                         f"the archive holds more than {_MAX_ARCHIVE_MEMBERS} files; pack only the "
                         f"adapter folder, or upload {' and '.join(ADAPTER_FILES)} as two files",
                         code="invalid_upload")
+                if member.issparse():
+                    # NOTE: its size is the file's with its holes, not the data the archive holds:
+                    # counted as read, the headers after it could take that much memory.
+                    raise invalid_request(f"{quoted(member.name)} in the archive is a sparse file; "
+                                          "pack it without --sparse (`tar czf adapter.tar.gz -C "
+                                          "<adapter folder> .`)", code="invalid_upload")
                 size = max(member.size, 0)
                 inflated.expect_data(size)
                 name = path.name

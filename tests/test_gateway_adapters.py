@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gzip
 import io
 import itertools
 import json
@@ -131,6 +132,23 @@ def tar_gz(members: dict[str, bytes], tar_format: int = tarfile.DEFAULT_FORMAT) 
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def sparse_then(real_size: int, members: dict[str, bytes]) -> bytes:
+    """A .tar.gz whose first member is a GNU sparse file (`tar --sparse`) of `real_size` bytes,
+    all of them a hole (the archive holds none of its data), then `members`."""
+    info = tarfile.TarInfo("holes.bin")
+    info.type = tarfile.GNUTYPE_SPARSE
+    header = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+    header[483:495] = tarfile.itn(real_size, 12, tarfile.GNU_FORMAT)  # the file's own size
+    header[148:156] = b"%06o\0 " % tarfile.calc_chksums(bytes(header))[0]
+    rest = io.BytesIO()
+    with tarfile.open(fileobj=rest, mode="w") as tar:
+        for name, data in members.items():
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return gzip.compress(bytes(header) + rest.getvalue())
 
 
 def greedy_ids(server, key: str, model: str, answered_by: str | None = None) -> list[int]:
@@ -781,6 +799,10 @@ BAD_UPLOADS = {
         400, "invalid_upload", "adapter_config.json"),
     "path traversal name": (lambda a: ("../../etc/passwd", DEMO_MODEL, files_of(a["all-r8"])),
                             400, "invalid_name", "invalid adapter name"),
+    # Its size was counted as data read, so the headers after it could take that much memory.
+    "a sparse file in an archive": (lambda a: ("s", DEMO_MODEL, {"file": ("a.tar.gz", sparse_then(
+        64 << 20, {n: d for n, (_, d) in files_of(a["all-r8"]).items()}))}),
+        400, "invalid_upload", "is a sparse file"),
     "path traversal in an archive": (lambda a: ("p", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
         f"../{n}": d for n, (_, d) in files_of(a["all-r8"]).items()}))}),
         400, "invalid_upload", "unsafe path"),
