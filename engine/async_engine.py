@@ -129,6 +129,9 @@ class AsyncEngine:
                 logger.exception("engine step failed; aborting %d requests", len(self._streams))
                 self._fail_all(error)
                 continue
+            # NOTE: published before the outputs go out, and again after the aborts below: a
+            # caller that reads the stats once its answer ended sees that request gone.
+            self._metrics = self.engine.metrics()
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if output.finished:
@@ -167,10 +170,13 @@ class AsyncEngine:
         command.accepted.set_result(None)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            stream.put(EngineStepError(f"request {request_id} failed in the engine: {error}"))
-            self._abort(request_id)
+        failed = list(self._streams.items())
         self._streams.clear()
+        for request_id, _ in failed:
+            self._abort(request_id)
+        self._metrics = self.engine.metrics()  # NOTE: before they are told (see _run)
+        for request_id, stream in failed:
+            stream.put(EngineStepError(f"request {request_id} failed in the engine: {error}"))
 
     def _abort(self, request_id: str) -> None:
         """Abort a request in the engine. NOTE: this thread serves every request, so an abort that

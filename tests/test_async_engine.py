@@ -193,6 +193,48 @@ def test_a_failed_step_fails_every_stream_even_if_an_abort_fails_too(async_engin
     assert len(tokens) == 3 and last.finished
 
 
+def test_the_stats_no_longer_count_a_request_by_the_time_its_end_is_delivered(async_engine,
+                                                                             monkeypatch):
+    """Published after its end went out, the stats could still count a request its caller had
+    seen end (a gateway's test read num_waiting 1 after a refused call's 500)."""
+    from engine import async_engine as module
+
+    seen_at_end = []
+    put = module._Stream.put
+
+    def put_noting_the_stats(stream, item):
+        if isinstance(item, Exception) or item.finished:
+            stats = async_engine.metrics()
+            seen_at_end.append((stats.num_running, stats.num_waiting))
+        return put(stream, item)
+
+    monkeypatch.setattr(module._Stream, "put", put_noting_the_stats)
+    inner = async_engine.engine
+    step = inner.step
+    break_next_step = threading.Event()
+
+    def step_that_breaks():
+        if break_next_step.is_set():
+            break_next_step.clear()
+            raise RuntimeError("the step broke")
+        return step()
+
+    inner.step = step_that_breaks
+
+    async def main():
+        await collect(async_engine, "a", SamplingParams(max_tokens=3, ignore_eos=True))
+        failed = asyncio.create_task(collect(async_engine, "b", SamplingParams(max_tokens=2000,
+                                                                          ignore_eos=True)))
+        while async_engine.metrics().num_running < 1:
+            await asyncio.sleep(0.01)
+        break_next_step.set()
+        with pytest.raises(EngineStepError):
+            await asyncio.wait_for(failed, 10)
+
+    asyncio.run(main())
+    assert seen_at_end == [(0, 0), (0, 0)]
+
+
 def test_the_engine_thread_keeps_its_thread_count_through_another_engines_lora_decode(demo_folder):
     """Another engine's LoRA decode narrows torch to one thread for a moment (kernels/sgmv_cpu.py):
     this engine's thread, starting inside that window, still runs every step on the thread count
