@@ -295,6 +295,9 @@ REJECTIONS = {
     "modules_to_save": (_remake(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
     "embedding": (_remake(target_modules=["embed_tokens", "q_proj"]), "embeddings .* not supported yet"),
     "lm_head": (_remake(target_modules=["lm_head"]), r"lm_head \(lm_head\) is not supported yet"),
+    # As PEFT saves a model whose vocabulary was resized: it was refused as "LoRA on lm_head".
+    "own full embeddings": (_edit_tensors(lambda t: {**t, f"{PREFIX}lm_head.weight": torch.ones(4, 4)}),
+                            "its own full token embeddings or lm_head .* save_embedding_layers=False"),
     "bias": (_remake(target_modules=["q_proj"], bias="all", model_overrides=dict(attention_bias=True)),
              r"_proj.bias: bias terms are not supported; train with bias='none'"),
     "lora_bias": (_remake(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
