@@ -154,12 +154,9 @@ def test_a_request_cancelled_before_the_engine_took_it_leaves_the_engine_serving
     assert inner.kv_manager.num_free_blocks == inner.kv_manager.num_blocks
 
 
-def test_a_failed_step_fails_every_stream_even_if_an_abort_fails_too(async_engine):
-    """A step that raises fails the requests in flight, and one whose abort raises as well (its
-    state broken by the failure) fails like the rest: the engine thread lives on and serves."""
-    inner = async_engine.engine
-    step, abort = inner.step, inner.abort_request
-    break_next_step = threading.Event()
+def _break_a_step_when_set(engine: LLMEngine) -> threading.Event:
+    """An event that, once set, makes the engine's next step raise "the step broke" (then clears)."""
+    step, break_next_step = engine.step, threading.Event()
 
     def step_that_breaks():
         if break_next_step.is_set():
@@ -167,12 +164,23 @@ def test_a_failed_step_fails_every_stream_even_if_an_abort_fails_too(async_engin
             raise RuntimeError("the step broke")
         return step()
 
+    engine.step = step_that_breaks
+    return break_next_step
+
+
+def test_a_failed_step_fails_every_stream_even_if_an_abort_fails_too(async_engine):
+    """A step that raises fails the requests in flight, and one whose abort raises as well (its
+    state broken by the failure) fails like the rest: the engine thread lives on and serves."""
+    inner = async_engine.engine
+    break_next_step = _break_a_step_when_set(inner)
+    abort = inner.abort_request
+
     def abort_that_fails_for_broken(request_id):
         if request_id == "broken":
             raise ValueError("list.remove(x): x not in list")
         return abort(request_id)
 
-    inner.step, inner.abort_request = step_that_breaks, abort_that_fails_for_broken
+    inner.abort_request = abort_that_fails_for_broken
     long = SamplingParams(max_tokens=2000, ignore_eos=True)
 
     async def main():
@@ -209,17 +217,7 @@ def test_the_stats_no_longer_count_a_request_by_the_time_its_end_is_delivered(as
         return put(stream, item)
 
     monkeypatch.setattr(module._Stream, "put", put_noting_the_stats)
-    inner = async_engine.engine
-    step = inner.step
-    break_next_step = threading.Event()
-
-    def step_that_breaks():
-        if break_next_step.is_set():
-            break_next_step.clear()
-            raise RuntimeError("the step broke")
-        return step()
-
-    inner.step = step_that_breaks
+    break_next_step = _break_a_step_when_set(async_engine.engine)
 
     async def main():
         await collect(async_engine, "a", SamplingParams(max_tokens=3, ignore_eos=True))
