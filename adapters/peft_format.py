@@ -138,17 +138,18 @@ def _module_tensor_names(names: list[str], num_layers: int) -> dict[tuple[int, s
 
 def _unsupported_tensor(name: str) -> str:
     shown_name = shown(name)
-    is_vocabulary = "embed_tokens" in name or name.startswith("base_model.model.lm_head")
-    if is_vocabulary and "lora_" not in name:
+    is_embeddings = "lora_embedding" in name or "embed_tokens" in name
+    is_lm_head = name.startswith("base_model.model.lm_head")
+    if (is_embeddings or is_lm_head) and "lora_" not in name:
         # NOTE: what PEFT saves of a model whose vocabulary was resized (save_embedding_layers
         # "auto"), whatever the adapter targets: not LoRA on those layers.
         return (f"tensor {shown_name}: the adapter carries its own full token embeddings or "
                 "lm_head (saved as the vocabulary was resized, or with save_embedding_layers="
                 "True), and adapters here share the base model's vocabulary: train without "
                 "adding tokens, or save with save_embedding_layers=False")
-    if "lora_embedding" in name or "embed_tokens" in name:
+    if is_embeddings:
         return f"tensor {shown_name}: LoRA on the token embeddings is not supported yet"
-    if name.startswith("base_model.model.lm_head"):
+    if is_lm_head:
         return f"tensor {shown_name}: LoRA on lm_head is not supported yet"
     if "lora_magnitude_vector" in name:
         return f"tensor {shown_name}: DoRA adapters are not supported; serve a plain LoRA adapter"
