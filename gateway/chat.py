@@ -99,7 +99,9 @@ def _text(message: ChatMessage, index: int) -> str:
                                   "add its text, or leave the part out",
                                   param=f"messages[{index}].content[{j}].text")
         parts.append(part.text)
-    return "".join(parts)
+    # NOTE: one line each, as vLLM joins them: parts are separate pieces of the message, and
+    # "".join would glue the last word of one to the first of the next.
+    return "\n".join(parts)
 
 
 async def _stream(call: Call, name: Callable[[int], str] | None, num_top: int | None,

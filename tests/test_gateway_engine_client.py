@@ -104,10 +104,10 @@ def post(scripted, path: str, **body) -> httpx.Response:
 def test_chat_without_a_template_uses_a_plain_transcript(scripted, engine):
     response = post(scripted, "/v1/chat/completions", messages=[
         {"role": "system", "content": "S"}, {"role": "user", "content": [
-            {"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}])
+            {"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}])
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == "ABCD"
-    assert engine.prompts[-1] == [1] + list(b"system: S\nuser: hi there\nassistant:")
+    assert engine.prompts[-1] == [1] + list(b"system: S\nuser: hi\nthere\nassistant:")
 
 
 def test_the_gateway_answers_others_while_a_long_prompt_is_tokenized(scripted, engine):
