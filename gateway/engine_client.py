@@ -6,6 +6,7 @@ remote worker can implement the same protocol by sending the Structs below as JS
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -233,6 +234,30 @@ class EngineFailure(RuntimeError):
 
 class EngineUnavailable(EngineFailure):
     """No engine can take the request now (say no worker of its model is up): retry shortly."""
+
+
+class GatewayOutOfFiles(EngineUnavailable):
+    """This gateway could not open a connection to an engine: it has used up its open files.
+    Says nothing of the engine, which is not passed over for it."""
+
+    def __init__(self) -> None:
+        super().__init__("this gateway has no connection free to reach an engine now (it is "
+                         "out of open files); retry shortly")
+
+
+_OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def out_of_open_files(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it came from, is this process (or its host) out of open
+    files: a connection that failed so failed here, before it reached the far end."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _OUT_OF_FILES:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class EngineStopped(EngineFailure):

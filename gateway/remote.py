@@ -46,8 +46,9 @@ import msgspec
 
 from gateway.engine_client import (AdapterInfo, AdapterNotServedNow, AdapterRef, AdapterRejected,
                                    DamagedAdapterCopy, EngineClient, EngineFailure, EngineStats,
-                                   EngineStopped, EngineUnavailable, GenerationChunk,
-                                   RequestRejected, SamplingOptions, WorkersOutOfSpace)
+                                   EngineStopped, EngineUnavailable, GatewayOutOfFiles,
+                                   GenerationChunk, RequestRejected, SamplingOptions,
+                                   WorkersOutOfSpace, out_of_open_files)
 from gateway.sse import sse_lines
 from gateway.text_codec import TextCodec
 from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH, KEEPALIVE_S,
@@ -421,6 +422,8 @@ class RemoteEngineClient(TextCodec):
                     worker.url + CHECK_ADAPTER_PATH, files=parts, headers=pool.headers(),
                     params={MAX_LORA_RANK_PARAM: recent} if recent > widest else None)
             except httpx.TransportError as error:
+                if out_of_open_files(error):
+                    raise _out_of_files(f"adapter check on worker {worker.id}", error)
                 pool.mark_down(worker.id)
                 logger.warning("adapter check not done on worker %s (%s); trying another",
                                worker.id, _describe(error))
@@ -517,6 +520,8 @@ class RemoteEngineClient(TextCodec):
                         raise _Retry(first.stopped)
                 except (httpx.TransportError, StopAsyncIteration, _Retry) as error:
                     # NOTE: the generator raised (or was closed), so its connection is closed.
+                    if out_of_open_files(error):  # every worker would fail the same way
+                        raise _out_of_files(f"request {request_id} on worker {worker.id}", error)
                     if not isinstance(error, _Retry) or error.down:
                         pool.mark_down(worker.id)
                     if isinstance(error, _Retry) and error.out_of_space:
@@ -623,6 +628,15 @@ class _Retry(Exception):
         super().__init__(message)
         self.down = down
         self.out_of_space = out_of_space
+
+
+def _out_of_files(what: str, error: BaseException) -> GatewayOutOfFiles:
+    """The failure of a connection this gateway had no open file left for: the worker is not
+    passed over (nothing says it failed), and the operator is told what to raise."""
+    logger.error("%s not sent: this gateway is out of open files (%s); raise its open-files "
+                 "limit (ulimit -n, LimitNOFILE= in systemd) or run more gateways", what,
+                 _describe(error))
+    return GatewayOutOfFiles()
 
 
 def _retrieve_exception(task: asyncio.Task) -> None:

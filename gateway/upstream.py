@@ -73,7 +73,7 @@ from gateway.config import UpstreamSource
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineStats,
                                    GenerationChunk, OptionNotServed, RequestRejected,
                                    SamplingOptions, TokenLogprob, UpstreamFailure,
-                                   UpstreamUnavailable)
+                                   UpstreamUnavailable, out_of_open_files)
 from gateway.sse import sse_lines
 from gateway.text_codec import name_bytes
 
@@ -541,8 +541,11 @@ class UpstreamEngineClient:
         if isinstance(error, httpx.TimeoutException):
             return (f"{self._where} timed out: {type(error).__name__} after "
                     f"{self._source.timeout_s:g} s", True)
-        return (f"{self._where} failed: {type(error).__name__}: {self._scrub(str(error))}",
-                isinstance(error, httpx.ConnectError))
+        detail = f"{self._where} failed: {type(error).__name__}: {self._scrub(str(error))}"
+        if out_of_open_files(error):  # else it reads as the upstream refusing to connect
+            detail += (" (this gateway is out of open files: raise its open-files limit, "
+                       "ulimit -n, or run more gateways)")
+        return detail, isinstance(error, httpx.ConnectError)
 
     async def _check_status(self, response: httpx.Response) -> None:
         if response.is_success:

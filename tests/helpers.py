@@ -12,6 +12,7 @@ import errno
 import gc
 import itertools
 import os
+import resource
 import shutil
 import subprocess
 import threading
@@ -323,3 +324,17 @@ class HeldEngine:
             await asyncio.to_thread(self.resume.wait, 30)
         async for chunk in self._engine.generate(*args, **kwargs):
             yield chunk
+
+
+@contextmanager
+def no_open_file_left() -> Iterator[None]:
+    """This process's soft limit on open files lowered to the files it holds now while the block
+    runs: the next socket or file it opens fails with EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)  # NOTE: the number the next file would get, holes below it included
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

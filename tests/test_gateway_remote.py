@@ -31,7 +31,8 @@ import msgspec
 import pytest
 
 from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
-                                   GenerationChunk, RequestRejected, SamplingOptions)
+                                   GatewayOutOfFiles, GenerationChunk, RequestRejected,
+                                   SamplingOptions)
 from gateway.remote import (DEFAULT_POLL_S, RemoteEngineClient, WorkerPool, _stream_lines,
                             _WorkerTotals)
 from gateway.worker import Worker, create_worker_app, tokenizer_files
@@ -42,7 +43,8 @@ from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S, BlobStore, digest_files, e
 from store.workers import ModelSeen, WorkerRecord, WorkerRegistry, files_digest
 from tests.conftest import (DEMO_MODEL, NARROW_MAX_LORA_RANK, leave_while_sending, run_server,
                             send_partly, serve_gateway)
-from tests.helpers import damage_adapter_files, fill_volume, small_volume, use_up_inodes
+from tests.helpers import (damage_adapter_files, fill_volume, no_open_file_left, small_volume,
+                           use_up_inodes)
 from tests.redis_server import redis_server, redis_url  # noqa: F401
 from tests.test_gateway_routing import eventually
 from tests.test_scaleout_adapters import demo_adapter, upload
@@ -1035,6 +1037,26 @@ def test_a_call_stops_counting_against_its_worker_however_it_ends(
 
     with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
         asyncio.run(scenario())
+
+
+def test_a_gateway_out_of_open_files_answers_503_and_does_not_pass_over_its_worker(
+        demo_engine, redis_url, tmp_path, caplog):  # noqa: F811
+    async def scenario() -> None:
+        # NOTE: a fresh pool, so that no kept-alive connection to the worker spares it a socket.
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            with no_open_file_left(), pytest.raises(GatewayOutOfFiles):
+                await _token_ids(client, "no-file-left", max_tokens=2)
+            # The worker is not passed over: it was taken for failed, so every call after got a
+            # 503 saying no worker was up until its next heartbeat was read.
+            assert [c.id for c in pool.candidates(DEMO_MODEL, set(), adapter_rank=None)] == ["solo"]
+            assert _counted(pool) == {}
+            assert await _token_ids(client, "files-again", max_tokens=2) != []
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
+        asyncio.run(scenario())
+    assert "this gateway is out of open files" in caplog.text
+    assert "ulimit -n" in caplog.text
 
 
 def test_concurrent_calls_for_an_adapter_a_worker_lacks_send_its_files_once(

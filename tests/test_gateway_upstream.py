@@ -32,12 +32,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.demo import demo_config
 from gateway.config import UpstreamSource, load_serve_config
-from gateway.engine_client import AdapterRejected, EngineFailure, SamplingOptions
+from gateway.engine_client import (AdapterRejected, EngineFailure, SamplingOptions,
+                                   UpstreamUnavailable)
 from gateway.upstream import (CONTENT_ID, NAME_ID, ROLE_ID, RenderedChat,
                               UpstreamEngineClient, _PromptRatio, open_upstreams)
 from routing.pricing import Price
 from routing.routes import parse_routes
 from tests.conftest import ADMIN_KEY, DEMO_MODEL, GatewayServer, run_server, serve_gateway
+from tests.helpers import no_open_file_left
 from tests.processes import free_port
 from tests.test_cli import SWITCHBOARD, _wait_for_health
 from tests.test_gateway_routing import PRICES, ScriptedTier, eventually
@@ -410,6 +412,26 @@ def test_failing_upstreams_tell_tenants_which_model_failed_and_the_log_what_to_f
     assert f"answered 429: {RATE_LIMITED}" in logged
     assert "'down' (http://127.0.0.1:" in logged and "failed: ConnectError" in logged
     assert WRONG_KEY not in logged and upstream.key not in logged
+
+
+def test_an_upstream_a_gateway_out_of_open_files_cannot_reach_is_logged_as_that(upstream, caplog):
+    engine = UpstreamEngineClient("small", UpstreamSource(upstream.server.url + "/v1", "small"),
+                                  upstream.key)
+
+    async def call() -> None:
+        # NOTE: the limit lowered inside the event loop, which needs files of its own to start.
+        with no_open_file_left(), pytest.raises(UpstreamUnavailable):
+            async for _ in engine.generate([104, 105], SamplingOptions(max_tokens=2),
+                                           request_id="no-file-left"):
+                pass
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="gateway.upstream"):
+            asyncio.run(call())
+    finally:
+        engine.close()
+    # Else the log read as the upstream refusing connections, sending its operator there.
+    assert "this gateway is out of open files: raise its open-files limit" in warnings(caplog)
 
 
 def test_an_upstream_s_refusal_of_the_request_reaches_the_tenant_without_its_address(front):
