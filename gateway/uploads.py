@@ -247,7 +247,9 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
                     raise invalid_request(f"{quoted(member.name)} in the archive is a sparse file; "
                                           "pack it without --sparse (`tar czf adapter.tar.gz -C "
                                           "<adapter folder> .`)", code="invalid_upload")
-                size = max(member.size, 0)
+                # NOTE: the data tarfile reads; a folder's or a link's header may claim a size
+                # it reads none of: counted as read, the headers after it could take that much.
+                size = max(member.size, 0) if _has_data(member) else 0
                 inflated.expect_data(size)
                 name = path.name
                 if name not in ADAPTER_FILES or member.isdir():
@@ -281,6 +283,11 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
     if pickled_weights is not None and _WEIGHTS_FILE not in found:
         raise _pickle_refused(pickled_weights)
     _require_both(found, "the archive")
+
+
+def _has_data(member: tarfile.TarInfo) -> bool:
+    """Whether tarfile reads the data its header claims (as TarInfo._proc_builtin decides)."""
+    return member.isreg() or member.type not in tarfile.SUPPORTED_TYPES
 
 
 def _too_much_skipped(max_skipped_bytes: int) -> ApiError:

@@ -151,6 +151,18 @@ def sparse_then(real_size: int, members: dict[str, bytes]) -> bytes:
     return gzip.compress(bytes(header) + rest.getvalue())
 
 
+def claims_then(member_type: bytes, claimed_size: int, members: dict[str, bytes]) -> bytes:
+    """A .tar.gz whose first member, of `member_type` (a folder, a link), claims `claimed_size`
+    bytes of data in its header though tarfile reads none for that type, then `members` (GNU
+    format: a long name is a header of its own)."""
+    info = tarfile.TarInfo("claims")
+    info.type = member_type
+    header = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+    header[124:136] = tarfile.itn(claimed_size, 12, tarfile.GNU_FORMAT)
+    header[148:156] = b"%06o\0 " % tarfile.calc_chksums(bytes(header))[0]
+    return gzip.compress(bytes(header) + gzip.decompress(tar_gz(members, tarfile.GNU_FORMAT)))
+
+
 def greedy_ids(server, key: str, model: str, answered_by: str | None = None) -> list[int]:
     """The gateway's greedy tokens for PROMPT, as ids, through the official client; the reply
     names `answered_by` (default: `model`)."""
@@ -831,6 +843,13 @@ BAD_UPLOADS = {
                                      "x" * (2 * MAX_UPLOAD_BYTES): b""}, tar_format))}),
         413, "upload_too_large", "tar headers (long file names, pax extended headers) take more than")
        for kind, tar_format in (("GNU long-name", tarfile.GNU_FORMAT), ("pax", tarfile.PAX_FORMAT))},
+    # A folder's or a link's claimed size is no data tarfile reads: counted as read, it let the
+    # long name after it take that much memory (a 1 MB upload took 3 GB).
+    **{f"a {kind} claiming data, then a long name": (lambda a, member_type=member_type: (
+        "z", DEMO_MODEL, {"file": ("a.tar.gz", claims_then(member_type, 32 << 20, {
+            "x" * (16 << 20): b"", **{n: d for n, (_, d) in files_of(a["all-r8"]).items()}}))}),
+        413, "upload_too_large", "tar headers (long file names, pax extended headers) take more than")
+       for kind, member_type in (("folder", tarfile.DIRTYPE), ("symlink", tarfile.SYMTYPE))},
     # A small archive (it was refused as larger than the server accepts: raising the limit did
     # not help).
     "archive of over 1000 files": (lambda a: ("f", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
