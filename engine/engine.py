@@ -270,7 +270,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: send token ids, not text")
-            return self.tokenizer.encode(prompt)
+            token_ids = self.tokenizer.encode(prompt)
+            # NOTE: a tokenizer may hold tokens added past the model's embeddings: one in the text
+            # would fail the whole step it runs in, every request of the batch with it.
+            self._check_vocabulary(token_ids, "prompt", "the prompt's text encodes to tokens the "
+                                   "model has no embedding for (its tokenizer has tokens added "
+                                   "past the model's embeddings): ids")
+            return token_ids
         token_ids = [int(t) for t in prompt]
         self._check_vocabulary(token_ids, "prompt", "token ids")
         return token_ids

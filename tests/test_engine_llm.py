@@ -3,7 +3,7 @@
 import pytest
 
 from engine.llm import LLM
-from engine.request import SamplingParams
+from engine.request import InvalidParameter, SamplingParams
 from tests.helpers import make_hf_model, save_hf_model
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -53,3 +53,22 @@ def test_an_interrupted_generate_aborts_its_running_requests(folder, expected_to
     monkeypatch.undo()
     assert_engine_is_idle(llm)
     assert llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].output_token_ids == expected_tokens
+
+
+def test_a_text_prompt_with_a_token_past_the_models_embeddings_is_refused_alone(tmp_path):
+    from engine.demo import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()  # ids 0-257
+    tokenizer.add_tokens(["<|extra|>"])  # 258: added to the tokenizer, not to the model
+    tokenizer.save_pretrained(tmp_path)
+    save_hf_model(make_hf_model("llama", vocab_size=258), tmp_path)
+    llm = LLM(str(tmp_path), show_progress=False)
+    text_params = SamplingParams(max_tokens=4, temperature=0.0)
+    expected = llm.generate(["hello"], text_params, use_tqdm=False)[0].output_token_ids
+    # It failed the forward pass of its step (an IndexError from the embedding), "hello" with it.
+    with pytest.raises(InvalidParameter, match=r"the prompt's text encodes to tokens the model has "
+                       r"no embedding for .*\[0, 258\): \[258\]") as raised:
+        llm.generate(["hello", "hi <|extra|>"], text_params, use_tqdm=False)
+    assert raised.value.param == "prompt"
+    assert_engine_is_idle(llm)
+    assert llm.generate(["hello"], text_params, use_tqdm=False)[0].output_token_ids == expected
