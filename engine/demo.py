@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,7 +22,6 @@ from engine.tokenizer import byte_to_unicode
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "switchboard-demo"
-DEFAULT_DEMO_DIR = Path(os.environ.get("SWITCHBOARD_HOME", Path.home() / ".cache" / "switchboard")) / DEMO_NAME
 _SEED = 1234
 _STAGING_PREFIX = ".demo-"
 _STALE_STAGING_S = 600.0  # writing the demo model takes seconds
@@ -62,9 +62,17 @@ def demo_config():
     )
 
 
-def ensure_demo_model(folder: Path = DEFAULT_DEMO_DIR) -> Path:
-    """Write the demo model to `folder` unless it is already there; returns the folder."""
-    folder = Path(folder)
+def default_demo_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where LLM() keeps the demo model: in $SWITCHBOARD_HOME read as `serve` reads it (`~`
+    expanded, as a service manager leaves it; empty as unset), else in ~/.cache/switchboard."""
+    home = environ.get("SWITCHBOARD_HOME") or Path.home() / ".cache" / "switchboard"
+    return Path(home).expanduser() / DEMO_NAME
+
+
+def ensure_demo_model(folder: Path | None = None) -> Path:
+    """Write the demo model to `folder` (default: default_demo_dir()) unless it is already there;
+    returns the folder."""
+    folder = default_demo_dir() if folder is None else Path(folder)
     _remove_stale_staging(folder.parent)
     if (folder / "config.json").is_file():
         return folder

@@ -126,6 +126,19 @@ def test_command_line_beats_environment_beats_config_file(tmp_path):
     assert defaults.model_paths() == {} and defaults.store is None and defaults.admin_key is None
 
 
+@pytest.mark.parametrize("home", ["~/sb", "/srv/sb"])
+def test_the_engine_keeps_the_demo_model_in_switchboard_home_as_serve_reads_it(home):
+    from engine.demo import DEMO_NAME, default_demo_dir
+
+    # LLM() kept a second copy in a folder named "~" under the current one.
+    served = load_serve_config({}, None, {"SWITCHBOARD_HOME": home}).data_dir / DEMO_NAME
+    assert default_demo_dir({"SWITCHBOARD_HOME": home}) == served
+    assert "~" not in str(served)
+    # Empty, as unset (it wrote the demo model into the current folder).
+    unset = Path.home() / ".cache" / "switchboard" / DEMO_NAME
+    assert default_demo_dir({"SWITCHBOARD_HOME": ""}) == default_demo_dir({}) == unset
+
+
 @pytest.mark.parametrize("text, size", [("1024", 1024), ("512MiB", 512 << 20), ("4G", 4 << 30),
                                         ("3 KiB", 3 << 10), ("4GB", 4 * 10**9), ("2 kb", 2000)])
 def test_parse_size(text, size):
