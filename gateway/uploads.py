@@ -118,6 +118,7 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         fields = {key: value for key, value in form.multi_items() if isinstance(value, str)}
         files = {key: value for key, value in form.multi_items() if not isinstance(value, str)}
         _refuse_files_sent_as_text(fields)
+        _refuse_unknown_fields(fields)
         _refuse_text_sent_as_files(files)
         with refused_when_out_of_space(RECEIVE, ADAPTER_FOLDER, staging):
             folder = Path(tempfile.mkdtemp(prefix=".tmp-upload-", dir=staging))
@@ -173,6 +174,15 @@ def _refuse_files_sent_as_text(fields: dict[str, str]) -> None:
             raise invalid_request(f"the part '{name}' came as a text field; send it as a file, "
                                   f"with a filename (curl -F '{name}=@PATH'): {_USAGE}",
                                   param=name, code="invalid_upload")
+
+
+def _refuse_unknown_fields(fields: dict[str, str]) -> None:
+    """A field the upload does not read (a misspelt name, an option it has not) is refused, as
+    the admin API refuses unknown JSON fields: ignored, it would seem to have been applied."""
+    for name in fields:
+        if name not in _TEXT_FIELDS:
+            raise invalid_request(f"unexpected form field {quoted(name)}: {_USAGE}", param=name,
+                                  code="invalid_upload")
 
 
 def _refuse_text_sent_as_files(files: dict[str, UploadFile]) -> None:

@@ -815,6 +815,10 @@ BAD_UPLOADS = {
     "a sparse file in an archive": (lambda a: ("s", DEMO_MODEL, {"file": ("a.tar.gz", sparse_then(
         64 << 20, {n: d for n, (_, d) in files_of(a["all-r8"]).items()}))}),
         400, "invalid_upload", "is a sparse file"),
+    # It was ignored, as if the upload had read it.
+    "a field the upload does not read": (lambda a: ("f", DEMO_MODEL, {
+        "rank": (None, "8"), **files_of(a["all-r8"])}), 400, "invalid_upload",
+        "unexpected form field 'rank'"),
     "path traversal in an archive": (lambda a: ("p", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
         f"../{n}": d for n, (_, d) in files_of(a["all-r8"]).items()}))}),
         400, "invalid_upload", "unsafe path"),
