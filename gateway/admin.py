@@ -110,7 +110,7 @@ async def create_tenant(request: Request) -> Response:
     store = await _admin_store(request)
     body = await decode_body(request, TenantCreate)
     _check_policy(request, body.allowed_models, body.default_route)
-    allowed = None if body.allowed_models is None else tuple(body.allowed_models)
+    allowed = None if body.allowed_models is None else _once_each(body.allowed_models)
     try:
         check_default_route_allowed(body.allowed_models, body.default_route)
         tenant = Tenant(name=body.name, rpm=body.rpm, tpm=body.tpm,
@@ -140,13 +140,18 @@ async def update_tenant(request: Request) -> Response:
     _check_policy(request, changes.get("allowed_models"), changes.get("default_route"))
     name = request.path_params["tenant"]
     if changes.get("allowed_models") is not None:
-        changes["allowed_models"] = tuple(changes["allowed_models"])
+        changes["allowed_models"] = _once_each(changes["allowed_models"])
     try:
         return _json(await store.update_tenant(name, changes))
     except NotFound:
         raise tenant_not_found(name) from None
     except StoreError as error:  # a setting Tenant refuses names its field
         raise invalid_request(str(error), param=error.field) from None
+
+
+def _once_each(models: list[str]) -> tuple[str, ...]:
+    """The models in the order given, each once (a set that reads back as it was sent)."""
+    return tuple(dict.fromkeys(models))
 
 
 def _check_policy(request: Request, allowed_models: list[str] | None,

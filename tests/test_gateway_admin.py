@@ -183,6 +183,12 @@ def test_a_tenant_s_limits_change_in_place_and_its_keys_see_them_at_once(server)
     assert patched.status_code == 200, patched.text
     assert (patched.json()["rpm"], patched.json()["tpm"]) == (None, 500)
     assert complete(server, key).status_code == 200  # the same key, now unlimited in rpm
+    # A set: each model kept once, in the order sent (they were stored as sent).
+    twice = server.admin("PATCH", f"/admin/tenants/{name}", json={"allowed_models": [DEMO_MODEL] * 2})
+    assert twice.status_code == 200 and twice.json()["allowed_models"] == [DEMO_MODEL]
+    created = server.admin("POST", "/admin/tenants", json={"name": f"t{next(_names)}",
+                                                           "allowed_models": [DEMO_MODEL] * 2})
+    assert created.status_code == 201 and created.json()["allowed_models"] == [DEMO_MODEL]
     patched = server.admin("PATCH", f"/admin/tenants/{name}", json={"allowed_models": []})
     assert patched.json()["allowed_models"] == [] and patched.json()["tpm"] == 500
     assert complete(server, key).status_code == 403
