@@ -482,6 +482,13 @@ def _read_toml(path: Path, command: Command) -> dict[str, Any]:
     # A file's keys are the long options' names (as `--heartbeat` is `heartbeat`), or the fields'.
     values = {key.replace("-", "_"): value for key, value in raw.items()}
     settings = {key: _FILE_KEYS.get(key, key) for key in values}  # the field each key sets
+    spellings: dict[str, list[str]] = {}
+    for key in raw:
+        normal = key.replace("-", "_")
+        spellings.setdefault(_FILE_KEYS.get(normal, normal), []).append(key)
+    twice = next((keys for keys in spellings.values() if len(keys) > 1), None)
+    if twice is not None:  # else one of the two was silently dropped
+        raise ValueError(f"{path} sets one setting twice, as {' and '.join(twice)}: keep one")
     known, others = {f.name for f in fields(ServeConfig)}, _OWN_SETTINGS[_other(command)]
     unknown = sorted(key for key, setting in settings.items() if setting not in known)
     if unknown:

@@ -123,6 +123,11 @@ def test_command_line_beats_environment_beats_config_file(tmp_path):
     at_home = load_serve_config({}, config, {})
     assert (at_home.data_dir, at_home.adapter_dir) == (Path.home() / "sb", Path.home() / "adapters")
     assert load_serve_config({}, None, {"SWITCHBOARD_HOME": "~/x"}).data_dir == Path.home() / "x"
+    # One setting spelt two ways: one of them was dropped without a word.
+    for twice in ('max-num-seqs = 8\nmax_num_seqs = 16\n', 'heartbeat = 2\nheartbeat_s = 3\n'):
+        config.write_text(twice)
+        with pytest.raises(ValueError, match="sets one setting twice, as .* and .*: keep one"):
+            load_serve_config({}, config, {}, command="worker")
     assert defaults.model_paths() == {} and defaults.store is None and defaults.admin_key is None
 
 
