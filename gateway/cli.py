@@ -322,7 +322,7 @@ def serve(config: ServeConfig) -> int:
     # NOTE: before minutes of model loading.
     problem = (_folder_problem("--data-dir", config.data_dir) or _redis_problem(config.store)
                or (_redis_problem(config.redis) if config.redis != config.store else None)
-               or _sqlite_problem(config.store, config.data_dir)
+               or _sqlite_problem(config)
                or _folder_problem("--adapter-dir", config.adapter_folder())
                or _models_problem(config.model_paths()))
     if problem is not None:
@@ -606,8 +606,7 @@ def _cannot_serve(name: str, path: Path, error: Exception) -> str:
 def _wait_for_stores(config: ServeConfig) -> str | None:
     """Why the store, or the Redis of the worker registry (--redis, where it is another), still
     cannot take writes after STORE_WAIT_S of trying (None: both can). See _wait_until_writable."""
-    if (problem := _wait_until_writable(_store_option(config.store), config.store,
-                                        config.data_dir)):
+    if (problem := _wait_until_writable(_store_option(config), config.store, config.data_dir)):
         return problem
     if config.redis is not None and config.redis != config.store:
         return _wait_until_writable("--redis", config.redis, config.data_dir)
@@ -648,34 +647,37 @@ def _wait_until_writable(setting: str, url: str | None, data_dir: Path) -> str |
             time.sleep(1.0)
 
 
-def _sqlite_problem(url: str | None, data_dir: Path) -> str | None:
-    """Why the SQLite store at `url` (None: the default one in `data_dir`) cannot be used, naming
-    the setting that chose it (None: it can, or `url` is not SQLite). One locked by another
+def _sqlite_problem(config: ServeConfig) -> str | None:
+    """Why the SQLite store of `config` cannot be used, naming the setting that chose it (None:
+    it can, or the store is not SQLite). One locked by another
     process now (a backup, say) is no problem yet: _wait_for_stores waits for it once the models
     are loaded (this exited 2 at once)."""
     import asyncio
 
     from store import UNAVAILABLE_ERRORS, StoreError, open_store
 
-    if url is not None and not url.startswith("sqlite://"):
+    if config.store is not None and not config.store.startswith("sqlite://"):
         return None
 
     async def open_and_close() -> None:
-        await (await open_store(url, data_dir)).close()
+        await (await open_store(config.store, config.data_dir)).close()
 
     try:
         asyncio.run(open_and_close())
     except StoreError as error:
-        return f"{_store_option(url)}: {error}"
+        return f"{_store_option(config)}: {error}"
     except UNAVAILABLE_ERRORS as error:
         logger.warning("cannot use the store now (%s); it is waited for once the models are loaded",
                        error)
     return None
 
 
-def _store_option(url: str | None) -> str:
-    """The option that chose the store at `url` (None: the default SQLite file in --data-dir)."""
-    return "--data-dir" if url is None else "--store"
+def _store_option(config: ServeConfig) -> str:
+    """The option that chose the store: --data-dir for the default SQLite file there, --redis
+    for the registry's Redis (the store when --store is left out)."""
+    if config.store is None:
+        return "--data-dir"
+    return "--redis" if config.store == config.redis else "--store"
 
 
 def _load_tokenizer(folder: Path):

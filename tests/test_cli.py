@@ -829,12 +829,14 @@ def test_a_store_still_locked_after_the_wait_exits_2_saying_so(demo_model_dir, t
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", ["worker", "serve"])
+@pytest.mark.parametrize("command, has_own_store", [("worker", False), ("serve", True),
+                                                    ("serve", False)])
 def test_a_registry_redis_gone_once_the_model_is_loaded_exits_2_saying_so(
-        command, demo_model_dir, tmp_path, monkeypatch, capsys):
-    """A worker's Redis, or the registry's of a gateway whose store is another, gone while the
-    model loaded: waited for as a store is, then a clear exit 2 (a traceback, exit 3, once the
-    model had loaded: minutes on a GPU)."""
+        command, has_own_store, demo_model_dir, tmp_path, monkeypatch, capsys):
+    """A worker's Redis, or the registry's of a gateway whose store is another or that one, gone
+    while the model loaded: waited for as a store is, then a clear exit 2 naming --redis (a
+    traceback, exit 3, once the model had loaded: minutes on a GPU; a gateway whose store it was
+    named --store, which it had not been given)."""
     import gateway.cli as cli
 
     monkeypatch.setattr(cli, "STORE_WAIT_S", 0.0)
@@ -847,7 +849,7 @@ def test_a_registry_redis_gone_once_the_model_is_loaded_exits_2_saying_so(
         return engine
 
     monkeypatch.setattr(cli, "_load_engine", load_then_stop_redis)
-    own_store = ["--store", f"sqlite:///{tmp_path / 'own.db'}"] if command == "serve" else []
+    own_store = ["--store", f"sqlite:///{tmp_path / 'own.db'}"] if has_own_store else []
     try:
         status = main([command, "--port", "0", "--data-dir", str(tmp_path), "--redis", url,
                        *own_store, "--model", f"{DEMO_MODEL}={demo_model_dir}"])
