@@ -27,7 +27,7 @@ from gateway.errors import (ApiError, invalid_request, not_found, quoted, refuse
 from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import ADAPTER_FOLDER, RECEIVE, AdapterUpload, read_adapter_upload
-from routing.models import adapter_base_models
+from routing.models import adapter_base_models, allowed_routes
 from routing.routes import AUTO
 from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
                    Store, StoreError, Tenant)
@@ -98,9 +98,11 @@ def _not_a_base_model(state: GatewayState, tenant: Tenant, name: str) -> str:
     uploadable = adapter_base_models(tenant, state.catalog)
     choices = (f"the base models you may upload adapters for are {', '.join(uploadable)}"
                if uploadable else "you may upload adapters for no base model served now")
-    if name in state.routes:
+    if name in allowed_routes(tenant, state.catalog):
         return (f"{quoted(name)} is a route, not a base model: upload the adapter for one of its "
                 f"models, and call it as {name}:NAME; {choices}")
+    if name in state.routes:  # NOTE: not "call it as route:NAME", which would answer 403
+        return f"{quoted(name)} is a route your tenant's policy does not allow; {choices}"
     return f"unknown base model {quoted(name)}; {choices}"
 
 

@@ -175,9 +175,12 @@ async def resolve_target(request: Request, tenant: Tenant, model: str) -> Target
         raise model_not_found(model, error.why) from None
     except ModelNotAllowed as error:
         request.state.model, request.state.model_label = model, error.served
-        raise ApiError(403, f"your tenant's policy does not allow the model {quoted(model)}; GET "
-                       "/v1/models lists the models and routes you can use", param="model",
-                       type="permission_error", code="model_not_allowed") from None
+        where = ("GET /v1/models lists the models and routes you can use" if error.instead is None
+                 else f"your policy allows the adapter through a route: call it as "
+                      f"{quoted(error.instead)}")
+        raise ApiError(403, f"your tenant's policy does not allow the model {quoted(model)}; "
+                       f"{where}", param="model", type="permission_error",
+                       code="model_not_allowed") from None
     request.state.model = model
     request.state.model_label = target.route.name if target.route is not None else target.base_model
     if target.route is None and target.base_model not in state.engines:

@@ -32,11 +32,13 @@ class ModelNotFound(LookupError):
 
 class ModelNotAllowed(PermissionError):
     """The model or route exists, but the tenant's policy does not allow it: `served`, the served
-    model or route that `model` names (an adapter's base model)."""
+    model or route that `model` names (an adapter's base model); `instead`, the name that reaches
+    it through a route the policy allows, if one does."""
 
-    def __init__(self, model: str, served: str):
+    def __init__(self, model: str, served: str, instead: str | None = None):
         super().__init__(model)
         self.served = served
+        self.instead = instead
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,11 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
     if adapter is None or base not in (None, adapter.base_model):
         raise ModelNotFound(model)
     if not may_use(tenant, adapter.base_model):
-        raise ModelNotAllowed(model, adapter.base_model)
+        # NOTE: a tenant allowed only routes runs its adapters as route:adapter (/v1/models lists
+        # them so); its adapter's own name is refused saying so.
+        route = route_running(tenant, catalog, adapter.base_model)
+        raise ModelNotAllowed(model, adapter.base_model,
+                              None if route is None else f"{route}:{adapter.name}")
     return ModelTarget(adapter.base_model, adapter)
 
 

@@ -1202,25 +1202,31 @@ def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_
 
     engines = {"small": demo_engine, "large": demo_engine, "medium": demo_engine}
     routes = parse_routes({"keep": {"tiers": ["small", "large"], "measure": "min_prob",
-                                    "threshold": 0.0}}, engines)
+                                    "threshold": 0.0},
+                           "other": {"tiers": ["small", "medium"], "threshold": 0.0}}, engines)
     with serve_gateway(engines, tmp_path, routes=routes) as server:
         key = server.new_tenant("route-only", allowed_models=["keep"])
         uploads = [upload(server, key, "bot", files_of(adapters["all-r8"]), base="small"),
                    upload(server, ADMIN_KEY, "admins", files_of(adapters["all-r8"]), base="large",
                           path="/admin/tenants/route-only/adapters"),
                    upload(server, key, "elsewhere", files_of(adapters["all-r8"]), base="medium"),
-                   upload(server, key, "on-route", files_of(adapters["all-r8"]), base="keep")]
+                   upload(server, key, "on-route", files_of(adapters["all-r8"]), base="keep"),
+                   upload(server, key, "off-route", files_of(adapters["all-r8"]), base="other")]
         routed = greedy_ids(server, key, "keep:bot", "small")
         direct = httpx.post(server.url + "/v1/completions", headers=auth(key),
                             json={"model": "bot", "prompt": PROMPT, "max_tokens": 2})
         names = [a["id"] for a in httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]]
         listed = httpx.get(server.url + "/v1/models", headers=auth(key)).json()["data"]
         card = httpx.get(server.url + "/v1/models/keep:bot", headers=auth(key))
-    assert [u.status_code for u in uploads] == [201, 201, 403, 400], [u.text for u in uploads]
+    assert [u.status_code for u in uploads] == [201, 201, 403, 400, 400], [u.text for u in uploads]
     # Its /v1/models lists no base model to upload for: the refusal names them.
     assert uploads[3].json()["error"]["message"] == (
         "'keep' is a route, not a base model: upload the adapter for one of its models, and call "
         "it as keep:NAME; the base models you may upload adapters for are small, large")
+    # Not "call it as other:NAME", which its policy refuses.
+    assert uploads[4].json()["error"]["message"] == (
+        "'other' is a route your tenant's policy does not allow; the base models you may upload "
+        "adapters for are small, large")
     # Listed under the ids that reach them (they were left out).
     assert [(m["id"], m.get("parent")) for m in listed] == [
         ("keep", None), ("keep:admins", "large"), ("keep:bot", "small")]
@@ -1231,8 +1237,12 @@ def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_
                    "you can use", "type": "permission_error", "param": "base_model",
         "code": "model_not_allowed"}
     assert routed == adapters["expected"]["all-r8"]
-    # Its policy names the route alone: the adapter runs through it, not by its own name.
+    # Its policy names the route alone: the adapter runs through it, not by its own name, which
+    # is refused naming the id that reaches it (a bare "policy does not allow").
     assert direct.status_code == 403 and direct.json()["error"]["code"] == "model_not_allowed"
+    assert direct.json()["error"]["message"] == (
+        "your tenant's policy does not allow the model 'bot'; your policy allows the adapter "
+        "through a route: call it as 'keep:bot'")
     assert sorted(names) == ["admins", "bot"]
 
 
