@@ -225,6 +225,8 @@ def train_router(examples: Sequence[Example], target_strong_share: float, *,
     """Train on a seeded split of `examples` and calibrate the threshold on the held-out rest."""
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout fraction must be in (0, 1), got {holdout_fraction}")
+    if not 0.0 <= target_strong_share <= 1.0:  # NOTE: before training, not once it is done
+        raise ValueError(f"the strong-model share must be in [0, 1], got {target_strong_share}")
     _require_both_outcomes(examples)  # NOTE: _split needs at least one example
     holdout, training = _split(examples, holdout_fraction, seed)
     router = train(training, epochs=epochs, seed=seed)

@@ -131,6 +131,19 @@ def test_a_large_holdout_leaves_training_both_outcomes(holdout_fraction):
     assert report.num_train + report.num_holdout == 11
 
 
+@pytest.mark.parametrize("share", [1.5, -0.1, float("nan")])
+def test_a_strong_share_outside_0_to_1_is_refused_before_training(share, monkeypatch):
+    """It was refused only once the router was trained: minutes on a real data set."""
+    import routing.learned as learned
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before the share was checked")
+
+    monkeypatch.setattr(learned, "train", no_training)
+    with pytest.raises(ValueError, match="the strong-model share must be in \\[0, 1\\]"):
+        train_router(arithmetic_examples(20), target_strong_share=share)
+
+
 def test_two_prompts_are_too_few_to_train_and_calibrate_and_are_told_so():
     with pytest.raises(ValueError, match="too few to hold some out .* give at least 3"):
         train_router([Example("easy", True), Example("hard", False)], target_strong_share=0.3)
