@@ -1,6 +1,7 @@
 """One suite over both Store backends (SQLite file, real redis-server), plus the blob folder."""
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -732,6 +733,37 @@ async def test_open_store_urls(tmp_path: Path, monkeypatch) -> None:
 
 
 # Redis: down, stuck, restarted.
+
+
+def test_the_readmes_redis_conf_starts_redis_persisting_as_it_says(tmp_path: Path) -> None:
+    """Copied as shown (its folder made this test's), it once stopped Redis from starting: its
+    comments ran on after each setting, which Redis reads as more arguments."""
+    import subprocess
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index("# redis.conf"):]
+    conf = block[:block.index("```")].replace("/var/lib/redis", str(tmp_path))
+    (tmp_path / "redis.conf").write_text(conf)
+    port = free_port()
+    process = subprocess.Popen(["redis-server", str(tmp_path / "redis.conf"), "--port", str(port),
+                                "--bind", "127.0.0.1", "--save", ""],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client, settings = redis.Redis(port=port, socket_timeout=1.0), None
+    try:
+        deadline = time.monotonic() + 10
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                settings = {k: client.config_get(k)[k] for k in
+                            ("appendonly", "appendfsync", "dir", "maxmemory-policy")}
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()[1].decode()
+        assert settings == {"appendonly": "yes", "appendfsync": "everysec",
+                            "dir": str(tmp_path.resolve()), "maxmemory-policy": "noeviction"}
+    finally:
+        client.close()
+        process.terminate()
+        process.wait(timeout=10)
 
 
 async def test_redis_store_that_cannot_connect_says_where(tmp_path: Path) -> None:
