@@ -143,16 +143,18 @@ class LLMEngine:
                           priority=priority, tenant=tenant,
                           adapter_id=lora.adapter_id if lora else None)
         self._check_something_is_sampleable(request)
-        if lora is not None:
-            self._adapter_paths[lora.adapter_id] = Path(lora.path)
-        if params.seed is not None:
-            request.generator = self.runner.sampler.make_request_generator(params.seed)
-        self.scheduler.add_request(request)
+        # NOTE: all that may raise comes before the request is queued: one queued with no output
+        # state failed every step after it (a KeyError), every other request with it.
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
                                                  params.include_stop_str_in_output, self._decoded_bytes,
                                                  self._special_ids)
+        if params.seed is not None:
+            request.generator = self.runner.sampler.make_request_generator(params.seed)
+        if lora is not None:
+            self._adapter_paths[lora.adapter_id] = Path(lora.path)
+        self.scheduler.add_request(request)
         self._outputs[request_id] = _OutputState(detokenizer, lora.adapter_id if lora else None)
         if lora is not None:
             self._adapter_uses[lora.adapter_id] += 1

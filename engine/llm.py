@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,12 +56,14 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config), show_progress=show_progress)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Sequence[str | list[int]],
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora: LoraRequest | Sequence[LoraRequest | None] | None = None) -> list[CompletionOutput]:
-        """Outputs in the order of `prompts`. One SamplingParams (or adapter) applies to all
+        """Outputs in the order of `prompts`: a list of prompts, or one prompt (a text, or a list
+        of token ids), as vLLM takes them. One SamplingParams (or adapter) applies to all
         prompts; a sequence gives one per prompt."""
+        prompts = _prompt_list(prompts)
         sampling_params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)
         loras = _per_prompt(lora, LoraRequest, prompts)
         for adapter in {a for a in loras if a is not None}:
@@ -100,6 +103,17 @@ def _check_adapter_id(adapter: LoraRequest) -> None:
         raise ValueError(f"the adapter id {adapter.adapter_id!r} is not the digest of the files in "
                          f"{adapter.path} ({digest}); name an adapter by its files' digest: "
                          "LoraRequest.of_folder(path)")
+
+
+def _prompt_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
+    """The prompts of generate(): one prompt alone is a list of one (a text was run as one
+    prompt per character, and a list of token ids failed)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, numbers.Integral) for p in prompts):
+        return [prompts]
+    return prompts
 
 
 def _per_prompt(value, single_type: type, prompts: Sequence) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -13,6 +14,11 @@ import torch
 _GREEDY_TEMPERATURE = 1e-5
 # Repetition penalties within these keep float32 logits finite (the gateway's HTTP bound is the same).
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 0.01, 100
+
+
+def _is_int(value: object) -> bool:
+    """An integer, not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class InvalidParameter(ValueError):
@@ -28,7 +34,8 @@ class InvalidParameter(ValueError):
 class SamplingParams:
     """How one request is decoded. Validated at construction; errors name the field."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    """None: as many as the model's context holds (as vLLM's None)."""
     temperature: float = 1.0
     """0 (or anything below 1e-5) means greedy."""
     top_k: int = 0
@@ -59,17 +66,19 @@ class SamplingParams:
     """OpenAI's: token id -> added to its logit before sampling (greedy too); -100 all but bans it."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.logit_bias = {int(token): float(bias) for token, bias in self.logit_bias.items()}
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            ("max_tokens", self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be >= 1 (or None: up to the context), got {self.max_tokens}"),
             ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             ("top_k", self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
             ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+            ("min_tokens", 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
              f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
@@ -92,6 +101,30 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParameter(message, param)
+
+    def _check_types(self) -> None:
+        """InvalidParameter naming the first field of the wrong type. A bool or a float where a
+        count goes (logprobs=True, top_k=2.5) passed the range checks, then failed the step that
+        sampled it: every request batched with it."""
+        counts = [("max_tokens", self.max_tokens, True), ("min_tokens", self.min_tokens, False),
+                  ("top_k", self.top_k, False), ("seed", self.seed, True),
+                  ("logprobs", self.logprobs, True), ("prompt_logprobs", self.prompt_logprobs, True)]
+        for param, value, may_be_none in counts:
+            if not (_is_int(value) or (may_be_none and value is None)):
+                raise InvalidParameter(f"{param} must be an integer{' or None' * may_be_none}, "
+                                       f"got {value!r}", param)
+        for param in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty"):
+            value = getattr(self, param)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise InvalidParameter(f"{param} must be a number, got {value!r}", param)
+        stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not all(isinstance(stop, str) for stop in stops):
+            raise InvalidParameter(f"stop must be a string or a list of strings, got {self.stop!r}",
+                                   "stop")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise InvalidParameter(f"stop_token_ids must be integers, got {self.stop_token_ids!r}",
+                                   "stop_token_ids")
 
     @property
     def is_greedy(self) -> bool:

@@ -354,7 +354,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

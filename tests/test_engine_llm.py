@@ -72,3 +72,45 @@ def test_a_text_prompt_with_a_token_past_the_models_embeddings_is_refused_alone(
     assert raised.value.param == "prompt"
     assert_engine_is_idle(llm)
     assert llm.generate(["hello"], text_params, use_tqdm=False)[0].output_token_ids == expected
+
+
+def test_one_prompt_alone_is_one_prompt_as_vllm_takes_it(demo_model_dir):
+    llm = LLM(str(demo_model_dir), show_progress=False)
+    # A list of token ids failed (TypeError); a text ran as one prompt per character.
+    [listed] = llm.generate(["Hello"], PARAMS, use_tqdm=False)
+    [text] = llm.generate("Hello", PARAMS, use_tqdm=False)
+    [ids] = llm.generate(listed.prompt_token_ids, PARAMS, use_tqdm=False)
+    assert text.prompt_token_ids == ids.prompt_token_ids == listed.prompt_token_ids
+    assert text.output_token_ids == ids.output_token_ids == listed.output_token_ids
+
+
+@pytest.mark.parametrize("fields, param", [
+    # Each passed the range checks, then failed the step that sampled it (the whole batch).
+    ({"logprobs": True}, "logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ({"logprobs": 1.0}, "logprobs"), ({"top_k": 2.5}, "top_k"), ({"max_tokens": "8"}, "max_tokens"),
+    ({"seed": 1.5}, "seed"), ({"min_tokens": True}, "min_tokens"),
+    ({"temperature": "0.5"}, "temperature"), ({"stop": ["\n", 13]}, "stop"),
+    ({"stop_token_ids": [2.7]}, "stop_token_ids")])
+def test_sampling_params_of_the_wrong_type_are_refused_naming_the_field(fields, param):
+    with pytest.raises(InvalidParameter, match=f"^{param} must be") as raised:
+        SamplingParams(**fields)
+    assert raised.value.param == param
+
+
+def test_a_request_that_fails_as_it_is_added_leaves_nothing_queued(demo_model_dir):
+    llm = LLM(str(demo_model_dir), show_progress=False)
+    expected = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].output_token_ids
+    broken = SamplingParams(max_tokens=4, stop=["\n"])
+    broken.stop = ("\n", 13)  # changed after its checks: its stop strings fail to be prepared
+    with pytest.raises(TypeError):
+        llm.generate([[1, 2, 3], PROMPT], [PARAMS, broken], use_tqdm=False)
+    # It was queued with no output state: every call after failed (KeyError) until it finished.
+    assert_engine_is_idle(llm)
+    assert llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].output_token_ids == expected
+
+
+def test_max_tokens_none_generates_up_to_the_context(folder):
+    llm = LLM(str(folder), show_progress=False, max_model_len=32)
+    [output] = llm.generate([PROMPT], SamplingParams(max_tokens=None, temperature=0.0,
+                                                      ignore_eos=True), use_tqdm=False)
+    assert len(output.output_token_ids) == 32 - len(PROMPT) and output.finish_reason == "length"
