@@ -55,24 +55,30 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     cards = [ModelCard(id=name, created=state.started_at,
                        max_model_len=engines[name].max_model_len)
              for name in reachable_base_models(tenant, catalog)]
+    route_lengths: dict[str, int | None] = {}
     for name in allowed_routes(tenant, catalog):
         route = state.routes[default_route(tenant, catalog) if name == AUTO else name]
         # NOTE: with engine workers, a route's models are served once their workers register.
         # A route runs a call on a tier that can hold it: it takes what its roomiest tier served
         # now does (none while none is).
         lengths = [engines[m].max_model_len for m in route.tiers if m in engines]
-        cards.append(ModelCard(id=name, created=state.started_at,
-                               max_model_len=max(lengths) if lengths else None))
+        route_lengths[name] = max(lengths) if lengths else None
+        cards.append(ModelCard(id=name, created=state.started_at, max_model_len=route_lengths[name]))
     # An adapter whose name a route or served model took since its upload is listed as the id
     # that still reaches it, so that ids stay unique; one whose base model the tenant reaches only
     # through a route, as `route:name`. NOTE: one of a rank its model is not served with here
     # (since a restart) is left out: its calls get a 503 until the operator restarts the server
     # with a higher limit.
+    # `route:name` takes the route's length: a call its adapter's model cannot hold is answered
+    # by the route's other tiers (it was listed with the adapter's model's, half the route's).
     max_ranks = {name: engine.max_adapter_rank for name, engine in engines.items()}
-    cards += [ModelCard(id=tenant_adapter_id(tenant, catalog, a), created=int(a.created_at),
-                        owned_by=tenant.name, parent=a.base_model,
-                        max_model_len=engines[a.base_model].max_model_len)
-              for a in await visible_adapters(store, tenant, catalog, max_ranks)]
+    for adapter in await visible_adapters(store, tenant, catalog, max_ranks):
+        model_id = tenant_adapter_id(tenant, catalog, adapter)
+        head, _, _ = model_id.partition(":")
+        length = route_lengths[head] if head in route_lengths else \
+            engines[adapter.base_model].max_model_len
+        cards.append(ModelCard(id=model_id, created=int(adapter.created_at), owned_by=tenant.name,
+                               parent=adapter.base_model, max_model_len=length))
     return cards
 
 

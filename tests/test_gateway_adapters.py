@@ -1193,14 +1193,28 @@ def test_a_route_runs_the_tenant_adapter_on_its_base_tier(demo_engine, adapters,
     assert "bot" not in metrics
 
 
+@pytest.fixture(scope="module")
+def short_engine(demo_model_dir):
+    """An engine over the demo model with adapter slots and a context of 128 tokens only."""
+    from adapters import AdapterConfig
+    from engine.config import EngineConfig
+    from gateway.local_engine import LocalEngineClient
+
+    lora = AdapterConfig(max_lora_rank=DEMO_MAX_LORA_RANK, max_gpu_adapters=2, max_cpu_adapters=4)
+    engine = LocalEngineClient.load(EngineConfig(model=str(demo_model_dir), num_kv_blocks=64,
+                                                 max_model_len=128, lora=lora), show_progress=False)
+    yield engine
+    engine.close()
+
+
 def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_them_through_it(
-        demo_engine, adapters, tmp_path):
+        demo_engine, short_engine, adapters, tmp_path):
     """Its `route:adapter` calls were allowed, but its uploads for the route's models were
     refused as an "unknown base model", the admin's for it too."""
     from routing.routes import parse_routes
     from tests.conftest import ADMIN_KEY, serve_gateway
 
-    engines = {"small": demo_engine, "large": demo_engine, "medium": demo_engine}
+    engines = {"small": short_engine, "large": demo_engine, "medium": demo_engine}
     routes = parse_routes({"keep": {"tiers": ["small", "large"], "measure": "min_prob",
                                     "threshold": 0.0},
                            "other": {"tiers": ["small", "medium"], "threshold": 0.0}}, engines)
@@ -1227,9 +1241,12 @@ def test_a_tenant_allowed_only_a_route_uploads_adapters_for_its_models_and_runs_
     assert uploads[4].json()["error"]["message"] == (
         "'other' is a route your tenant's policy does not allow; the base models you may upload "
         "adapters for are small, large")
-    # Listed under the ids that reach them (they were left out).
-    assert [(m["id"], m.get("parent")) for m in listed] == [
-        ("keep", None), ("keep:admins", "large"), ("keep:bot", "small")]
+    # Listed under the ids that reach them (they were left out), with the route's context: a call
+    # "small" cannot hold is answered by "large" (keep:bot was listed with small's 128).
+    assert [(m["id"], m.get("parent"), m["max_model_len"]) for m in listed] == [
+        ("keep", None, demo_engine.max_model_len), ("keep:admins", "large", demo_engine.max_model_len),
+        ("keep:bot", "small", demo_engine.max_model_len)]
+    assert short_engine.max_model_len == 128 < demo_engine.max_model_len
     assert card.status_code == 200 and card.json()["parent"] == "small"
     assert uploads[2].json()["error"] == {
         "message": "your tenant's policy allows neither the base model 'medium' nor a route over it, "
