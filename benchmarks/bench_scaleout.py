@@ -35,6 +35,9 @@ from tests.redis_server import start_redis_server, stop_redis_server
 
 ADMIN_KEY = "sb-admin-bench-scaleout"
 MODEL = "bench"
+# Tokens are counted from the workers' heartbeats (one a second), which lag by up to a beat at each
+# end of a window: a window of 10 beats keeps that error to a fifth at most (2 s gave 11x).
+MIN_DURATION_S = 10.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,10 +46,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
     parser.add_argument("--max-tokens", type=positive_int, default=32, help="output tokens per request")
     parser.add_argument("--warmup", type=non_negative_float, default=5.0, help="untimed seconds per phase")
-    parser.add_argument("--duration", type=positive_float, default=30.0, help="timed seconds per phase")
+    parser.add_argument("--duration", type=_timed_seconds, default=30.0,
+                        help=f"timed seconds per phase, at least {MIN_DURATION_S:g} (default 30)")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR,
                         help=f"where the random model is kept (default {DEFAULT_WORK_DIR})")
     return parser.parse_args()
+
+
+def _timed_seconds(text: str) -> float:
+    value = positive_float(text)
+    if value < MIN_DURATION_S:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_DURATION_S:g} s: the tokens are counted from the workers' "
+            f"heartbeats, which lag by up to a second at each end of the window, got {text}")
+    return value
 
 
 def start_worker(root: Path, index: int, redis_url: str, model_dir: Path) -> SwitchboardProcess:
@@ -142,7 +155,11 @@ def main() -> None:
             print(load_summary())
             two = report("two workers", run_load(gateway, key, args, spec.vocab_size, redis_url))
             print(f"output tokens by worker since the start: {worker_tokens(redis_url)}")
-            print(f"two workers / one worker: {two / one:.2f}x output tokens/s")
+            if one > 0:
+                print(f"two workers / one worker: {two / one:.2f}x output tokens/s")
+            else:
+                print("two workers / one worker: not measurable: no tokens were counted with one "
+                      "worker; raise --duration")
             print(load_summary())
         finally:
             for process in processes:
