@@ -328,12 +328,11 @@ class HeldEngine:
 
 @contextmanager
 def no_open_file_left() -> Iterator[None]:
-    """This process's soft limit on open files lowered to the files it holds now while the block
-    runs: the next socket or file it opens fails with EMFILE."""
+    """This process's soft limit on open files at 0 while the block runs: every socket or file it
+    opens fails with EMFILE, those open now go on working. NOTE: not the number of the files held,
+    which a file another thread closes meanwhile (a server's idle connection) makes room under."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest_free = os.dup(0)  # NOTE: the number the next file would get, holes below it included
-    os.close(lowest_free)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (0, hard))
     try:
         yield
     finally:

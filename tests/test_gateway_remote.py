@@ -749,7 +749,7 @@ def test_workers_of_a_model_the_gateway_serves_itself_are_said_to_get_nothing(de
 
 
 def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own(
-        demo_engine, redis_url, tmp_path):  # noqa: F811
+        demo_engine, redis_url, tmp_path, patient_connects):  # noqa: F811
     num_held = 100  # httpx's default limit on one client's connections
     options = SamplingOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -770,8 +770,10 @@ def test_a_gateway_streams_from_its_workers_past_any_connection_limit_of_its_own
 
             holders = [asyncio.create_task(held(i)) for i in range(num_held)]
             try:
-                for _ in range(num_held):
-                    await started.acquire()
+                # NOTE: bounded: a holder that failed never releases, and the test hung for good.
+                async with asyncio.timeout(60):
+                    for _ in range(num_held):
+                        await started.acquire()
                 # It once waited 12 s for a connection, took the worker for dead and failed.
                 async with asyncio.timeout(30):
                     tokens = await _token_ids(client, "one-more", max_tokens=2)
