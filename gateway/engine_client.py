@@ -214,9 +214,10 @@ class ChatNotServed(CannotServe):
 
     def __init__(self, reason: str, model: str | None = None):
         self.reason = reason
-        whose = "the model's" if model is None else f"{model!r}'s"
-        super().__init__(f"{whose} chat template rejected the messages: {reason}; send a chat "
-                         "it takes, or call another model", "prompt")
+        # NOTE: "the chat template of 'm'", not "'m''s chat template", which reads as a typo.
+        of_whom = "the model" if model is None else repr(model)
+        super().__init__(f"the chat template of {of_whom} rejected the messages: {reason}; send a "
+                         "chat it takes, or call another model", "prompt")
 
 
 class OptionNotServed(CannotServe):

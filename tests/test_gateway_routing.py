@@ -1027,7 +1027,7 @@ def test_a_route_leaves_out_a_tier_whose_chat_template_refuses_the_chat(strict_r
     refused = chat("strict", with_system)
     error = refused.json()["error"]
     assert (refused.status_code, error["param"]) == (400, "messages"), refused.text
-    assert error["message"].startswith("'strict''s chat template rejected the messages: Only user")
+    assert error["message"].startswith("the chat template of 'strict' rejected the messages: Only user")
     for route in ("casc", "smart"):
         response = chat(route, with_system)
         assert response.status_code == 200, response.text
