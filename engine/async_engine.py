@@ -152,7 +152,13 @@ class AsyncEngine:
                 self._add(command)
                 continue
             _, request_id, stream = command
-            if stream is None or self._streams.get(request_id) is stream:  # not a request it never added
+            if stream is None:  # abort(): its consumer gets a last output saying so (it waited on)
+                stream = self._streams.pop(request_id, None)
+                output = self._abort(request_id)
+                if stream is not None and output is not None:
+                    self._metrics = self.engine.metrics()  # NOTE: published first, as in _run
+                    stream.put(output)
+            elif self._streams.get(request_id) is stream:  # not a request it never added
                 self._streams.pop(request_id, None)
                 self._abort(request_id)
         self._metrics = self.engine.metrics()
@@ -178,11 +184,13 @@ class AsyncEngine:
         for request_id, stream in failed:
             stream.put(EngineStepError(f"request {request_id} failed in the engine: {error}"))
 
-    def _abort(self, request_id: str) -> None:
-        """Abort a request in the engine. NOTE: this thread serves every request, so an abort that
-        fails (that request's state is broken) is logged, never raised: it must not end the loop."""
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request in the engine: its last output (None: it was not running). NOTE: this
+        thread serves every request, so an abort that fails (that request's state is broken) is
+        logged, never raised: it must not end the loop."""
         try:
-            self.engine.abort_request(request_id)
+            return self.engine.abort_request(request_id)
         except Exception:
             logger.exception("aborting request %s failed; serving the others", request_id)
+            return None
 

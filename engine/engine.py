@@ -160,10 +160,18 @@ class LLMEngine:
             self._adapter_uses[lora.adapter_id] += 1
         return request
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its KV blocks. False if it was not running."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its KV blocks: its last output (finished, with
+        finish_reason "abort"), None if it was not running."""
         self._forget_output(request_id)
-        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        return RequestOutput(request_id, [], "", [], finished=True,
+                             finish_reason=RequestStatus.FINISHED_ABORTED.value, stop_reason=None,
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_output_tokens=request.num_output_tokens,
+                             num_cached_tokens=request.num_cached_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

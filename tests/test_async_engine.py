@@ -91,6 +91,33 @@ def test_cancelling_the_consumer_aborts_the_request(async_engine):
     assert metrics.num_generation_tokens < 1000
 
 
+def test_abort_ends_the_requests_stream_with_an_abort_output(async_engine):
+    async def main():
+        started = asyncio.Event()
+        outputs = []
+
+        async def consume():
+            async for output in async_engine.generate(
+                    "long", SamplingParams(max_tokens=1000, ignore_eos=True), request_id="aborted"):
+                outputs.append(output)
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        async_engine.abort("aborted")
+        # Its consumer waited for good: the request left the engine, its stream got nothing.
+        async with asyncio.timeout(30):
+            await task
+        return outputs
+
+    outputs = asyncio.run(main())
+    last = outputs[-1]
+    assert last.finished and last.finish_reason == "abort" and last.new_token_ids == []
+    assert last.num_output_tokens == sum(len(o.new_token_ids) for o in outputs) < 1000
+    metrics = async_engine.metrics()
+    assert (metrics.num_running, metrics.num_waiting, metrics.kv_blocks_used) == (0, 0, 0)
+
+
 def test_a_consumer_whose_event_loop_closed_does_not_kill_the_engine(async_engine):
     async def start():
         stream = async_engine.generate("orphan", SamplingParams(max_tokens=500, ignore_eos=True))
