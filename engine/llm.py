@@ -64,7 +64,8 @@ class LLM:
         of token ids), as vLLM takes them. One SamplingParams (or adapter) applies to all
         prompts; a sequence gives one per prompt."""
         prompts = _prompt_list(prompts)
-        sampling_params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)
+        sampling_params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params,
+                                      SamplingParams, prompts)  # NOTE: [] is 0 values, not none given
         loras = _per_prompt(lora, LoraRequest, prompts)
         for adapter in {a for a in loras if a is not None}:
             _check_adapter_id(adapter)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -43,8 +44,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     """Makes the request's samples reproducible, independent of what it is batched with."""
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] | None = ()
+    stop_token_ids: tuple[int, ...] | None = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -62,10 +63,14 @@ class SamplingParams:
     """OpenAI's, on output tokens (as vLLM): subtracted once from the logit of every token generated so far."""
     frequency_penalty: float = 0.0
     """OpenAI's, on output tokens: subtracted from a token's logit once per time it was generated."""
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, float] | None = field(default_factory=dict)
     """OpenAI's: token id -> added to its logit before sampling (greedy too); -100 all but bans it."""
 
     def __post_init__(self) -> None:
+        # None as vLLM's defaults mean: none.
+        self.stop = () if self.stop is None else self.stop
+        self.stop_token_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        self.logit_bias = {} if self.logit_bias is None else self.logit_bias
         self._check_types()
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -75,7 +80,8 @@ class SamplingParams:
         checks = [
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be >= 1 (or None: up to the context), got {self.max_tokens}"),
-            ("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            ("temperature", 0 <= self.temperature < math.inf,
+             f"temperature must be finite and >= 0, got {self.temperature}"),
             ("top_k", self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}"),
             ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             ("min_tokens", 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
@@ -125,6 +131,13 @@ class SamplingParams:
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise InvalidParameter(f"stop_token_ids must be integers, got {self.stop_token_ids!r}",
                                    "stop_token_ids")
+        bias = self.logit_bias
+        # NOTE: keys may be strings of digits, as JSON (OpenAI's logit_bias) writes them.
+        if not isinstance(bias, dict) or not all(
+                (_is_int(k) or (isinstance(k, str) and k.isdigit()))
+                and isinstance(v, numbers.Real) and not isinstance(v, bool) for k, v in bias.items()):
+            raise InvalidParameter(f"logit_bias must be a map of token ids to numbers, got {bias!r}",
+                                   "logit_bias")
 
     @property
     def is_greedy(self) -> bool:

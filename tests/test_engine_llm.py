@@ -90,11 +90,26 @@ def test_one_prompt_alone_is_one_prompt_as_vllm_takes_it(demo_model_dir):
     ({"logprobs": 1.0}, "logprobs"), ({"top_k": 2.5}, "top_k"), ({"max_tokens": "8"}, "max_tokens"),
     ({"seed": 1.5}, "seed"), ({"min_tokens": True}, "min_tokens"),
     ({"temperature": "0.5"}, "temperature"), ({"stop": ["\n", 13]}, "stop"),
-    ({"stop_token_ids": [2.7]}, "stop_token_ids")])
+    ({"stop_token_ids": [2.7]}, "stop_token_ids"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {1: "a"}}, "logit_bias"), ({"temperature": float("inf")}, "temperature")])
 def test_sampling_params_of_the_wrong_type_are_refused_naming_the_field(fields, param):
     with pytest.raises(InvalidParameter, match=f"^{param} must be") as raised:
         SamplingParams(**fields)
     assert raised.value.param == param
+
+
+def test_a_list_of_sampling_params_for_other_prompts_is_refused(folder):
+    llm = LLM(str(folder), show_progress=False)
+    # An empty list ran both prompts with the defaults.
+    with pytest.raises(ValueError, match="2 prompts but 0 SamplingParams values"):
+        llm.generate([PROMPT, PROMPT], [], use_tqdm=False)
+
+
+def test_none_for_stop_stop_token_ids_and_logit_bias_means_none_as_in_vllm():
+    # A TypeError or AttributeError naming no field.
+    params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert (params.stop, params.stop_token_ids, params.logit_bias) == ((), (), {})
+    assert SamplingParams(logit_bias={"5": 1}).logit_bias == {5: 1.0}  # JSON's keys
 
 
 def test_a_request_that_fails_as_it_is_added_leaves_nothing_queued(demo_model_dir):
