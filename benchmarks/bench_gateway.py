@@ -344,6 +344,10 @@ def report_throughput(runs: list[LoadResult]) -> None:
     verdict = "met" if best.rate >= TARGET_RATE else "missed"
     print(f"target: >= {TARGET_RATE:.0f} req/s -> {best.rate:.0f} req/s at {best.concurrency} in "
           f"flight, {verdict}")
+    if not best.num_completed:
+        print("gateway CPU per request: not measurable, no reply came inside the window; raise "
+              "--duration")
+        return
     print(f"gateway CPU per request at that load: {best.probe_seconds / best.num_completed * 1e6:.0f}"
           " us (CPU % is of one core: 100% = one core busy)")
 

@@ -109,7 +109,10 @@ async def closed_loop(host: str, port: int, request: bytes | Sequence[bytes], co
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), nearest rank on the sorted values."""
+    """The q-th percentile (0-100), nearest rank on the sorted values; NaN of none (a window
+    too short for any reply: it raised an IndexError)."""
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))
     return ordered[rank]

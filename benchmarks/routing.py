@@ -144,6 +144,10 @@ def learned_scores(problems: Sequence[Problem], num_train: int, seed: int,
 
 
 def print_curve(name: str, points: Sequence[Point], acc_small: float, acc_large: float) -> None:
+    if acc_large <= acc_small:  # NOTE: APGR is a share of the gap: there is none to recover
+        print(f"{name:<28} APGR not measurable: the large model ({acc_large:.3f}) is no more "
+              f"accurate than the small one ({acc_small:.3f}) on this mix; add harder problems")
+        return
     best = best_within(points, MAX_LARGE_SHARE)
     score = apgr(points, acc_small, acc_large)
     met = best.accuracy >= TARGET_RECOVERY * acc_large

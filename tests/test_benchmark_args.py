@@ -29,6 +29,25 @@ def test_the_routing_benchmark_refuses_arguments_it_cannot_run(args, words, caps
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("acc_large", [0.7, 0.0])
+def test_a_curve_with_no_gap_to_recover_is_not_measurable(acc_large, capsys):
+    """Equally accurate models (1- and 2-digit sums, which all three get right) ended the run in a
+    ZeroDivisionError."""
+    points = routing.random_curve(0.7, acc_large)
+    routing.print_curve("random", points, 0.7, acc_large)
+    assert "APGR not measurable: the large model" in capsys.readouterr().out
+
+
+def test_a_throughput_run_with_no_reply_in_its_window_is_not_measurable(capsys):
+    """A window too short for any reply (--duration 0.001) ended the run in an IndexError."""
+    from benchmarks.bench_gateway import report_throughput
+    from benchmarks.loadgen import LoadResult
+
+    report_throughput([LoadResult(4, 0.001, [])])
+    out = capsys.readouterr().out
+    assert "nan" in out and "not measurable, no reply came inside the window" in out
+
+
 def test_a_default_mix_reads_as_difficulty_shares():
     assert routing.difficulty_mix("1:0.3,2:0.3,3:0.4") == {1: 0.3, 2: 0.3, 3: 0.4}
 
