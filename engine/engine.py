@@ -165,13 +165,7 @@ class LLMEngine:
         finish_reason "abort"), None if it was not running."""
         self._forget_output(request_id)
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        if request is None:
-            return None
-        return RequestOutput(request_id, [], "", [], finished=True,
-                             finish_reason=RequestStatus.FINISHED_ABORTED.value, stop_reason=None,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens,
-                             num_cached_tokens=request.num_cached_tokens)
+        return None if request is None else self._last_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -182,7 +176,7 @@ class LLMEngine:
             self.adapter_cache.wait_for_loads(timeout=_IDLE_LOAD_WAIT_S)
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
-        failed = [self._error_output(request) for request in self.scheduler.take_failed()]
+        failed = [self._last_output(request) for request in self.scheduler.take_failed()]
         return failed + [self._make_output(request) for request in updated]
 
     def metrics(self) -> EngineMetrics:
@@ -269,10 +263,13 @@ class LLMEngine:
         for adapter_id in self._adapter_paths.keys() - self._adapter_uses.keys() - loading:
             del self._adapter_paths[adapter_id]
 
-    def _error_output(self, request: Request) -> RequestOutput:
+    def _last_output(self, request: Request) -> RequestOutput:
+        """The output that ends a request finished with no token more (aborted, or failed: its
+        status says which), its output state forgotten (if it was not already)."""
         self._forget_output(request.request_id)
-        return RequestOutput(request.request_id, [], "", [], finished=True, finish_reason="error",
-                             stop_reason=None, num_prompt_tokens=request.num_prompt_tokens,
+        return RequestOutput(request.request_id, [], "", [], finished=True,
+                             finish_reason=request.status.value, stop_reason=None,
+                             num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens,
                              num_cached_tokens=request.num_cached_tokens, error=request.error)
 
