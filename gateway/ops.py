@@ -14,8 +14,8 @@ from gateway.errors import model_not_found, store_unavailable
 from gateway.prometheus import CONTENT_TYPE
 from gateway.protocol import ModelCard, ModelList
 from gateway.state import gateway_state
-from routing.models import (allowed_routes, default_route, reachable_base_models, tenant_adapter_id,
-                            visible_adapters)
+from routing.models import (adapter_route, allowed_routes, default_route, reachable_base_models,
+                            tenant_adapter_id, visible_adapters)
 from routing.routes import AUTO
 from store import FULL_ERRORS, UNAVAILABLE_ERRORS, unavailable_cause
 
@@ -73,11 +73,10 @@ async def _model_cards(request: Request) -> list[ModelCard]:
     # by the route's other tiers (it was listed with the adapter's model's, half the route's).
     max_ranks = {name: engine.max_adapter_rank for name, engine in engines.items()}
     for adapter in await visible_adapters(store, tenant, catalog, max_ranks):
-        model_id = tenant_adapter_id(tenant, catalog, adapter)
-        head, _, _ = model_id.partition(":")
-        length = route_lengths[head] if head in route_lengths else \
-            engines[adapter.base_model].max_model_len
-        cards.append(ModelCard(id=model_id, created=int(adapter.created_at), owned_by=tenant.name,
+        route = adapter_route(tenant, catalog, adapter)
+        length = engines[adapter.base_model].max_model_len if route is None else route_lengths[route]
+        cards.append(ModelCard(id=tenant_adapter_id(tenant, catalog, adapter),
+                               created=int(adapter.created_at), owned_by=tenant.name,
                                parent=adapter.base_model, max_model_len=length))
     return cards
 

@@ -122,11 +122,17 @@ def adapter_model_id(adapter: AdapterRecord, taken: Collection[str]) -> str:
     return f"{adapter.base_model}:{adapter.name}" if adapter.name in taken else adapter.name
 
 
+def adapter_route(tenant: Tenant, catalog: Catalog, adapter: AdapterRecord) -> str | None:
+    """The route (as allowed_routes names it) the tenant reaches its adapter through: None where
+    its policy allows the adapter's base model, else route_running's."""
+    return None if may_use(tenant, adapter.base_model) else \
+        route_running(tenant, catalog, adapter.base_model)
+
+
 def tenant_adapter_id(tenant: Tenant, catalog: Catalog, adapter: AdapterRecord) -> str:
     """The `model` that reaches the tenant's adapter: adapter_model_id's where its policy allows
     the adapter's base model, else `route:name` for a route it allows over that model."""
-    route = None if may_use(tenant, adapter.base_model) else \
-        route_running(tenant, catalog, adapter.base_model)
+    route = adapter_route(tenant, catalog, adapter)
     return adapter_model_id(adapter, taken_names(catalog)) if route is None else f"{route}:{adapter.name}"
 
 
@@ -167,7 +173,7 @@ async def resolve_model(store: Store, tenant: Tenant, catalog: Catalog,
     if not may_use(tenant, adapter.base_model):
         # NOTE: a tenant allowed only routes runs its adapters as route:adapter (/v1/models lists
         # them so); its adapter's own name is refused saying so.
-        route = route_running(tenant, catalog, adapter.base_model)
+        route = adapter_route(tenant, catalog, adapter)
         raise ModelNotAllowed(model, adapter.base_model,
                               None if route is None else f"{route}:{adapter.name}")
     return ModelTarget(adapter.base_model, adapter)
