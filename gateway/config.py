@@ -484,8 +484,7 @@ def _read_toml(path: Path, command: Command) -> dict[str, Any]:
     settings = {key: _FILE_KEYS.get(key, key) for key in values}  # the field each key sets
     spellings: dict[str, list[str]] = {}
     for key in raw:
-        normal = key.replace("-", "_")
-        spellings.setdefault(_FILE_KEYS.get(normal, normal), []).append(key)
+        spellings.setdefault(settings[key.replace("-", "_")], []).append(key)
     twice = next((keys for keys in spellings.values() if len(keys) > 1), None)
     if twice is not None:  # else one of the two was silently dropped
         raise ValueError(f"{path} sets one setting twice, as {' and '.join(twice)}: keep one")
