@@ -153,8 +153,10 @@ def _local_greedy(engine, adapter: AdapterRef | None) -> list[int]:
 _ids = itertools.count()
 
 
-def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenant_key,
-                                                                   demo_engine, tmp_path):
+@pytest.fixture(scope="module")
+def uploaded_adapters(cluster, tenant_key, tmp_path_factory) -> dict[str, Path]:
+    """Ten adapters uploaded through both gateways, by name, spread over both workers' homes."""
+    tmp_path = tmp_path_factory.mktemp("adapters")
     worker_ids = [r.id for r in cluster.records()]
     folders = {f"tenant-lora-{i}": _peft_adapter(cluster.model_dir, tmp_path / f"a{i}", i)
                for i in range(NUM_ADAPTERS)}
@@ -173,7 +175,13 @@ def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenan
                               data={"name": name, "base_model": DEMO_MODEL},
                               headers={"Authorization": f"Bearer {tenant_key}"})
         assert uploaded.status_code == 201, uploaded.text
+    return folders
 
+
+def test_adapters_are_placed_by_affinity_and_answer_as_one_engine(cluster, tenant_key,
+                                                                   uploaded_adapters, demo_engine):
+    worker_ids = [r.id for r in cluster.records()]
+    folders = uploaded_adapters
     for name, folder in folders.items():
         expected = _local_greedy(demo_engine, AdapterRef(digest_files(folder), str(folder)))
         for gateway in cluster.gateways:  # each adapter twice, through both gateways
@@ -279,7 +287,8 @@ def test_a_worker_killed_under_load_costs_clean_errors_at_most_and_the_pool_reco
                                                for r in cluster.records()), timeout_s=5)
 
 
-def test_after_a_redis_restart_workers_rejoin_and_adapters_still_answer(cluster, tenant_key):
+def test_after_a_redis_restart_workers_rejoin_and_adapters_still_answer(cluster, tenant_key,
+                                                                         uploaded_adapters):
     before = _answer_tokens(cluster.gateways[0], tenant_key, "tenant-lora-3")
     cluster.redis_server.stop()
     time.sleep(1.6)  # the workers' records would lapse now, were Redis up
