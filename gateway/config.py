@@ -23,7 +23,7 @@ import msgspec
 
 from routing.pricing import MAX_USD_PER_MTOK
 from routing.routes import AUTO
-from store.redis import check_redis_url
+from store.redis import check_redis_url, masked_url
 
 DEFAULT_DATA_DIR = Path("data")
 MAX_UPSTREAM_CONTEXT = 2**30  # tokens: far past any model's context
@@ -194,8 +194,8 @@ class ServeConfig:
             if self.store is None:
                 self.store = self.redis
         if self.store is not None and not self.store.startswith(_STORE_SCHEMES):
-            raise ValueError(f"unknown store URL {self.store!r}: use sqlite:///path/to/file.db or "
-                             "redis://host:port/0")
+            raise ValueError(f"unknown store URL {masked_url(self.store)!r}: use "
+                             "sqlite:///path/to/file.db or redis://host:port/0")
         if self.store not in (None, self.redis) and not self.store.startswith("sqlite://"):
             check_redis_url(self.store)  # NOTE: --redis, checked above, is often the store too
         # NOTE: "~" expanded here, as for model paths: a shell leaves it as is in a config file,

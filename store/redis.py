@@ -15,7 +15,7 @@ script that a restarted server no longer has (NOSCRIPT).
 import re
 import time
 from contextvars import ContextVar
-from urllib.parse import SplitResult, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import msgspec
 import redis.asyncio as aioredis
@@ -92,11 +92,16 @@ SETTLED_KEPT_S = 600
 POOL_WAIT_S = 60.0
 
 
-def _masked(parts: SplitResult) -> str:
-    """The URL's netloc with its password as ***: rebuilt, as the password's text may also be
-    found earlier in the URL (a user of that name)."""
-    credentials, _, address = parts.netloc.rpartition("@")
-    return f"{credentials.partition(':')[0]}:***@{address}"
+def masked_url(url: str) -> str:
+    """`url` as it may be shown: all between "://" and its last "@" (a password, after the
+    user's name and ":" if any) as ***. Read from the text as typed, not as parsed: a password
+    holding "/", "?" or "#" ends the parsed host early, and the rest of it parses as the path."""
+    scheme, separator, rest = url.partition("://")
+    credentials, at, address = rest.rpartition("@")
+    if not (separator and at):
+        return url
+    user, colon, _ = credentials.partition(":")
+    return f"{scheme}://{user + ':' if colon else ''}***@{address}"
 
 
 def check_redis_url(url: str) -> str:
@@ -106,14 +111,20 @@ def check_redis_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError as error:  # NOTE: its message does not hold the URL, nor its password
         raise ValueError(f"cannot use the Redis URL: {error}") from None
-    shown = url if parts.password is None else urlunsplit(parts._replace(netloc=_masked(parts)))
+    shown = masked_url(url)
     problem = None
-    if parts.scheme not in ("redis", "rediss", "unix"):
+    if "@" in url.partition("://")[2].removeprefix(parts.netloc):
+        # An "@" past the host as parsed: a password holding "/", "?" or "#", which end the host
+        # (openssl rand -base64 makes such passwords). redis-py would connect elsewhere, with
+        # no password or part of it, and its errors quote the parts they parsed: its own.
+        problem = ("its password holds a character a URL reserves (/, ? or #): percent-encode "
+                   "it (/ as %2F, ? as %3F, # as %23)")
+    elif parts.scheme not in ("redis", "rediss", "unix"):
         problem = "it is not a Redis URL (redis://host:port/0, rediss://..., unix:///path)"
     elif parts.scheme == "unix" and not parts.path:
         problem = "unix:// needs the socket's path, as unix:///run/redis.sock"
     elif parts.scheme != "unix" and not re.fullmatch(r"/?\d*", parts.path):
-        problem = f"the database must be a number, as redis://host:6379/0, not {parts.path!r}"
+        problem = "the database must be a number, as redis://host:6379/0"
     else:
         try:
             # NOTE: a connection is only built, not opened: redis-py passes a query argument it

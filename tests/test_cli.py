@@ -205,6 +205,38 @@ def test_invalid_settings_are_refused(kwargs, message):
         ServeConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, shown", [
+    # A password holding "/", "?" or "#" ends the host as parsed: the rest of it was shown, in
+    # the path, in redis-py's own message (the port it could not read: "Pa55"), or all of it
+    # (a scheme not known).
+    (dict(store="redis://:Ab3/xSECRET@h:6379/0"), "'redis://:***@h:6379/0': its password holds"),
+    (dict(redis="redis://default:Pa55#wSECRET@h:6379/0"), "'redis://default:***@h:6379/0'"),
+    (dict(store="redis://u:123?SECRET@h:6379/0"), "'redis://u:***@h:6379/0'"),
+    (dict(store="Redis://:SECRET@h:6379/0"), "unknown store URL 'Redis://:***@h:6379/0'"),
+])
+def test_a_redis_url_refused_never_shows_its_password(kwargs, shown):
+    with pytest.raises(ValueError) as refused:
+        ServeConfig(**kwargs)
+    assert shown in str(refused.value)
+    assert "SECRET" not in str(refused.value) and "Pa55" not in str(refused.value)
+
+
+def test_a_redis_password_with_reserved_characters_works_percent_encoded():
+    # What the refusal of such a password in a URL says to do works: redis-py decodes it.
+    import redis
+
+    proc, url = start_redis_server()
+    try:
+        password = "Ab3/x?y#z"
+        redis.Redis.from_url(url).config_set("requirepass", password)
+        encoded = url.replace("redis://", "redis://:Ab3%2Fx%3Fy%23z@")
+        assert ServeConfig(store=encoded).store == encoded
+        with redis.Redis.from_url(encoded) as client:
+            assert client.ping()
+    finally:
+        stop_redis_server(proc)
+
+
 def test_a_worker_s_advertised_url_loses_its_trailing_slash():
     # Gateways append their paths: "http://w:9000/" + "/internal/generate" reached nothing.
     assert ServeConfig(advertise_url="http://w:9000/").advertise_url == "http://w:9000"
