@@ -15,7 +15,7 @@ from store.errors import (AdapterStorageExceeded, AlreadyExists, InvalidName, In
                           NotFound, StoreError, StoreFull, StoreUnavailable)
 from store.models import AdapterRecord, ApiKeyRecord, RateDecision, Reservation, Tenant, Usage
 from store.redis import (REDIS_FULL_ERRORS, REDIS_UNAVAILABLE_CAUSES, REDIS_UNAVAILABLE_ERRORS,
-                         RedisStore)
+                         RedisStore, masked_url)
 from store.sqlite import LOCK_TIMEOUT_S, SqliteStore
 
 UNAVAILABLE_ERRORS = (*REDIS_UNAVAILABLE_ERRORS, StoreUnavailable)
@@ -75,5 +75,5 @@ async def open_store(url: str | None, data_dir: Path) -> Store:
     if url.startswith(("redis://", "rediss://", "unix://")):
         return await RedisStore.open(url)
     raise StoreError(
-        f"unknown store URL {url!r}: use sqlite:///path/to/file.db or redis://host:port/0"
+        f"unknown store URL {masked_url(url)!r}: use sqlite:///path/to/file.db or redis://host:port/0"
     )
