@@ -61,6 +61,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        self._stop_lock = threading.Lock()  # NOTE: _send's check of _stopped and its put are one step
         self._metrics = engine.metrics()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -84,7 +85,9 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         accepted: Future = Future()
-        self._send(_AddCommand(request_id, prompt, params, priority, tenant, lora, stream, accepted))
+        if not self._send(_AddCommand(request_id, prompt, params, priority, tenant, lora, stream,
+                                      accepted)):
+            raise RuntimeError("the engine is shut down")
         finished = False
         try:
             # NOTE: inside the try: a caller cancelled while the engine thread adds the request
@@ -105,15 +108,21 @@ class AsyncEngine:
         self._send(("abort", request_id, None))
 
     def shutdown(self) -> None:
-        self._stopped = True
+        with self._stop_lock:
+            self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=30)
 
-    def _send(self, command) -> None:
-        if self._stopped:
-            raise RuntimeError("the engine is shut down")
-        self._inbox.put(command)
+    def _send(self, command) -> bool:
+        """Queue `command` for the engine thread; False once the engine is shut down. An abort
+        then needs nothing: the engine thread fails every request it had as it stops (and a
+        consumer leaving its stream must not get an error in place of its cancellation)."""
+        with self._stop_lock:
+            if self._stopped:
+                return False
+            self._inbox.put(command)
         self._wakeup.set()
+        return True
 
     def _run(self) -> None:
         pin_num_threads(self.engine.num_threads)  # see kernels/sgmv_cpu.py's _one_thread
@@ -141,6 +150,7 @@ class AsyncEngine:
                     self._abort(output.request_id)
             self._metrics = self.engine.metrics()
         self._fail_all(RuntimeError("the engine was shut down"))
+        self._refuse_unread_adds()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -162,6 +172,17 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
                 self._abort(request_id)
         self._metrics = self.engine.metrics()
+
+    def _refuse_unread_adds(self) -> None:
+        """Fail the requests sent while the loop stopped: nothing else would answer their
+        callers, which waited for good (nothing can be sent once _stopped is set)."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _AddCommand) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(RuntimeError("the engine was shut down"))
 
     def _add(self, command: _AddCommand) -> None:
         if not command.accepted.set_running_or_notify_cancel():

@@ -260,6 +260,55 @@ def test_the_stats_no_longer_count_a_request_by_the_time_its_end_is_delivered(as
     assert seen_at_end == [(0, 0), (0, 0)]
 
 
+def test_a_request_sent_as_the_engine_shuts_down_is_refused_not_left_waiting(async_engine):
+    """A request sent while the engine thread runs a step, shutdown() called meanwhile: the
+    thread left its loop without reading its inbox, and the caller waited for good."""
+    inner = async_engine.engine
+    step, in_step, finish_step = inner.step, threading.Event(), threading.Event()
+
+    def held_step():
+        in_step.set()
+        finish_step.wait(10)
+        return step()
+
+    inner.step = held_step
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def main():
+        running = asyncio.create_task(collect(async_engine, "a", params))
+        while not in_step.is_set():
+            await asyncio.sleep(0.01)
+        late = asyncio.create_task(collect(async_engine, "b", params))
+        await asyncio.sleep(0.1)  # sent: in the inbox the held step keeps the thread from
+        stopping = threading.Thread(target=async_engine.shutdown)
+        stopping.start()
+        while not async_engine._stopped:
+            await asyncio.sleep(0.01)
+        finish_step.set()
+        results = await asyncio.wait_for(asyncio.gather(running, late, return_exceptions=True), 10)
+        stopping.join(10)
+        return results
+
+    running, late = asyncio.run(main())
+    assert isinstance(running, EngineStepError) and "shut down" in str(running)
+    assert isinstance(late, RuntimeError) and str(late) == "the engine was shut down"
+    with pytest.raises(RuntimeError, match="the engine is shut down"):
+        asyncio.run(collect(async_engine, "after", params))
+
+
+def test_a_consumer_leaving_its_stream_after_shutdown_is_not_given_an_error(async_engine):
+    # Its abort was refused ("the engine is shut down") and replaced the GeneratorExit or
+    # CancelledError its leaving raised: an error from aclose(), or no cancellation.
+    async def main():
+        stream = async_engine.generate("a", SamplingParams(max_tokens=50, ignore_eos=True))
+        first = await stream.__anext__()
+        await asyncio.to_thread(async_engine.shutdown)
+        await stream.aclose()
+        return first
+
+    assert not asyncio.run(main()).finished
+
+
 def test_the_engine_thread_keeps_its_thread_count_through_another_engines_lora_decode(demo_folder):
     """Another engine's LoRA decode narrows torch to one thread for a moment (kernels/sgmv_cpu.py):
     this engine's thread, starting inside that window, still runs every step on the thread count
