@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def require_ints(config: object, names: Iterable[str], may_be_none: Iterable[str] = ()) -> None:
+    """ValueError naming the first of `config`'s fields `names` that is not an integer (None
+    allowed for those in `may_be_none`). A float passed the range checks and failed much later,
+    with no field named (kv_cache_memory_bytes=2e8 once the weights had loaded); a bool is not
+    an integer here either."""
+    may_be_none = set(may_be_none)
+    for name in names:
+        value = getattr(config, name)
+        if value is None and name in may_be_none:
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer{' or None' * (name in may_be_none)}, "
+                             f"got {value!r}")
 
 
 @dataclass
@@ -19,6 +36,8 @@ class AdapterConfig:
     """Threads that load adapters from storage for `prefetch`; 0 loads on the caller's thread."""
 
     def __post_init__(self) -> None:
+        require_ints(self, ("max_lora_rank", "max_gpu_adapters", "max_cpu_adapters",
+                            "num_load_threads"))
         for name in ("max_lora_rank", "max_gpu_adapters", "max_cpu_adapters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

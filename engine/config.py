@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adapters.config import AdapterConfig
+from adapters.config import AdapterConfig, require_ints
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,6 +49,14 @@ class EngineConfig:
             if not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r}: this machine's torch sees no CUDA "
                                  f"device (torch {torch.__version__}); use device 'cpu'")
+        optional = ("num_kv_blocks", "kv_cache_memory_bytes", "max_model_len")
+        require_ints(self, ("block_size", "max_num_batched_tokens", "max_num_seqs", "seed",
+                            *optional), may_be_none=optional)
+        if not isinstance(self.enable_prefix_caching, bool):  # NOTE: "false" is true
+            raise ValueError(f"enable_prefix_caching must be True or False, "
+                             f"got {self.enable_prefix_caching!r}")
+        if self.lora is not None and not isinstance(self.lora, AdapterConfig):
+            raise ValueError(f"lora must be an AdapterConfig or None, got {type(self.lora).__name__}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import numbers
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -131,6 +132,10 @@ class LLMEngine:
         ValueError for what no field of the request could change."""
         if lora is not None and self.adapter_cache is None:
             raise ValueError("this engine was started without LoRA support; enable it to use adapters")
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+            # NOTE: the waiting queue is kept sorted by it: any other type failed that sort, in
+            # this call or in a later step (every request in flight then)
+            raise InvalidParameter(f"priority must be an integer, got {priority!r}", "priority")
         token_ids = self._prompt_token_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise InvalidParameter(f"the prompt has {len(token_ids)} tokens but this model accepts at "

@@ -100,8 +100,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._enqueue_waiting(request)  # NOTE: first: a request it failed to queue is not kept
         self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

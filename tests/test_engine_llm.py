@@ -1,7 +1,11 @@
 """LLM.generate: a call that fails leaves the engine as it found it."""
 
+import re
+
 import pytest
 
+from adapters.config import AdapterConfig
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.request import InvalidParameter, SamplingParams
 from tests.helpers import make_hf_model, save_hf_model
@@ -96,6 +100,47 @@ def test_sampling_params_of_the_wrong_type_are_refused_naming_the_field(fields, 
     with pytest.raises(InvalidParameter, match=f"^{param} must be") as raised:
         SamplingParams(**fields)
     assert raised.value.param == param
+
+
+@pytest.mark.parametrize("priority", ["1", None, 1.5, True])
+def test_a_priority_that_is_not_an_integer_is_refused_and_nothing_is_kept(folder, priority):
+    # The waiting queue is sorted by it: the sort failed with the request already registered, so
+    # the engine never went idle (its thread spun) and the id stayed taken for good.
+    llm = LLM(str(folder), show_progress=False)
+    engine = llm.engine
+    engine.add_request("queued", PROMPT, PARAMS)
+    with pytest.raises(InvalidParameter, match="priority must be an integer") as refused:
+        engine.add_request("odd", PROMPT, PARAMS, priority=priority)
+    assert refused.value.param == "priority"
+    assert engine.abort_request("queued") is not None and engine.abort_request("odd") is None
+    assert_engine_is_idle(llm)
+    engine.add_request("odd", PROMPT, PARAMS)  # its id is free
+
+
+@pytest.mark.parametrize("fields, message", [
+    # Each failed once the weights had loaded with a TypeError naming no field, or was kept
+    # as given (a max_model_len of 100.5; prefix caching on for "false").
+    ({"kv_cache_memory_bytes": 2e8}, "kv_cache_memory_bytes must be an integer or None, got 200000000.0"),
+    ({"num_kv_blocks": 64.0}, "num_kv_blocks must be an integer or None"),
+    ({"block_size": 16.0}, "block_size must be an integer, got 16.0"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
+    ({"max_model_len": 100.5}, "max_model_len must be an integer or None"),
+    ({"seed": 1.5}, "seed must be an integer"), ({"max_num_batched_tokens": True}, "must be an integer"),
+    ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be True or False"),
+    ({"lora": {"max_lora_rank": 8}}, "lora must be an AdapterConfig or None, got dict"),
+])
+def test_engine_settings_of_the_wrong_type_are_refused_before_loading(folder, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(model=str(folder), **fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"max_lora_rank": 8.0}, "max_lora_rank must be an integer, got 8.0"),
+    ({"num_load_threads": None}, "num_load_threads must be an integer, got None"),
+])
+def test_adapter_settings_of_the_wrong_type_are_refused(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AdapterConfig(**fields)
 
 
 def test_a_list_of_sampling_params_for_other_prompts_is_refused(folder):
