@@ -7,6 +7,7 @@ import itertools
 import math
 import numbers
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,11 @@ _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 0.01, 100
 def _is_int(value: object) -> bool:
     """An integer, not a bool (which Python counts as one)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_list_like(value: object) -> bool:
+    """A list, tuple, range, set...: read more than once, and not a text or a mapping."""
+    return isinstance(value, Collection) and not isinstance(value, (str, bytes, Mapping))
 
 
 class InvalidParameter(ValueError):
@@ -124,17 +130,20 @@ class SamplingParams:
             value = getattr(self, param)
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise InvalidParameter(f"{param} must be a number, got {value!r}", param)
+        # NOTE: a lone number where a list goes raised a TypeError naming no field.
         stops = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not all(isinstance(stop, str) for stop in stops):
+        if not _is_list_like(stops) or not all(isinstance(stop, str) for stop in stops):
             raise InvalidParameter(f"stop must be a string or a list of strings, got {self.stop!r}",
                                    "stop")
-        if not all(_is_int(t) for t in self.stop_token_ids):
-            raise InvalidParameter(f"stop_token_ids must be integers, got {self.stop_token_ids!r}",
+        if not _is_list_like(self.stop_token_ids) or not all(
+                _is_int(t) for t in self.stop_token_ids):
+            raise InvalidParameter(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
                                    "stop_token_ids")
         bias = self.logit_bias
-        # NOTE: keys may be strings of digits, as JSON (OpenAI's logit_bias) writes them.
+        # NOTE: keys may be strings of digits, as JSON (OpenAI's logit_bias) writes them; ASCII
+        # ones: isdigit() also holds for "²", which int() cannot read.
         if not isinstance(bias, dict) or not all(
-                (_is_int(k) or (isinstance(k, str) and k.isdigit()))
+                (_is_int(k) or (isinstance(k, str) and k.isascii() and k.isdigit()))
                 and isinstance(v, numbers.Real) and not isinstance(v, bool) for k, v in bias.items()):
             raise InvalidParameter(f"logit_bias must be a map of token ids to numbers, got {bias!r}",
                                    "logit_bias")

@@ -95,7 +95,10 @@ def test_one_prompt_alone_is_one_prompt_as_vllm_takes_it(demo_model_dir):
     ({"seed": 1.5}, "seed"), ({"min_tokens": True}, "min_tokens"),
     ({"temperature": "0.5"}, "temperature"), ({"stop": ["\n", 13]}, "stop"),
     ({"stop_token_ids": [2.7]}, "stop_token_ids"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {1: "a"}}, "logit_bias"), ({"temperature": float("inf")}, "temperature")])
+    ({"logit_bias": {1: "a"}}, "logit_bias"), ({"temperature": float("inf")}, "temperature"),
+    # A ValueError or TypeError naming no field: "²" is a digit to str.isdigit(), not to int().
+    ({"logit_bias": {"²": 1.0}}, "logit_bias"), ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"stop": 5}, "stop")])
 def test_sampling_params_of_the_wrong_type_are_refused_naming_the_field(fields, param):
     with pytest.raises(InvalidParameter, match=f"^{param} must be") as raised:
         SamplingParams(**fields)
