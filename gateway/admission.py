@@ -211,6 +211,8 @@ class Estimate:
     # A call that set neither, fitted to its tenant's limits as read just before, not cut to its
     # least: the most output tokens an answer held (a call in flight took the room meanwhile).
     fitted_tokens: int | None = None
+    n: int = 1  # choices per prompt: named in the advice only where lowering it helps
+    num_prompts: int = 1
 
     def counted(self) -> str:
         if self.fitted_tokens is not None:
@@ -228,11 +230,13 @@ class Estimate:
         """What makes the estimate smaller ("lower max_tokens or n, or shorten the prompt")."""
         # NOTE: a fitted call held less than the rest of the context: a lower max_tokens holds less.
         param = self.max_tokens_param or ("max_tokens" if self.fitted_tokens is not None else None)
+        lower = [name for name in (param, "n" if self.n > 1 else None) if name is not None]
+        prompts = "shorten the prompt" if self.num_prompts == 1 else "send fewer or shorter prompts"
+        advice = prompts if not lower else \
+            f"lower {' or '.join(lower)}{',' * (len(lower) > 1)} or {prompts}"
         if self.route is not None:  # n is 1: a route answers one choice
-            shorter = "shorten the prompt" if param is None else f"lower {param} or shorten the prompt"
-            return f"{shorter}, or call one model instead of route {self.route!r}"
-        return "lower n or shorten the prompt" if param is None else \
-            f"lower {param} or n, or shorten the prompt"
+            return f"{advice}, or call one model instead of route {self.route!r}"
+        return advice
 
 
 async def admit(store: Store, tenant: Tenant, estimated_tokens: int,

@@ -485,7 +485,8 @@ async def start_call(request: Request, id_prefix: str, tenant: Tenant, model: st
     estimate = Estimate(ask.length_param(), None if route is None else route.name,
                         holds_every_tier=isinstance(route, CascadeRoute)
                         and sum(reading is not None for reading in readings) > 1,
-                        fitted_tokens=_fitted_tokens(ask, readings))
+                        fitted_tokens=_fitted_tokens(ask, readings), n=n,
+                        num_prompts=len(ask.prompts))
     admission = await admit(state.require_store(), tenant, *_hold(state, target, readings, n),
                             estimate=estimate)
     call_id = f"{id_prefix}-{uuid.uuid4().hex}"

@@ -319,8 +319,19 @@ def test_a_chat_too_large_for_the_limits_names_the_field_it_set_its_length_with(
     client.close()
     assert (too_large.value.code, too_large.value.param) == ("request_too_large", field)
     assert f"(prompt plus {field} for every choice)" in too_large.value.message
-    assert f"lower {field} or n" in too_large.value.message
-    assert f"lower {field} or n" in over_budget.value.message
+    # n named only where lowering it helps: these calls had one choice.
+    assert f"lower {field} or shorten the prompt" in too_large.value.message
+    assert f"lower {field} or shorten the prompt" in over_budget.value.message
+
+
+def test_a_refusal_names_n_and_the_number_of_prompts_only_where_lowering_them_helps(server):
+    key = server.new_tenant(f"t{next(_names)}", tpm=60)
+    several = complete(server, key, max_tokens=20, n=2, prompt=["a b", "c d"])
+    assert several.status_code == 400, several.text
+    assert "lower max_tokens or n, or send fewer or shorter prompts" in several.json()["error"]["message"]
+    one = complete(server, key, max_tokens=100)
+    assert one.status_code == 400, one.text
+    assert one.json()["error"]["message"].endswith("lower max_tokens or shorten the prompt")
 
 
 def test_a_chat_without_max_tokens_is_shortened_to_fit_the_tpm_limit(server):
@@ -354,7 +365,8 @@ def test_a_chat_without_max_tokens_too_large_for_the_limits_says_what_it_may_low
     client.close()
     assert (min_tokens.value.code, min_tokens.value.param) == ("request_too_large", "min_tokens")
     assert "(prompt plus min_tokens for every choice)" in min_tokens.value.message
-    assert "limit is 60 tokens per minute; lower min_tokens or n" in min_tokens.value.message
+    assert "limit is 60 tokens per minute; lower min_tokens or shorten the prompt" in \
+        min_tokens.value.message
     assert (long_prompt.value.code, long_prompt.value.param) == ("request_too_large", None)
     assert "(prompt plus one output token for every choice, the least it can use)" in \
         long_prompt.value.message
@@ -373,7 +385,7 @@ def test_a_chat_without_max_tokens_is_shortened_to_what_the_monthly_budget_leave
     with pytest.raises(openai.RateLimitError) as raised:
         client.chat.completions.create(model=DEMO_MODEL, messages=messages)
     assert raised.value.body["code"] == "insufficient_quota"
-    assert "USD (prompt plus one output token for every choice, the least it can use): lower n or " \
+    assert "USD (prompt plus one output token for every choice, the least it can use): " \
         "shorten the prompt, or ask your administrator" in raised.value.message  # it set no max_tokens
     usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
     assert (usage["tokens_in"] + usage["tokens_out"], usage["reserved_tokens"]) == (50, 0)
@@ -405,7 +417,7 @@ def test_a_fitted_chat_that_a_call_in_flight_leaves_no_room_says_what_it_held(se
     assert raised.value.body["code"] == "insufficient_quota"
     assert " output tokens (the room your limits had as the call was read) for every choice)" in \
         raised.value.message and "the least" not in raised.value.message
-    assert "lower max_tokens or n, or shorten the prompt" in raised.value.message
+    assert "lower max_tokens or shorten the prompt" in raised.value.message
     usage = server.admin("GET", f"/admin/tenants/{name}").json()["usage"]
     assert (usage["requests"], usage["reserved_tokens"]) == (0, 0)
 
