@@ -74,6 +74,7 @@ from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, Eng
                                    GenerationChunk, OptionNotServed, RequestRejected,
                                    SamplingOptions, TokenLogprob, UpstreamFailure,
                                    UpstreamUnavailable, out_of_open_files)
+from gateway.protocol import CHAT_ROLES
 from gateway.sse import sse_lines
 from gateway.text_codec import name_bytes
 
@@ -719,6 +720,12 @@ def _messages(token_ids: list[int]) -> list[dict[str, str]]:
     if any("content" not in message for message in messages):
         raise RequestRejected("a chat's token ids need each message's content: send the chat "
                               "to /v1/chat/completions", param="prompt")
+    # NOTE: as /v1/chat/completions reads them: an upstream's refusal of another role named
+    # messages[i] to a call that sent a prompt.
+    for message in messages:
+        if message["role"] not in CHAT_ROLES:
+            raise RequestRejected(f"a chat's token ids name the role {message['role']!r}, which is "
+                                  f"none of {', '.join(CHAT_ROLES)}", param="prompt")
     return messages
 
 

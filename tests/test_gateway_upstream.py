@@ -934,6 +934,13 @@ def test_a_prompt_that_looks_like_a_chat_stays_plain_text(front, upstream, hoste
         refused = post(server.url, key, model="hosted", prompt=bad)
         assert refused.status_code == 400 and "send the" in refused.json()["error"]["message"]
         assert refused.json()["error"]["param"] == "prompt"  # was null for the first two
+    # A role the chat endpoint refuses went to the upstream, whose 400 named messages[0].
+    sent = len(hosted.requests)
+    for role in (b"tool", b"bot"):
+        refused = post(server.url, key, model="hosted", prompt=[ROLE_ID, *role, CONTENT_ID, *b"hi"])
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+        assert f"the role {role.decode()!r}" in refused.json()["error"]["message"]
+    assert len(hosted.requests) == sent
 
 
 def test_a_hosted_chat_api_gets_the_messages_and_sampling_options(front, hosted):
