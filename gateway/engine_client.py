@@ -95,6 +95,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     adapter_evictions: int = 0  # device slots taken from an idle adapter
     adapter_disk_loads: int = 0  # adapters read from storage into host memory
     adapters_resident: int = 0  # adapters in device slots now
+    # Prompt tokens looked up in the prefix cache, and found there: a hit rate over several
+    # engines is theirs summed, as each one's counts a token once whether or not it was computed.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class EngineClient(Protocol):

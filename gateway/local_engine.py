@@ -128,7 +128,9 @@ class LocalEngineClient(TextCodec):
             num_generation_tokens=m.num_generation_tokens, num_preemptions=m.num_preemptions,
             adapter_hits=m.adapter_hits, adapter_misses=m.adapter_misses,
             adapter_evictions=m.adapter_evictions, adapter_disk_loads=m.adapter_disk_loads,
-            adapters_resident=m.adapters_resident)
+            adapters_resident=m.adapters_resident,
+            prefix_cache_queried_tokens=m.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=m.prefix_cache_hit_tokens)
 
     @property
     def max_loras(self) -> int:

@@ -68,6 +68,10 @@ class GatewayMetrics:
                                            "cache.", ("model",))
         # NOTE: the engine's own running totals, read at scrape time: they only go up, so they
         # are counters, though set rather than incremented here.
+        self.prefix_cache_queried = Counter("switchboard_prefix_cache_queried_tokens_total",
+                                            "Prompt tokens looked up in the prefix cache.", ("model",))
+        self.prefix_cache_hits = Counter("switchboard_prefix_cache_hit_tokens_total",
+                                         "Prompt tokens found in the prefix cache.", ("model",))
         self.num_preemptions = Counter("switchboard_num_preemptions_total",
                                        "Requests preempted by the engine since it started.", ("model",))
         self.adapter_hits = Counter("switchboard_adapter_cache_hits_total",
@@ -95,7 +99,8 @@ class GatewayMetrics:
         # The series read from the engines when scraped, and the models they were read of.
         self._engine_series: list[Counter | Gauge] = [
             self.num_waiting, self.num_running, self.kv_usage, self.kv_blocks_used,
-            self.kv_blocks_capacity, self.prefix_cache_hit_rate, self.num_preemptions,
+            self.kv_blocks_capacity, self.prefix_cache_hit_rate, self.prefix_cache_queried,
+            self.prefix_cache_hits, self.num_preemptions,
             self.adapter_hits, self.adapter_misses, self.adapter_evictions,
             self.adapter_disk_loads, self.adapters_resident]
         self._engines_read: set[str] = set()
@@ -139,6 +144,8 @@ class GatewayMetrics:
         self.kv_blocks_used.set(stats.kv_blocks_used, model=model)
         self.kv_blocks_capacity.set(stats.kv_blocks_total, model=model)
         self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate, model=model)
+        self.prefix_cache_queried.set_total(stats.prefix_cache_queried_tokens, model=model)
+        self.prefix_cache_hits.set_total(stats.prefix_cache_hit_tokens, model=model)
         self.num_preemptions.set_total(stats.num_preemptions, model=model)
         self.adapter_hits.set_total(stats.adapter_hits, model=model)
         self.adapter_misses.set_total(stats.adapter_misses, model=model)

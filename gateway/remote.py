@@ -582,7 +582,8 @@ class RemoteEngineClient(TextCodec):
 
 # EngineStats' cumulative counters; its other fields are gauges of the engines up now.
 _COUNTERS = ("num_prompt_tokens", "num_generation_tokens", "num_preemptions", "adapter_hits",
-             "adapter_misses", "adapter_evictions", "adapter_disk_loads")
+             "adapter_misses", "adapter_evictions", "adapter_disk_loads",
+             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 
 
 class _WorkerTotals:
@@ -590,7 +591,9 @@ class _WorkerTotals:
     go (Prometheus reads a counter going down as a reset, and counts every other worker's whole
     total again): a worker gone still adds what it counted; one back under its id (its
     heartbeats lapsed while it hung) counts once. A worker started again takes a new id, counting
-    from 0. The prefix cache's hit rate is the workers' own, weighted by their prompt tokens."""
+    from 0. The prefix cache's hit rate is their hits over their lookups, since start, as one
+    engine's is (weighting their own rates by their prompt tokens computed weighed a worker
+    whose cache served more the less)."""
 
     FOLD_AFTER_S = 3600.0  # a worker gone that long is not coming back under its id
 
@@ -611,11 +614,8 @@ class _WorkerTotals:
                   if f not in _COUNTERS and f != "prefix_cache_hit_rate"}
         counters = {f: self._folded[f] + sum(getattr(s, f) for _, s in self._latest.values())
                     for f in _COUNTERS}
-        num_prompt_tokens = sum(s.num_prompt_tokens for s in live)
-        if num_prompt_tokens:
-            rate = sum(s.prefix_cache_hit_rate * s.num_prompt_tokens for s in live) / num_prompt_tokens
-        else:
-            rate = sum(s.prefix_cache_hit_rate for s in live) / len(live) if live else 0.0
+        queried = counters["prefix_cache_queried_tokens"]
+        rate = counters["prefix_cache_hit_tokens"] / queried if queried else 0.0
         return EngineStats(prefix_cache_hit_rate=rate, **gauges, **counters)
 
 

@@ -130,7 +130,9 @@ def test_metrics_after_traffic(server):
                         ("adapter_cache_hits", engine.adapter_hits),
                         ("adapter_cache_misses", engine.adapter_misses),
                         ("adapter_cache_evictions", engine.adapter_evictions),
-                        ("adapter_disk_loads", engine.adapter_disk_loads)):
+                        ("adapter_disk_loads", engine.adapter_disk_loads),
+                        ("prefix_cache_queried_tokens", engine.prefix_cache_queried_tokens),
+                        ("prefix_cache_hit_tokens", engine.prefix_cache_hit_tokens)):
         assert f"# TYPE switchboard_{name}_total counter" in text
         assert sample(text, f"switchboard_{name}_total", model=DEMO_MODEL) == total
     assert "# TYPE switchboard_kv_cache_blocks_capacity gauge" in text

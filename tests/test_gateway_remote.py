@@ -603,16 +603,33 @@ def test_a_model_whose_workers_all_have_a_new_tokenizer_is_read_with_it(demo_mod
         asyncio.run(each.http.aclose())
 
 
+def test_the_prefix_cache_hit_rate_over_workers_is_their_hits_over_their_lookups():
+    """It weighted each worker's own rate by the prompt tokens it computed, which leave out the
+    tokens its cache served: a worker whose cache served most of its prompts weighed least."""
+    def stats(computed: int, queried: int, cached: int) -> EngineStats:
+        return EngineStats(num_running=0, num_waiting=0, kv_blocks_total=8, kv_blocks_used=0,
+                           prefix_cache_hit_rate=cached / queried, num_prompt_tokens=computed,
+                           num_generation_tokens=0, num_preemptions=0,
+                           prefix_cache_queried_tokens=queried, prefix_cache_hit_tokens=cached)
+
+    # One prompt sent 10 times to a, 10 prompts once each to b (as measured on two engines).
+    summed = _WorkerTotals().add_up({"a": stats(262, 1990, 1728), "b": stats(1990, 1990, 0)}, 0.0)
+    assert summed.prefix_cache_hit_rate == pytest.approx(1728 / 3980)  # 0.101 before
+    assert (summed.prefix_cache_queried_tokens, summed.prefix_cache_hit_tokens) == (3980, 1728)
+
+
 def test_a_model_s_engine_counters_never_go_down_as_its_workers_come_and_go(tmp_path):
     """Summed over the workers registered now, they fell as one left (a rolling restart), which
     Prometheus reads as a reset; its gauges are those of the workers registered now."""
     registry, models = _Registry(), {}
     pool = WorkerPool(registry, tmp_path, lambda folder: None, models)
 
-    def worker(worker_id: str, prompt_tokens: int, hits: int, rate: float) -> WorkerRecord:
+    def worker(worker_id: str, prompt_tokens: int, hits: int, cached: int) -> WorkerRecord:
         stats = EngineStats(num_running=1, num_waiting=0, kv_blocks_total=8, kv_blocks_used=2,
-                            prefix_cache_hit_rate=rate, num_prompt_tokens=prompt_tokens,
-                            num_generation_tokens=0, num_preemptions=0, adapter_hits=hits)
+                            prefix_cache_hit_rate=cached / max(1, prompt_tokens),
+                            num_prompt_tokens=prompt_tokens, num_generation_tokens=0,
+                            num_preemptions=0, adapter_hits=hits,
+                            prefix_cache_queried_tokens=prompt_tokens, prefix_cache_hit_tokens=cached)
         return _record(worker_id, stats=msgspec.json.encode(stats))
 
     def totals() -> tuple:
@@ -621,19 +638,19 @@ def test_a_model_s_engine_counters_never_go_down_as_its_workers_come_and_go(tmp_
         return (stats.num_prompt_tokens, stats.adapter_hits, stats.num_running,
                 round(stats.prefix_cache_hit_rate, 6))
 
-    registry.records = [worker("a", 10, 3, 0.5), worker("b", 30, 5, 0.1)]
-    assert totals() == (40, 8, 2, 0.2)  # the hit rate weighted by prompt tokens
-    registry.records = [worker("a", 12, 3, 0.5)]  # b left
-    assert totals() == (42, 8, 1, 0.5)
-    registry.records = [worker("a", 12, 3, 0.5), worker("b", 35, 6, 0.1)]  # back under its id
-    assert totals() == (47, 9, 2, round((6 + 3.5) / 47, 6))
-    registry.records = [worker("c", 0, 0, 0.0)]  # both restarted, under a new id
-    assert totals() == (47, 9, 1, 0.0)
+    registry.records = [worker("a", 10, 3, 5), worker("b", 30, 5, 3)]
+    assert totals() == (40, 8, 2, 0.2)  # the hit rate: hits over lookups, summed
+    registry.records = [worker("a", 12, 3, 6)]  # b left
+    assert totals() == (42, 8, 1, round(9 / 42, 6))
+    registry.records = [worker("a", 12, 3, 6), worker("b", 35, 6, 4)]  # back under its id
+    assert totals() == (47, 9, 2, round(10 / 47, 6))
+    registry.records = [worker("c", 0, 0, 0)]  # both restarted, under a new id
+    assert totals() == (47, 9, 1, round(10 / 47, 6))
     asyncio.run(pool.http.aclose())
     # A long-running gateway keeps no entry for each worker ever started: long gone, their
     # counts are folded into one.
     kept = _WorkerTotals()
-    kept.add_up({"a": msgspec.json.decode(worker("a", 10, 3, 0.5).stats, type=EngineStats)}, 0.0)
+    kept.add_up({"a": msgspec.json.decode(worker("a", 10, 3, 5).stats, type=EngineStats)}, 0.0)
     assert kept.add_up({}, _WorkerTotals.FOLD_AFTER_S + 1).num_prompt_tokens == 10
     assert kept._latest == {}
 
