@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -114,5 +115,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))
+    # NOTE: ceil, the nearest rank's definition: round() takes halves to even, one rank low
+    # (the p50 of 1..5 was 2).
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[rank]

@@ -48,6 +48,15 @@ def test_a_throughput_run_with_no_reply_in_its_window_is_not_measurable(capsys):
     assert "nan" in out and "not measurable, no reply came inside the window" in out
 
 
+def test_percentiles_are_the_nearest_rank():
+    from benchmarks.loadgen import percentile
+
+    # Each one rank low: round() took q/100 * n = 2.5 to 2.
+    assert percentile([5, 1, 4, 2, 3], 50) == 3
+    assert percentile(list(range(1, 11)), 25) == 3
+    assert (percentile(list(range(1, 101)), 99), percentile([7.0], 50), percentile([1, 2], 0)) == (99, 7.0, 1)
+
+
 def test_a_default_mix_reads_as_difficulty_shares():
     assert routing.difficulty_mix("1:0.3,2:0.3,3:0.4") == {1: 0.3, 2: 0.3, 3: 0.4}
 
