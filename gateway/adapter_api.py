@@ -27,7 +27,7 @@ from gateway.errors import (ApiError, invalid_request, not_found, quoted, refuse
 from gateway.path_route import Endpoint, PathRoute
 from gateway.state import GatewayState, gateway_state
 from gateway.uploads import ADAPTER_FOLDER, RECEIVE, AdapterUpload, read_adapter_upload
-from routing.models import adapter_base_models, allowed_routes
+from routing.models import adapter_base_models, allowed_routes, tenant_adapter_id
 from routing.routes import AUTO
 from store import (UNAVAILABLE_ERRORS, AdapterRecord, AdapterStorageExceeded, InvalidName, NotFound,
                    Store, StoreError, Tenant)
@@ -38,9 +38,13 @@ logger = logging.getLogger(__name__)
 
 
 class AdapterObject(msgspec.Struct, kw_only=True):
-    """An adapter as the API shows it: its name is the `model` clients send to use it."""
+    """An adapter as the API shows it: `id` is its name, which its paths take; `model` is what
+    calls send to use its latest version, as /v1/models lists it: the name, `base:name` once a
+    served model or route took the name, or `route:name` for a tenant whose policy allows its
+    base model only through a route."""
 
     id: str
+    model: str
     object: str = "adapter"
     tenant: str
     base_model: str
@@ -52,8 +56,9 @@ class AdapterObject(msgspec.Struct, kw_only=True):
     created_at: int
 
     @classmethod
-    def of(cls, record: AdapterRecord) -> "AdapterObject":
-        return cls(id=record.name, tenant=record.tenant, base_model=record.base_model,
+    def of(cls, record: AdapterRecord, tenant: Tenant, state: GatewayState) -> "AdapterObject":
+        return cls(id=record.name, model=tenant_adapter_id(tenant, state.catalog, record),
+                   tenant=record.tenant, base_model=record.base_model,
                    version=record.version, digest=record.digest, rank=record.rank,
                    target_modules=list(record.target_modules), size_bytes=record.size_bytes,
                    created_at=int(record.created_at))
@@ -144,7 +149,7 @@ async def _upload(request: Request, tenant: Tenant,
 
     async with read_adapter_upload(request, state.max_upload_bytes, state.blobs.root) as uploaded:
         record = await _store_adapter(state, tenant, uploaded, confirm_tenant)
-    return _json(AdapterObject.of(record), 201)
+    return _json(AdapterObject.of(record, tenant, state), 201)
 
 
 async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterUpload,
@@ -284,20 +289,22 @@ async def _share_files(store: Store, digest: str, folder: Path) -> None:
 
 async def list_adapters(request: Request, tenant: Tenant) -> Response:
     """The latest version of each of the tenant's adapters."""
-    records = await gateway_state(request).require_store().list_adapters(tenant.name)
-    return _json(AdapterList(data=[AdapterObject.of(r) for r in records]))
+    state = gateway_state(request)
+    records = await state.require_store().list_adapters(tenant.name)
+    return _json(AdapterList(data=[AdapterObject.of(r, tenant, state) for r in records]))
 
 
 async def get_adapter(request: Request, tenant: Tenant) -> Response:
     """One adapter: its latest version, or `?version=N`."""
     name = request.path_params["name"]
     version = _version_param(request)
-    store = gateway_state(request).require_store()
-    record = await store.get_adapter(tenant.name, name, version) if is_valid_name(name) else None
+    state = gateway_state(request)
+    record = await state.require_store().get_adapter(tenant.name, name, version) \
+        if is_valid_name(name) else None
     if record is None:
         which = f"version {version} of " if version is not None else ""
         raise not_found(f"{which}adapter {quoted(name)} does not exist", code="adapter_not_found")
-    return _json(AdapterObject.of(record))
+    return _json(AdapterObject.of(record, tenant, state))
 
 
 async def delete_adapter(request: Request, tenant: Tenant) -> Response:

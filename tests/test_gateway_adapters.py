@@ -188,8 +188,8 @@ def test_uploaded_adapters_answer_as_peft_does(server, tenant, adapters):
     created = upload(server, key, "support-bot", files_of(adapters["all-r8"]))
     assert created.status_code == 201, created.text
     record = created.json()
-    assert (record["id"], record["tenant"], record["base_model"], record["version"]) == \
-        ("support-bot", name, DEMO_MODEL, 1)
+    assert (record["id"], record["model"], record["tenant"], record["base_model"],
+            record["version"]) == ("support-bot", "support-bot", name, DEMO_MODEL, 1)
     assert record["rank"] == 8 and len(record["target_modules"]) == 7
     archive = tar_gz({f"attn/{f}": data for f, (_, data) in files_of(adapters["attn-r4"]).items()})
     created = upload(server, key, "attn", {"file": ("attn.tar.gz", archive)})
@@ -1280,7 +1280,12 @@ def test_a_tenant_allowed_only_the_route_named_auto_uploads_adapters_run_as_auto
                           path="/admin/tenants/auto-only/adapters")]
         routed = greedy_ids(server, key, "auto:bot", "small")
         listed = httpx.get(server.url + "/v1/models", headers=auth(key)).json()["data"]
+        adapter_list = httpx.get(server.url + "/v1/adapters", headers=auth(key)).json()["data"]
     assert [u.status_code for u in uploads] == [201, 201], [u.text for u in uploads]
+    # The adapter API says what reaches each: the bare name was a 403.
+    assert [u.json()["model"] for u in uploads] == ["auto:bot", "auto:admins"]
+    assert [(a["id"], a["model"]) for a in adapter_list] == [("admins", "auto:admins"),
+                                                             ("bot", "auto:bot")]
     assert [(m["id"], m.get("parent")) for m in listed] == [
         ("auto", None), ("auto:admins", "large"), ("auto:bot", "small")]
     assert routed == adapters["expected"]["all-r8"]
@@ -1366,6 +1371,13 @@ def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_c
             by_name = {name: httpx.post(after.url + "/v1/completions", headers=auth(key), json={
                 "model": name, "prompt": PROMPT, "max_tokens": 2}) for name in names}
             base = greedy_ids(after, key, "support")
+            shown = httpx.get(after.url + "/v1/adapters", headers=auth(key)).json()["data"]
+            one = httpx.get(after.url + "/v1/adapters/support", headers=auth(key)).json()
+    # The adapter API says which `model` reaches each: a client that sent its bare name ran
+    # the operator's model instead, with no error.
+    assert [(a["id"], a["model"]) for a in shown] == [("fast", "small:fast"),
+                                                      ("support", "small:support")]
+    assert (one["id"], one["model"]) == ("support", "small:support")
     assert [(c["id"], c.get("parent")) for c in cards] == [
         ("small", None), ("support", None), ("fast", None),
         ("small:fast", "small"), ("small:support", "small")]
