@@ -88,6 +88,11 @@ class Store(Protocol):
     async def get_admin_key_hash(self) -> str | None:
         """The sha256 (store.keys.hash_key) of the admin key, or None if none is set."""
 
+    async def get_store_id(self) -> str:
+        """This store's id: random, made on the first call, the same for good after. An adapter
+        folder names the store whose files it keeps (store.blobs.BlobStore.claim). It begins
+        with "shared-" for a store with shared_blobs (its folders hold copies of those files)."""
+
     async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
         """Replace the admin key's hash (`only_if_unset`: store it only if none is set, in one
         atomic step, so that of two servers starting at once one key wins); whether it was."""

@@ -40,6 +40,8 @@ SWEEP_PERIOD_S = 600.0
 # in a store of their own), it drops the files no request used for this long instead: those of
 # deleted adapters go too, as no request names them.
 UNUSED_BLOB_S = 24 * 3600.0
+# The file in an adapter folder naming the store whose files it keeps (BlobStore.claim).
+OWNER_FILE = ".switchboard-store-id"
 _CHUNK_BYTES = 1 << 20
 _STALE_TMP_S = 3600.0  # a put that has not finished in an hour has crashed
 
@@ -96,7 +98,35 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.locks = DigestLocks()
+        self.warned_of_owner = False  # that the folder keeps another store's files
         root.mkdir(parents=True, exist_ok=True)
+
+    def claim(self, store_id: str) -> str:
+        """The id of the store whose adapter files this folder keeps: `store_id`, written here
+        (OWNER_FILE) where the folder names none yet, or a store that keeps shared copies of its
+        files (a Redis one: this folder only cached them). NOTE: a folder is the only copy of a
+        SQLite store's files: a gateway started on another store (a fresh one: a --data-dir
+        mistyped, or relative to another working folder) must not take them for deleted ones."""
+        marker = self.root / OWNER_FILE
+        try:
+            owner = marker.read_text().strip()
+        except FileNotFoundError:
+            owner = None
+        if owner is not None and (owner == store_id or not owner.startswith("shared-")):
+            return owner
+        tmp = self.root / f".tmp-{secrets.token_hex(8)}"
+        tmp.write_text(store_id)
+        _fsync(tmp)
+        try:
+            if owner is None:
+                os.link(tmp, marker)  # NOTE: made whole or not at all, and never over another's
+            else:
+                os.replace(tmp, marker)
+        except FileExistsError:
+            return marker.read_text().strip()
+        finally:
+            tmp.unlink(missing_ok=True)
+        return store_id
 
     def put(self, src: Path, names: Sequence[str] = ADAPTER_FILES, *, link: bool = False,
             expected: str | None = None) -> tuple[str, int]:
@@ -288,7 +318,20 @@ async def collect_garbage(
 
 
 async def drop_deleted_adapters(blobs: BlobStore, store: Store) -> None:
-    """collect_garbage over the whole folder, saying what it removed."""
+    """collect_garbage over the whole folder, saying what it removed; nothing where the folder
+    keeps another store's files (BlobStore.claim), saying so once."""
+    store_id = await store.get_store_id()
+    owner = await asyncio.to_thread(blobs.claim, store_id)
+    if owner != store_id:
+        if not blobs.warned_of_owner:
+            blobs.warned_of_owner = True
+            logger.warning(
+                "the adapter folder %s keeps the files of another store (its %s names %s; this "
+                "store is %s): files no adapter here names are left there, not deleted. If this "
+                "gateway should run on that store, check --data-dir and --store (or --redis); if "
+                "those files are no longer needed, delete them and %s", blobs.root, OWNER_FILE,
+                owner, store_id, OWNER_FILE)
+        return
     removed = await collect_garbage(blobs, store)
     if removed:
         logger.info("removed the files of %d deleted adapters from %s", len(removed), blobs.root)

@@ -14,6 +14,7 @@ script that a restarted server no longer has (NOSCRIPT).
 
 import re
 import time
+import uuid
 from contextvars import ContextVar
 from urllib.parse import urlsplit
 
@@ -216,6 +217,7 @@ class RedisKeys:
         self.p = prefix
         self.tenants = prefix + "tenants"  # set of tenant names
         self.admin_key_hash = prefix + "admin_key_hash"
+        self.store_id = prefix + "store_id"
 
     def tenant(self, name: str) -> str:
         return f"{self.p}tenant:{name}"
@@ -458,6 +460,14 @@ class RedisStore:
 
     async def get_admin_key_hash(self) -> str | None:
         return await self._redis.get(self._keys.admin_key_hash)
+
+    async def get_store_id(self) -> str:
+        # NOTE: read first: a write is refused while Redis is full, and this is asked at startup.
+        store_id = await self._redis.get(self._keys.store_id)
+        if store_id is None:
+            await self._redis.set(self._keys.store_id, f"shared-{uuid.uuid4().hex}", nx=True)
+            store_id = await self._redis.get(self._keys.store_id)
+        return store_id
 
     async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
         return bool(await self._redis.set(self._keys.admin_key_hash, key_hash, nx=only_if_unset))

@@ -24,6 +24,7 @@ import math
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -404,6 +405,18 @@ class SqliteStore:
             return None if row is None else row[0]
 
         return await self._read(select)
+
+    async def get_store_id(self) -> str:
+        def select(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute("SELECT value FROM settings WHERE name = 'store_id'").fetchone()
+            return None if row is None else row[0]
+
+        def claim(conn: sqlite3.Connection) -> str:
+            conn.execute("INSERT OR IGNORE INTO settings VALUES ('store_id', ?)", (uuid.uuid4().hex,))
+            return select(conn)
+
+        # NOTE: read first: the write lock is another process's while it writes.
+        return await self._read(select) or await self._write(claim)
 
     async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
         verb = "INSERT OR IGNORE" if only_if_unset else "INSERT OR REPLACE"

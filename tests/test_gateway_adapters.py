@@ -1394,3 +1394,27 @@ def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_c
     assert warnings[1].startswith("adapter 'support' of tenant 'early' (base model 'small') has the "
                                   "name of the served model 'support'")
     assert "as 'small:support'" in warnings[1]
+
+
+def test_a_gateway_started_on_another_store_leaves_the_adapter_folder_s_files_alone(
+        demo_engine, adapters, tmp_path, caplog):
+    """A SQLite store's adapter folder holds the only copy of its files: a gateway started on
+    another store (a fresh one, its --data-dir mistyped) deleted them all as deleted adapters'
+    files, and every call of those adapters on the right store then got 503 "upload it again"."""
+    from store.blobs import OWNER_FILE, BlobStore
+
+    folder = tmp_path / "adapters"
+    with gateway_server(demo_engine, tmp_path / "right", adapter_dir=folder) as right:
+        key = right.new_tenant("keeper")
+        assert upload(right, key, "bot", files_of(adapters["all-r8"])).status_code == 201
+        before = greedy_ids(right, key, "bot")
+    with caplog.at_level(logging.WARNING, logger="store.blobs"):
+        with gateway_server(demo_engine, tmp_path / "wrong", adapter_dir=folder):
+            pass
+    assert [r.getMessage() for r in caplog.records if "keeps the files of another store" in
+            r.getMessage()], caplog.text
+    stray, _ = BlobStore(folder).put(adapters["attn-r4"])  # files no record of the right store names
+    with gateway_server(demo_engine, tmp_path / "right", adapter_dir=folder) as again:
+        assert greedy_ids(again, key, "bot") == before
+        assert BlobStore(folder).path(stray) is None  # its own store still drops what it does not name
+    assert (folder / OWNER_FILE).is_file()

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from gateway.worker import Worker, create_worker_app
-from store.blobs import ADAPTER_FILES, BlobStore, digest_files
+from store.blobs import ADAPTER_FILES, OWNER_FILE, BlobStore, digest_files
 from store.workers import WorkerRegistry
 from tests.conftest import DEMO_MODEL, GatewayServer, gateway_server, run_server
 from tests.helpers import TINY_DIMS, damage_adapter_files, fill_volume, save_peft_adapter, small_volume
@@ -103,7 +103,8 @@ def local_blobs(gateway: GatewayServer):
 
 def leftovers(gateway: GatewayServer) -> list[str]:
     """Staging folders in the gateway's adapter folder (a fetch must leave none)."""
-    return [p.name for p in local_blobs(gateway).root.iterdir() if p.name.startswith(".")]
+    return [p.name for p in local_blobs(gateway).root.iterdir()
+            if p.name.startswith(".") and p.name != OWNER_FILE]
 
 
 def blob_keys(client: redis.Redis, digest: str) -> list[str]:
@@ -278,7 +279,7 @@ def test_a_worker_drops_files_of_deleted_adapters_when_it_starts(gateways, demo_
     assert len(blobs.digests()) == 4
 
     with run_server(create_worker_app(worker_over(blobs, demo_engine, redis_server))):
-        assert sorted(p.name for p in blobs.root.iterdir()) == sorted([kept, shared])
+        assert sorted(p.name for p in blobs.root.iterdir()) == sorted([kept, shared, OWNER_FILE])
 
 
 def test_running_gateways_and_workers_drop_copies_of_adapters_deleted_elsewhere(

@@ -418,6 +418,12 @@ async def test_delete_tenant_cascades(store: Store) -> None:
     assert (await store.check_and_consume_rate(fresh, now=T0)).allowed  # rate state went too
 
 
+async def test_a_store_s_id_is_made_once_and_says_whether_it_shares_copies(store: Store) -> None:
+    first = await store.get_store_id()
+    assert await store.get_store_id() == first and len(first) >= 32
+    assert first.startswith("shared-") == (store.shared_blobs is not None)
+
+
 async def test_a_tenant_made_anew_under_a_deleted_name_starts_from_nothing(store: Store) -> None:
     old = await make_tenant(store, "acme", monthly_token_budget=100)
     settled = await store.reserve_tokens(old, 30, spend_usd=0.5, now=T0)
