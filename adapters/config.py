@@ -7,6 +7,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
+def is_int(value: object) -> bool:
+    """An integer, not a bool (which Python counts as one): what a count or a size must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def require_ints(config: object, names: Iterable[str], may_be_none: Iterable[str] = ()) -> None:
     """ValueError naming the first of `config`'s fields `names` that is not an integer (None
     allowed for those in `may_be_none`). A float passed the range checks and failed much later,
@@ -17,7 +22,7 @@ def require_ints(config: object, names: Iterable[str], may_be_none: Iterable[str
         value = getattr(config, name)
         if value is None and name in may_be_none:
             continue
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        if not is_int(value):
             raise ValueError(f"{name} must be an integer{' or None' * (name in may_be_none)}, "
                              f"got {value!r}")
 

@@ -13,6 +13,7 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapters.config import is_int
 from adapters.errors import AdapterValidationError, shown
 from adapters.peft_regex import ModuleRegex, Regexes
 
@@ -243,8 +244,8 @@ def _pattern_dict(value, field: str, regexes: Regexes, parse_value) -> dict[Modu
 
 
 def _layer_set(value, field: str) -> frozenset[int] | None:
-    values = [value] if _is_int(value) else value
-    if value is not None and not (isinstance(values, list) and all(map(_is_int, values))):
+    values = [value] if is_int(value) else value
+    if value is not None and not (isinstance(values, list) and all(map(is_int, values))):
         raise AdapterValidationError(f"{field} must be an int or a list of ints, got {reprlib.repr(value)}")
     return frozenset(values) if values else None  # PEFT treats [] as "every layer"
 
@@ -260,13 +261,9 @@ def _str_tuple(value, field: str) -> tuple[str, ...]:
 
 
 def _positive_int(value, field: str) -> int:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise AdapterValidationError(f"{field} must be a positive integer, got {reprlib.repr(value)}")
     return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _number(value, field: str) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import numbers
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 
 from adapters.cache import AdapterCache
-from adapters.config import AdapterConfig
+from adapters.config import AdapterConfig, is_int
 from adapters.slots import slot_buffer_bytes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -132,7 +131,7 @@ class LLMEngine:
         ValueError for what no field of the request could change."""
         if lora is not None and self.adapter_cache is None:
             raise ValueError("this engine was started without LoRA support; enable it to use adapters")
-        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        if not is_int(priority):
             # NOTE: the waiting queue is kept sorted by it: any other type failed that sort, in
             # this call or in a later step (every request in flight then)
             raise InvalidParameter(f"priority must be an integer, got {priority!r}", "priority")

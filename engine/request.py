@@ -12,15 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adapters.config import is_int
+
 # Temperatures below this sample greedily (as vLLM): dividing logits by them overflows float32.
 _GREEDY_TEMPERATURE = 1e-5
 # Repetition penalties within these keep float32 logits finite (the gateway's HTTP bound is the same).
 _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY = 0.01, 100
-
-
-def _is_int(value: object) -> bool:
-    """An integer, not a bool (which Python counts as one)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_list_like(value: object) -> bool:
@@ -122,7 +119,7 @@ class SamplingParams:
                   ("top_k", self.top_k, False), ("seed", self.seed, True),
                   ("logprobs", self.logprobs, True), ("prompt_logprobs", self.prompt_logprobs, True)]
         for param, value, may_be_none in counts:
-            if not (_is_int(value) or (may_be_none and value is None)):
+            if not (is_int(value) or (may_be_none and value is None)):
                 raise InvalidParameter(f"{param} must be an integer{' or None' * may_be_none}, "
                                        f"got {value!r}", param)
         for param in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
@@ -136,14 +133,14 @@ class SamplingParams:
             raise InvalidParameter(f"stop must be a string or a list of strings, got {self.stop!r}",
                                    "stop")
         if not _is_list_like(self.stop_token_ids) or not all(
-                _is_int(t) for t in self.stop_token_ids):
+                is_int(t) for t in self.stop_token_ids):
             raise InvalidParameter(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
                                    "stop_token_ids")
         bias = self.logit_bias
         # NOTE: keys may be strings of digits, as JSON (OpenAI's logit_bias) writes them; ASCII
         # ones: isdigit() also holds for "²", which int() cannot read.
         if not isinstance(bias, dict) or not all(
-                (_is_int(k) or (isinstance(k, str) and k.isascii() and k.isdigit()))
+                (is_int(k) or (isinstance(k, str) and k.isascii() and k.isdigit()))
                 and isinstance(v, numbers.Real) and not isinstance(v, bool) for k, v in bias.items()):
             raise InvalidParameter(f"logit_bias must be a map of token ids to numbers, got {bias!r}",
                                    "logit_bias")

@@ -34,6 +34,10 @@ class SharedBlobs(Protocol):
         next upload of the same files keeps them anew."""
 
 
+# How the id of a store that keeps shared copies of its adapter files begins (Store.get_store_id).
+SHARED_STORE_ID_PREFIX = "shared-"
+
+
 class Store(Protocol):
     """Tenants, hashed API keys, adapter records, rate limits, budgets and usage."""
 
@@ -91,7 +95,8 @@ class Store(Protocol):
     async def get_store_id(self) -> str:
         """This store's id: random, made on the first call, the same for good after. An adapter
         folder names the store whose files it keeps (store.blobs.BlobStore.claim). It begins
-        with "shared-" for a store with shared_blobs (its folders hold copies of those files)."""
+        with SHARED_STORE_ID_PREFIX for a store with shared_blobs (its folders hold copies of
+        those files)."""
 
     async def set_admin_key_hash(self, key_hash: str, *, only_if_unset: bool = False) -> bool:
         """Replace the admin key's hash (`only_if_unset`: store it only if none is set, in one

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from store.base import SharedBlobs, Store
+from store.base import SHARED_STORE_ID_PREFIX, SharedBlobs, Store
 from store.errors import StoreError
 from store.models import is_digest, validate_digest, validate_name
 
@@ -112,7 +112,7 @@ class BlobStore:
             owner = marker.read_text().strip()
         except FileNotFoundError:
             owner = None
-        if owner is not None and (owner == store_id or not owner.startswith("shared-")):
+        if owner is not None and (owner == store_id or not owner.startswith(SHARED_STORE_ID_PREFIX)):
             return owner
         tmp = self.root / f".tmp-{secrets.token_hex(8)}"
         tmp.write_text(store_id)

@@ -27,6 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from store import redis_lua
+from store.base import SHARED_STORE_ID_PREFIX
 from store.errors import AlreadyExists, NotFound
 from store.keys import KEY_PREFIX, hash_key, new_key, verify_key
 from store.limits import (SPEND_TOLERANCE_USD, WINDOW_S, check_adapter_storage, month_of,
@@ -465,7 +466,7 @@ class RedisStore:
         # NOTE: read first: a write is refused while Redis is full, and this is asked at startup.
         store_id = await self._redis.get(self._keys.store_id)
         if store_id is None:
-            await self._redis.set(self._keys.store_id, f"shared-{uuid.uuid4().hex}", nx=True)
+            await self._redis.set(self._keys.store_id, f"{SHARED_STORE_ID_PREFIX}{uuid.uuid4().hex}", nx=True)
             store_id = await self._redis.get(self._keys.store_id)
         return store_id
 
