@@ -34,6 +34,10 @@ from engine.scheduler import RunnerOutput, SampledToken, Scheduler, SchedulerCon
 TINY_DIMS = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=384, max_position_embeddings=1024)
 
+# The device the engine tests put the engine on: "cpu" unless SWITCHBOARD_TEST_DEVICE names another
+# ("cuda"), so a GPU machine runs the same parity tests against the same CPU-computed references.
+TEST_DEVICE = os.environ.get("SWITCHBOARD_TEST_DEVICE", "cpu")
+
 
 def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
     """A random transformers model of the given family (llama, mistral or qwen2), in float32."""

@@ -10,7 +10,7 @@ from adapters import AdapterCache, AdapterConfig, AdapterValidationError
 from adapters.peft_format import load_adapter
 from store.blobs import BlobStore
 from kernels import sgmv_cpu
-from tests.helpers import num_live_packed_adapters, save_peft_adapter, tiny_spec, torch_threads
+from tests.helpers import TEST_DEVICE, num_live_packed_adapters, save_peft_adapter, tiny_spec, torch_threads
 from tests.test_adapters_slots import assert_slot_holds
 
 SPEC = tiny_spec()
@@ -33,7 +33,7 @@ def blobs(tmp_path_factory):
 def make_cache(store: BlobStore, loader=None, **config) -> AdapterCache:
     config = AdapterConfig(**{"max_lora_rank": 8, "max_gpu_adapters": 2, "max_cpu_adapters": 8,
                               "num_load_threads": 0, **config})
-    return AdapterCache(config, SPEC, torch.float32, "cpu", loader or store.path)
+    return AdapterCache(config, SPEC, torch.float32, TEST_DEVICE, loader or store.path)
 
 
 def counts(cache: AdapterCache) -> tuple[int, int, int, int]:

@@ -20,8 +20,8 @@ def assert_slot_holds(slots: SlotBuffers, slot: int, adapter) -> None:
     for target in lora_targets(SPEC):
         buffers, offsets = slots.targets[target.name], target.slice_offsets
         for layer in range(SPEC.num_layers):
-            lora_a = buffers.lora_a[layer, :, slot]  # [num_slices, max_rank, d_in]
-            lora_b = buffers.lora_b[layer, slot]  # [d_out, max_rank]
+            lora_a = buffers.lora_a[layer, :, slot].cpu()  # [num_slices, max_rank, d_in]
+            lora_b = buffers.lora_b[layer, slot].cpu()  # [d_out, max_rank]
             modules = {s: adapter.modules.get((layer, p)) for s, p in enumerate(target.projections)}
             ranks = [m.rank for m in modules.values() if m is not None]
             assert buffers.slot_ranks[layer, slot].item() == max(ranks, default=0)

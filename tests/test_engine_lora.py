@@ -15,8 +15,8 @@ from engine.engine import _IDLE_LOAD_WAIT_S, LLMEngine
 from engine.lora import LoraRequest
 from engine.request import SamplingParams
 from store.blobs import digest_files
-from tests.helpers import (make_hf_model, num_live_packed_adapters, random_prompts, save_hf_model,
-                           save_peft_adapter)
+from tests.helpers import (TEST_DEVICE, make_hf_model, num_live_packed_adapters, random_prompts,
+                           save_hf_model, save_peft_adapter)
 
 NUM_NEW_TOKENS = 8
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -58,7 +58,7 @@ def _peft_greedy(model, prompt):
 def lora_engine(base, engine_options: dict | None = None, **lora_options) -> LLMEngine:
     """An engine over `base` serving adapters of rank up to 16; `lora_options` go to AdapterConfig,
     `engine_options` to EngineConfig."""
-    return LLMEngine(EngineConfig(model=str(base), **(engine_options or {}),
+    return LLMEngine(EngineConfig(model=str(base), device=TEST_DEVICE, **(engine_options or {}),
                                   lora=AdapterConfig(max_lora_rank=16, **lora_options)),
                      show_progress=False)
 
@@ -138,7 +138,7 @@ def test_prefix_cache_is_not_shared_across_adapters(setup):
 
 def test_lora_request_on_an_engine_without_lora_is_refused(setup):
     base, prompts, adapters, _ = setup
-    engine = LLMEngine(EngineConfig(model=str(base)), show_progress=False)
+    engine = LLMEngine(EngineConfig(model=str(base), device=TEST_DEVICE), show_progress=False)
     with pytest.raises(ValueError, match="without LoRA support"):
         engine.add_request("x", prompts[0], SamplingParams(), lora=adapters[0])
     assert not engine.has_unfinished_requests()
@@ -151,7 +151,7 @@ def test_offline_generate_names_adapters_by_folder_and_says_why_a_request_failed
     from engine.llm import LLM
 
     base, prompts, adapters, references = setup
-    llm = LLM(str(base), show_progress=False, lora=AdapterConfig(max_lora_rank=16))
+    llm = LLM(str(base), device=TEST_DEVICE, show_progress=False, lora=AdapterConfig(max_lora_rank=16))
     folders = [adapters[0].path, adapters[1].path]
     outputs = llm.generate(prompts[:2], greedy(), use_tqdm=False,
                            lora=[LoraRequest.of_folder(f) for f in folders])

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
-from tests.helpers import hf_greedy, make_hf_model, random_prompts, save_hf_model
+from tests.helpers import TEST_DEVICE, hf_greedy, make_hf_model, random_prompts, save_hf_model
 
 NUM_NEW_TOKENS = 12
 PROMPT_LENGTHS = [3, 61, 17, 140, 1, 33]
@@ -35,7 +35,7 @@ def family(request, tmp_path_factory):
 
 
 def run_engine(folder, prompts, prompt_for_step=ARRIVAL_STEPS, **config):
-    engine = LLMEngine(EngineConfig(model=str(folder), **config), show_progress=False)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=TEST_DEVICE, **config), show_progress=False)
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP_LOGPROBS)
     tokens = {i: [] for i in range(len(prompts))}
@@ -93,7 +93,7 @@ def test_urgent_requests_preempt_less_urgent_ones_and_outputs_stay_unchanged(fam
     """Two long requests of priority 10 fill the batch (or the KV cache); two of priority 0 that
     arrive later start at once, and every request still says exactly what transformers says."""
     folder, prompts, references = family
-    engine = LLMEngine(EngineConfig(model=str(folder), **config), show_progress=False)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=TEST_DEVICE, **config), show_progress=False)
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP_LOGPROBS)
     arrivals = {1: (0, 10), 3: (0, 10), 2: (2, 0), 5: (3, 0)}  # prompt -> (step, priority)
@@ -145,8 +145,8 @@ def test_copies_of_a_prompt_arriving_together_compute_it_once(family):
 def test_raw_logits_of_a_mixed_batch_match_transformers(family):
     """One forward pass over a decode token and two prefill chunks, logits compared directly."""
     folder, prompts, references = family
-    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=100, block_size=4),
-                       show_progress=False)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=TEST_DEVICE, max_num_batched_tokens=100,
+                                    block_size=4), show_progress=False)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("a", prompts[0], params)
     engine.step()  # "a" is now decoding
@@ -158,6 +158,7 @@ def test_raw_logits_of_a_mixed_batch_match_transformers(family):
         batch = engine.runner.prepare_batch(engine.runner.batch_order(output))
         logits = engine.model.forward(batch, engine.runner.k_caches, engine.runner.v_caches)
     assert logits.shape[0] == 2  # "c" is mid-prefill: no logits wanted for it
+    logits = logits.cpu()  # the references were computed on the CPU
     torch.testing.assert_close(logits[0], references[0][1][1], atol=1e-4, rtol=0)
     torch.testing.assert_close(logits[1], references[2][1][0], atol=1e-4, rtol=0)
 
@@ -202,7 +203,7 @@ def test_prompt_logprobs_match_transformers(family, case):
     preempting = case == "preemption"
     config = dict(num_kv_blocks=24, block_size=8, max_num_batched_tokens=64) if preempting else \
         dict(block_size=8, max_num_batched_tokens=64)
-    engine = LLMEngine(EngineConfig(model=str(folder), **config), show_progress=False)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=TEST_DEVICE, **config), show_progress=False)
     plain = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     asking = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
     arrivals = {} if preempting else {0: [(f"plain-{i}", p, plain) for i, p in enumerate(prompts)]}
@@ -260,7 +261,7 @@ def test_penalties_and_logit_bias_match_transformers(tmp_path, sampling, hf_opti
     prompts = random_prompts([5, 23, 2], 128, seed=3)
     hf_options = dict(hf_options)
     presence, frequency = hf_options.pop("presence", 0.0), hf_options.pop("frequency", 0.0)
-    engine = LLMEngine(EngineConfig(model=str(folder)), show_progress=False)
+    engine = LLMEngine(EngineConfig(model=str(folder), device=TEST_DEVICE), show_progress=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"adjusted-{i}", prompt, SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0,
                                                                     ignore_eos=True, **sampling))
