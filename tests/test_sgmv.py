@@ -250,7 +250,7 @@ def test_triton_matches_twins_in_slots_wider_than_128_ranks(dtype, max_rank):
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_shrink_triton_split_k(monkeypatch, split_k):
     # d_in 80 = five 16-wide K blocks: split 2 and 3 give programs unequal block counts.
-    monkeypatch.setattr(sgmv_triton, "_shrink_config", lambda *_: (16, split_k))
+    monkeypatch.setattr(sgmv_triton, "_shrink_config", lambda *_, **__: (16, split_k))
     b = make_batch(**EDGE, d_in=80, slice_widths=SLICE_WIDTHS[1], dtype=torch.bfloat16, seed=2).to(DEVICE)
     assert_shrink_matches(run_shrink(sgmv_shrink_triton, b), run_shrink(sgmv_shrink_torch, b), b)
 
