@@ -73,7 +73,7 @@ def make_case(num_tokens: int, num_adapters: int, args: argparse.Namespace) -> C
         x=torch.randn(num_tokens, args.hidden, dtype=dtype, device=device),
         lora_a=torch.randn(num_slices, num_adapters, args.rank, args.hidden, dtype=dtype, device=device) * 0.01,
         # Rank-major storage read through a transposed view, as adapters/slots.py lays out the slots.
-        lora_b=(torch.randn(num_adapters, args.rank, d_out, dtype=dtype, device=device) * 0.01).transpose(1, 2),
+        lora_b=(torch.randn(num_adapters, args.rank, d_out, dtype=dtype, device=device) * 0.01).mT,
         buf=torch.randn(num_slices, num_tokens, args.rank, device=device),  # expand's input (never zeros)
         out=torch.randn(num_tokens, d_out, dtype=dtype, device=device),
         seg_starts=torch.tensor(list(accumulate(seg_lens, initial=0)), **int32),
