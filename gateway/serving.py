@@ -414,7 +414,10 @@ class Call:
 
 
 def _number(value: float | None) -> str:
-    return "none" if value is None else f"{value:.6g}"
+    # Every digit (the shortest text that reads back as the same float): a learned route that sends
+    # nothing strong sets its threshold one float step above the top score, which six digits
+    # showed as equal to it.
+    return "none" if value is None else repr(float(value))
 
 
 class _Use(NamedTuple):

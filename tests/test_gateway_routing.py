@@ -27,6 +27,7 @@ from gateway.app import create_app
 from gateway.engine_client import (AdapterInfo, AdapterRef, AdapterRejected, EngineFailure,
                                    EngineStats, EngineUnavailable, GenerationChunk,
                                    SamplingOptions, TokenLogprob)
+from gateway.serving import _number
 from routing.learned import Example, train_router
 from routing.pricing import Price
 from routing.routes import parse_routes
@@ -472,7 +473,7 @@ def test_a_cascade_whose_last_tier_fails_before_answering_answers_from_a_tier_it
 
     def logs(*probs: float) -> str:
         """A header of mean_logprob values (those of "three")."""
-        return ",".join(f"{math.log(p):.6g}" for p in probs)
+        return ",".join(repr(math.log(p)) for p in probs)
 
     before = tier_calls()
     auto = complete(routed, key, "hard one", stream=stream)
@@ -1112,3 +1113,12 @@ def test_a_tier_passed_over_and_dropped_at_once_has_its_answer_closed():
         return answer
 
     assert asyncio.run(drop_at_once()).closed
+
+
+def test_score_and_threshold_headers_keep_every_digit():
+    # A learned route whose strong share rounds to no prompt sets its threshold one float step above
+    # the top score: rounded to six digits, the headers showed a score equal to the threshold.
+    score = 0.909717
+    threshold = math.nextafter(score, math.inf)
+    assert (float(_number(score)), float(_number(threshold))) == (score, threshold)
+    assert _number(0.5) == "0.5" and _number(None) == "none"
