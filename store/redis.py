@@ -654,7 +654,10 @@ class RedisStore:
 def _address(client: aioredis.Redis) -> str:
     """Where `client` connects, without the password its URL may hold."""
     kwargs = client.connection_pool.connection_kwargs
-    return kwargs.get("path") or f"{kwargs['host']}:{kwargs['port']}/{kwargs['db']}"
+    # redis-py keeps only what the URL spells out ("redis://localhost" has no port or db) and
+    # connects to its defaults for the rest.
+    return kwargs.get("path") or (f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/"
+                                  f"{kwargs.get('db', 0)}")
 
 
 def _enc(record: msgspec.Struct) -> bytes:

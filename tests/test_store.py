@@ -781,6 +781,13 @@ async def test_redis_store_that_cannot_connect_says_where(tmp_path: Path) -> Non
     assert "secret" not in str(e.value)
 
 
+async def test_redis_store_that_cannot_connect_says_where_for_a_url_without_a_db() -> None:
+    # redis-py keeps only the parts a URL spells out: naming the address of "redis://host:port"
+    # raised KeyError 'db', a traceback where the operator should read that Redis is not up.
+    with pytest.raises(UNAVAILABLE_ERRORS, match="cannot reach the Redis store at 127.0.0.1:1/0 "):
+        await RedisStore.open("redis://127.0.0.1:1")
+
+
 async def test_redis_store_fails_fast_while_down_and_recovers_after_a_restart(
     tmp_path: Path,
 ) -> None:
