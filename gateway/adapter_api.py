@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.admission import charge_request, refund_request
@@ -140,20 +140,25 @@ async def _upload(request: Request, tenant: Tenant,
                   resolve_tenant: Callable[[Request], Awaitable[Tenant]]) -> Response:
     state = gateway_state(request)
 
-    async def confirm_tenant() -> None:
+    async def confirm_upload() -> None:
         # The body may stream in for minutes: a key revoked or a tenant deleted (and maybe made
         # anew under its name) meanwhile must store nothing.
         if (await resolve_tenant(request)).created_at != tenant.created_at:
             raise not_found(f"tenant {tenant.name!r} was deleted while the adapter was uploaded",
                             code="tenant_not_found")
+        # Checking a large adapter takes seconds: a client that left meanwhile (timed out, or
+        # stopped an upload of the wrong files) must not find them served as the new version.
+        # A 499, as for one that leaves while sending its body.
+        if await request.is_disconnected():
+            raise ClientDisconnect()
 
     async with read_adapter_upload(request, state.max_upload_bytes, state.blobs.root) as uploaded:
-        record = await _store_adapter(state, tenant, uploaded, confirm_tenant)
+        record = await _store_adapter(state, tenant, uploaded, confirm_upload)
     return _json(AdapterObject.of(record, tenant, state), 201)
 
 
 async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterUpload,
-                         confirm_tenant: Callable[[], Awaitable[None]]) -> AdapterRecord:
+                         confirm_upload: Callable[[], Awaitable[None]]) -> AdapterRecord:
     try:
         validate_name("adapter", uploaded.name)
     except InvalidName as error:
@@ -197,7 +202,7 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
                            digest=digest, rank=info.rank, target_modules=tuple(info.target_modules),
                            size_bytes=size)
     try:
-        return await _record_adapter(state, record, uploaded.folder, confirm_tenant)
+        return await _record_adapter(state, record, uploaded.folder, confirm_upload)
     except Exception as error:
         # Refused after its files were placed (the tenant was deleted meanwhile, the store was
         # locked or failed): no record references them, so they must not linger.
@@ -254,7 +259,7 @@ async def _drop_unrecorded_files(state: GatewayState, digest: str) -> None:
 
 
 async def _record_adapter(state: GatewayState, record: AdapterRecord, folder: Path,
-                          confirm_tenant: Callable[[], Awaitable[None]]) -> AdapterRecord:
+                          confirm_upload: Callable[[], Awaitable[None]]) -> AdapterRecord:
     """Store `record` as the next version of its name, its files (those of `folder`) in place."""
     store = state.require_store()
     # NOTE: held until the record references the blob: a delete of another record with the same
@@ -264,7 +269,7 @@ async def _record_adapter(state: GatewayState, record: AdapterRecord, folder: Pa
             await _place_files(state, folder)
         # Before the record: other gateways fetch the files as soon as they can see it.
         await _share_files(store, record.digest, folder)
-        await confirm_tenant()
+        await confirm_upload()
         stored = await store.put_adapter_record(record)
     # Another gateway's delete may have dropped the shared copy between our put and our record;
     # the record now keeps it from any other (see SharedBlobs.delete_unreferenced), so put it back.

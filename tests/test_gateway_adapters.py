@@ -31,7 +31,7 @@ from store.blobs import OWNER_FILE
 from store.redis import RedisKeys
 from store.sqlite import SqliteStore
 from tests.conftest import (DEMO_MAX_LORA_RANK, DEMO_MODEL, NARROW_MAX_LORA_RANK, gateway_server,
-                            logged_status)
+                            logged_status, send_partly)
 from tests.helpers import HeldEngine, fill_volume, hf_greedy, make_peft_model, small_volume, use_up_inodes
 from tests.test_gateway_metrics import sample
 from tests.test_gateway_routing import eventually
@@ -928,6 +928,32 @@ def test_an_upload_whose_client_leaves_midway_is_a_499_and_keeps_nothing(server,
         b"\r\n" + b"\0" * 1000, 100_000)
     assert logged_status(caplog, "POST", "/v1/adapters") == 499  # was a 500
     assert [r.getMessage() for r in caplog.records if r.exc_info] == []  # and its traceback
+    assert _snapshot(server, name) == before
+
+
+def test_an_upload_whose_client_leaves_while_it_is_checked_is_a_499_and_keeps_nothing(
+        server, tenant, adapters, caplog, monkeypatch):
+    """A client that sent its whole body and left while the adapter was checked (seconds for a
+    large one): its files were stored and served as the adapter's new version, logged as a 201."""
+    name, key = tenant
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    before = _snapshot(server, name)
+    engine = server.app.state.gateway.engines[DEMO_MODEL]
+    check, client_left = engine.check_adapter, threading.Event()
+
+    async def check_once_the_client_left(folder: str):
+        assert await asyncio.to_thread(client_left.wait, 30)
+        return await check(folder)
+
+    monkeypatch.setattr(engine, "check_adapter", check_once_the_client_left)
+    form = httpx.Request("POST", server.url + "/v1/adapters", data={"name": "gone", "base_model": DEMO_MODEL},
+                         files=unique_files(adapters["attn-r4"]))
+    body = form.read()
+    with send_partly(server.url, "/v1/adapters", {**auth(key), "Content-Type": form.headers["Content-Type"]},
+                     body, len(body)):
+        pass  # the whole body sent, the connection closed
+    client_left.set()
+    assert logged_status(caplog, "POST", "/v1/adapters") == 499
     assert _snapshot(server, name) == before
 
 
