@@ -557,7 +557,7 @@ def _redis_problem(url: str | None) -> str | None:
 
     from redis.exceptions import ResponseError
 
-    from store import UNAVAILABLE_ERRORS, RedisStore
+    from store import UNAVAILABLE_ERRORS, RedisStore, masked_url
 
     if url is None or not url.startswith(("redis://", "rediss://", "unix://")):
         return None
@@ -570,7 +570,7 @@ def _redis_problem(url: str | None) -> str | None:
     except UNAVAILABLE_ERRORS as error:
         return str(error)
     except ResponseError as error:  # e.g. "DB index is out of range": Redis refuses the URL's db
-        return f"the Redis at {url.rpartition('@')[2]} refuses the connection: {error}"
+        return f"the Redis at {masked_url(url)} refuses the connection: {error}"
     return None
 
 

@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from contextvars import ContextVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import msgspec
 import redis.asyncio as aioredis
@@ -96,14 +96,21 @@ POOL_WAIT_S = 60.0
 
 def masked_url(url: str) -> str:
     """`url` as it may be shown: all between "://" and its last "@" (a password, after the
-    user's name and ":" if any) as ***. Read from the text as typed, not as parsed: a password
-    holding "/", "?" or "#" ends the parsed host early, and the rest of it parses as the path."""
+    user's name and ":" if any) as ***, and so the value of a `password` query argument, which
+    redis-py takes too. Read from the text as typed, not as parsed: a password holding "/", "?"
+    or "#" ends the parsed host early, and the rest of it parses as the path."""
     scheme, separator, rest = url.partition("://")
     credentials, at, address = rest.rpartition("@")
-    if not (separator and at):
+    if separator and at:
+        user, colon, _ = credentials.partition(":")
+        url = f"{scheme}://{user + ':' if colon else ''}***@{address}"
+    head, question, query = url.partition("?")
+    if not question:
         return url
-    user, colon, _ = credentials.partition(":")
-    return f"{scheme}://{user + ':' if colon else ''}***@{address}"
+    # NOTE: names are compared decoded, as redis-py reads them ("pass%77ord" is "password").
+    arguments = [f"{name}=***" if unquote_plus(name) == "password" else f"{name}{equals}{value}"
+                 for name, equals, value in (a.partition("=") for a in query.split("&"))]
+    return f"{head}?{'&'.join(arguments)}"
 
 
 def check_redis_url(url: str) -> str:

@@ -213,6 +213,9 @@ def test_invalid_settings_are_refused(kwargs, message):
     (dict(redis="redis://default:Pa55#wSECRET@h:6379/0"), "'redis://default:***@h:6379/0'"),
     (dict(store="redis://u:123?SECRET@h:6379/0"), "'redis://u:***@h:6379/0'"),
     (dict(store="Redis://:SECRET@h:6379/0"), "unknown store URL 'Redis://:***@h:6379/0'"),
+    # redis-py takes the password as a query argument too, its name percent-encoded or not.
+    (dict(store="redis://h:6379/0?password=SECRET&db=x"), "'redis://h:6379/0?password=***&db=x'"),
+    (dict(redis="redis://h:6379/0?pass%77ord=SECRET&db=x"), "'redis://h:6379/0?pass%77ord=***&db=x'"),
 ])
 def test_a_redis_url_refused_never_shows_its_password(kwargs, shown):
     with pytest.raises(ValueError) as refused:
@@ -486,6 +489,21 @@ def test_an_unreachable_redis_is_refused_before_any_model_loads(command, tmp_pat
     assert main([*args, "--redis", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path)]) == 2
     assert "cannot reach the Redis store at 127.0.0.1:1/0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing loaded or written
+
+
+def test_a_redis_database_the_server_refuses_is_named_without_a_query_password(tmp_path, capsys):
+    import redis
+
+    proc, url = start_redis_server()
+    try:
+        redis.Redis.from_url(url).config_set("requirepass", "SECRET")
+        refused = url.rpartition("/")[0] + "/99?password=SECRET"
+        assert main(["worker", "--redis", refused, "--data-dir", str(tmp_path)]) == 2
+    finally:
+        stop_redis_server(proc)
+    shown = capsys.readouterr().err
+    assert "refuses the connection: DB index is out of range" in shown
+    assert "?password=***" in shown and "SECRET" not in shown
 
 
 @pytest.mark.parametrize("command", _REDIS_USERS)
