@@ -223,17 +223,22 @@ def test_a_load_under_way_keeps_its_room_until_it_finishes(blobs):
     dropped from the host tier for it, were it given up at once)."""
     store, (a, b, c, *_) = blobs
     loads = []
-    a_files = threading.Event()
+    a_started, a_files = threading.Event(), threading.Event()
 
     def loader(adapter_id):
         loads.append(adapter_id)
-        assert adapter_id != a or a_files.wait(10)
+        if adapter_id == a:
+            a_started.set()
+            assert a_files.wait(10)
         return store.path(adapter_id)
 
     cache = make_cache(store, loader=loader, max_gpu_adapters=1, max_cpu_adapters=1, num_load_threads=1)
     try:
         cache.acquire(c)  # the only slot is in use
         assert not cache.can_acquire(a)  # starts its load
+        # Running, not merely queued: a queued load is given up (on a loaded host the loader
+        # thread may not have picked it up yet).
+        assert a_started.wait(10)
         cache.prefetch([b, a])
         a_files.set()
         cache.wait_for_loads(timeout=10)
