@@ -140,8 +140,9 @@ def sgmv_shrink_triton(
     block_m = _block_m(max_seg_len)
     block_r = _block_r(max_rank)
     num_m_tiles = triton.cdiv(max_seg_len, block_m)
+    precision = _input_precision(x.dtype)
     block_k, split_k = _shrink_config(num_segs * num_m_tiles * num_slices, d_in, block_m, block_r,
-                                      uses_mma=x.dtype != torch.float32)
+                                      uses_mma=precision != "ieee")
     _shrink_kernel[(num_segs, num_m_tiles, split_k * num_slices)](
         x, lora_a, out, seg_starts, seg_slots, slot_ranks,
         d_in,
@@ -149,7 +150,7 @@ def sgmv_shrink_triton(
         *lora_a.stride(),
         *out.stride(),
         SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        INPUT_PRECISION=_input_precision(x.dtype),
+        INPUT_PRECISION=precision,
         num_stages=4,  # one more K block in flight than Triton's default: 2-5% on an H100's decode shapes
     )
 
