@@ -80,6 +80,9 @@ class AdapterCache:
         # failed load until can_acquire or acquire reports its error. At most max_cpu_adapters.
         # NOTE: changed under `_lock` only: loader threads read it to evict none of them.
         self._staged: dict[str, Future[PackedAdapter]] = {}
+        # Loads dropped while running (they cannot be cancelled): until they end, their loader
+        # thread may still ask the loader for the adapter's folder.
+        self._dropped_running: dict[str, Future[PackedAdapter]] = {}
         # What can_acquire found for the adapters it said True for, until their acquire, the next
         # prefetch (admission is over by then) or drop_load.
         self._promised: dict[str, PackedAdapter] = {}
@@ -207,8 +210,8 @@ class AdapterCache:
         self._promised.pop(adapter_id, None)
         self._paged_in_ahead.discard(adapter_id)
         future = self._unstage(adapter_id)
-        if future is not None:
-            future.cancel()
+        if future is not None and not future.cancel() and not future.done():
+            self._dropped_running[adapter_id] = future
 
     def slot_of(self, adapter_id: str) -> int | None:
         return self._resident.get(adapter_id)
@@ -220,7 +223,10 @@ class AdapterCache:
     def loading_ids(self) -> set[str]:
         """Adapters whose load from storage has not finished (its loader thread may still ask
         the loader for their folder)."""
-        return {adapter_id for adapter_id, future in self._staged.items() if not future.done()}
+        self._dropped_running = {adapter_id: future for adapter_id, future in self._dropped_running.items()
+                                 if not future.done()}
+        staged = {adapter_id for adapter_id, future in self._staged.items() if not future.done()}
+        return staged | self._dropped_running.keys()
 
     def in_use(self) -> dict[str, int]:
         """Adapters that requests hold (acquired, not yet released), with how many hold each."""

@@ -181,7 +181,10 @@ class LLMEngine:
         runner_output = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, runner_output)
         failed = [self._last_output(request) for request in self.scheduler.take_failed()]
-        return failed + [self._make_output(request) for request in updated]
+        outputs = failed + [self._make_output(request) for request in updated]
+        if len(self._adapter_paths) > len(self._adapter_uses):
+            self._forget_unused_adapter_paths()
+        return outputs
 
     def metrics(self) -> EngineMetrics:
         kv, stats = self.kv_manager, self.scheduler.stats
@@ -262,7 +265,11 @@ class LLMEngine:
         if self._adapter_uses[state.adapter_id] > 0:
             return
         del self._adapter_uses[state.adapter_id]
-        # NOTE: a load started for a request that left may not have asked for its folder yet.
+        self._forget_unused_adapter_paths()
+
+    def _forget_unused_adapter_paths(self) -> None:
+        # NOTE: a load started for a request that left may not have asked for its folder yet;
+        # its folder is forgotten at the first step after the load ends.
         loading = self.adapter_cache.loading_ids() if self.adapter_cache is not None else set()
         for adapter_id in self._adapter_paths.keys() - self._adapter_uses.keys() - loading:
             del self._adapter_paths[adapter_id]

@@ -452,6 +452,28 @@ def test_a_load_failure_reaches_no_request_that_arrives_after_its_waiters_left(s
     cache.close()
 
 
+def test_the_folder_of_an_adapter_whose_request_left_mid_load_is_forgotten_after_the_load(setup):
+    """The engine keeps an adapter's folder only while a request or a load may read it: a request
+    aborted while its adapter loads leaves the folder to the load, and the first step after the
+    load ends forgets it."""
+    base, prompts, adapters, _ = setup
+    engine = lora_engine(base, num_load_threads=1)
+    gate = _hold_loads(engine)
+    engine.add_request("gone", prompts[0], greedy(), lora=adapters[0])
+    engine.step()  # its load starts
+    engine.abort_request("gone")
+    engine.step()
+    assert adapters[0].adapter_id in engine._adapter_paths  # the load still needs it
+    gate.set()
+    deadline = time.monotonic() + 10
+    while engine.adapter_cache.loading_ids() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.step()
+    assert engine._adapter_paths == {} and not engine.has_unfinished_requests()
+    assert engine.adapter_cache.host_ids() == [adapters[0].adapter_id]  # the load was not wasted
+    engine.adapter_cache.close()
+
+
 def test_a_loaded_adapter_waits_in_host_memory_for_its_request(setup, tmp_path):
     """Adapter x is loaded for a request that waits for the only slot, then x's files are deleted.
     A more urgent request takes the slot first, and its adapter and another one's are loaded
