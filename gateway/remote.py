@@ -119,6 +119,7 @@ class WorkerPool:
         # yet. Past a limit, requests waited for another's stream to end, and those that waited
         # too long took their worker for dead.
         self.http = httpx.AsyncClient(
+            auth=_InternalKeyAuth(self),
             timeout=httpx.Timeout(read_timeout_s, connect=_CONNECT_TIMEOUT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=_MAX_IDLE_CONNECTIONS))
         self._polling: Periodic | None = None
@@ -292,9 +293,6 @@ class WorkerPool:
             logger.warning("worker %s at %s failed; placing its requests elsewhere", worker_id,
                            record.url)
 
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.internal_key}"}
-
     async def send_adapter(self, worker: WorkerRecord, adapter: AdapterRef) -> None:
         """Send the adapter's files to the worker. Requests that need them there while they are
         on their way wait for that one transfer and share its outcome, instead of each reading
@@ -337,8 +335,7 @@ class WorkerPool:
         except FileNotFoundError:  # the adapter was deleted meanwhile, or its copy here lost
             raise EngineFailure(f"this gateway has no copy of the files of adapter "
                                 f"{adapter.digest} to send to worker {worker.id}") from None
-        return await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}", files=parts,
-                                   headers=self.headers())
+        return await self.http.put(f"{worker.url}{ADAPTERS_PATH}/{adapter.digest}", files=parts)
 
 
 class RemoteEngineClient(TextCodec):
@@ -419,8 +416,7 @@ class RemoteEngineClient(TextCodec):
             recent = self._widest_rank_seen()
             try:
                 response = await pool.http.post(
-                    worker.url + CHECK_ADAPTER_PATH, files=parts, headers=pool.headers(),
-                    params={MAX_LORA_RANK_PARAM: recent} if recent > widest else None)
+                    worker.url + CHECK_ADAPTER_PATH, files=parts, params={MAX_LORA_RANK_PARAM: recent} if recent > widest else None)
             except httpx.TransportError as error:
                 if out_of_open_files(error):
                     raise _out_of_files(f"adapter check on worker {worker.id}", error)
@@ -619,6 +615,32 @@ class _WorkerTotals:
         return EngineStats(prefix_cache_hit_rate=rate, **gauges, **counters)
 
 
+class _InternalKeyAuth(httpx.Auth):
+    """Signs each request to a worker with the internal key. A worker's 401 re-reads the key
+    from Redis and sends the request once more if it changed: a Redis restarted without its data
+    holds a new key (made by the first gateway or worker to ask for one), which the others take
+    up at their next poll or heartbeat; until then every call was refused, and the gateway
+    answered 503 "start a worker" with its workers up."""
+
+    def __init__(self, pool: WorkerPool):
+        self._pool = pool
+
+    def sync_auth_flow(self, request: httpx.Request) -> Iterator[httpx.Request]:
+        raise RuntimeError("workers are reached with an httpx.AsyncClient only")
+
+    async def async_auth_flow(self, request: httpx.Request) -> AsyncIterator[httpx.Request]:
+        sent_key = self._pool.internal_key
+        request.headers["Authorization"] = f"Bearer {sent_key}"
+        response = yield request
+        if response.status_code != 401:
+            return
+        with contextlib.suppress(Exception):  # Redis down: the worker's refusal stands
+            self._pool.internal_key = await self._pool.registry.internal_key()
+        if self._pool.internal_key != sent_key:
+            request.headers["Authorization"] = f"Bearer {self._pool.internal_key}"
+            yield request
+
+
 class _Retry(Exception):
     """The worker refused the request in a way another worker may not; `down`: it is not a
     working worker at all (pass over it until it heartbeats again); `out_of_space`: it has no
@@ -663,8 +685,7 @@ async def _stream_lines(pool: WorkerPool, worker: WorkerRecord, body: bytes,
         async with contextlib.AsyncExitStack() as stack:
             async with pool.opening(worker.id):
                 response = await stack.enter_async_context(pool.http.stream(
-                    "POST", worker.url + GENERATE_PATH, content=body, headers=pool.headers(),
-                    timeout=_STREAM_TIMEOUT))
+                    "POST", worker.url + GENERATE_PATH, content=body, timeout=_STREAM_TIMEOUT))
             if response.status_code == 200:
                 async for line in sse_lines(response.aiter_bytes()):
                     if line.startswith("data: "):

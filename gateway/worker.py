@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import shutil
 import tempfile
@@ -55,6 +56,9 @@ DEFAULT_LAPSE_BEATS = 3  # a record lives this many heartbeats: one or two misse
 # DEFAULT_POLL_S, and one that places a request here meanwhile is refused with 503 `unavailable`
 # and places it elsewhere, where a closed port would have it take this worker for failed.
 _LEAVING_S = 2 * DEFAULT_POLL_S
+# How often a key a worker does not know may make it read the key from Redis again: a caller
+# sending wrong keys costs Redis at most this many reads.
+KEY_REREAD_S = 0.25
 _ENDING_TIMEOUT_S = 10.0  # for the requests cancelled at a shutdown's deadline to answer
 # What gateways need to load a worker's tokenizer (transformers reads config.json for its class).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -80,6 +84,7 @@ class Worker:
     internal_key: str | None = None  # read from Redis at start, refreshed with each heartbeat
     is_closing: bool = False  # it has left the pool: it takes no more requests
     _beating: Periodic | None = field(default=None, init=False, repr=False)
+    _key_read_at: float = field(default=-math.inf, init=False, repr=False)  # time.monotonic()
 
     def record(self, tokenizer: str | None) -> WorkerRecord:
         stats = self.engine.stats()
@@ -97,6 +102,23 @@ class Worker:
         tokenizer = (await self.registry.put_tokenizer(self.tokenizer_files)
                      if self.tokenizer_files else None)
         await self.registry.heartbeat(self.record(tokenizer), self.heartbeat_s * self.lapse_beats)
+
+    async def takes_key(self, authorization: bytes) -> bool:
+        """Whether an Authorization header carries the internal key. One that does not has the
+        key read again from Redis (at most every KEY_REREAD_S): a Redis restarted without its
+        data holds a new key, which gateways may take up before this worker's next heartbeat."""
+        if self._is_internal_key(authorization):
+            return True
+        if time.monotonic() - self._key_read_at < KEY_REREAD_S:
+            return False
+        self._key_read_at = time.monotonic()
+        with contextlib.suppress(Exception):  # Redis down: the key this worker has stands
+            self.internal_key = await self.registry.internal_key()
+        return self._is_internal_key(authorization)
+
+    def _is_internal_key(self, authorization: bytes) -> bool:
+        return self.internal_key is not None and secrets.compare_digest(
+            authorization, f"Bearer {self.internal_key}".encode())
 
     async def drop_unneeded_blobs(self) -> None:
         """Delete the blobs no request will need, and leftovers of crashed puts: where every
@@ -190,13 +212,11 @@ def _stopping() -> Response:
     return _error(503, "unavailable", "this worker is shutting down")
 
 
-def _unauthorized(request: Request) -> Response | None:
-    worker = _worker(request)
-    expected = f"Bearer {worker.internal_key}".encode()
+async def _unauthorized(request: Request) -> Response | None:
     # NOTE: as bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500),
     # and a header is read as latin-1, so any caller can send them.
     given = request.headers.get("authorization", "").encode("latin-1")
-    if worker.internal_key is None or not secrets.compare_digest(given, expected):
+    if not await _worker(request).takes_key(given):
         return _error(401, "unauthorized", "this is a Switchboard worker's internal API: send "
                       "the internal key from Redis")
     return None
@@ -204,7 +224,7 @@ def _unauthorized(request: Request) -> Response | None:
 
 async def generate(request: Request) -> Response:
     worker = _worker(request)
-    if (refused := _unauthorized(request)) is not None:
+    if (refused := await _unauthorized(request)) is not None:
         return refused
     if worker.is_closing:
         return _stopping()
@@ -280,7 +300,7 @@ class _KeptAlive:
 async def put_adapter(request: Request) -> Response:
     """Keep an adapter's files under their digest (checked against the files)."""
     worker = _worker(request)
-    if (refused := _unauthorized(request)) is not None:
+    if (refused := await _unauthorized(request)) is not None:
         return refused
     digest = request.path_params["digest"]
     try:
@@ -301,7 +321,7 @@ async def check_adapter(request: Request) -> Response:
     """Validate adapter files against this worker's model (for the gateway's upload API), up to
     the rank limit the gateway asks for if that is above this worker's."""
     worker = _worker(request)
-    if (refused := _unauthorized(request)) is not None:
+    if (refused := await _unauthorized(request)) is not None:
         return refused
     asked_rank = request.query_params.get(MAX_LORA_RANK_PARAM)
     if asked_rank is not None and not (asked_rank.isascii() and asked_rank.isdecimal()):

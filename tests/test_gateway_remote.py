@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import redis
 
 from gateway.engine_client import (AdapterRef, DamagedAdapterCopy, EngineStats, EngineUnavailable,
                                    GatewayOutOfFiles, GenerationChunk, RequestRejected,
@@ -140,7 +141,8 @@ class _Requests:
 @contextlib.contextmanager
 def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
                     shutdown_timeout_s: float = 5, drops_blobs: bool = False,
-                    in_front: Callable | None = None, model: str = DEMO_MODEL) -> Iterator[_Requests]:
+                    in_front: Callable | None = None, model: str = DEMO_MODEL,
+                    heartbeat_s: float = _HEARTBEAT_S) -> Iterator[_Requests]:
     """A real worker of `model` over `engine`, registered in the Redis at `registry_url` and
     serving on a loopback port until the block ends, then shut down as `switchboard worker` is
     (its calls in flight get `shutdown_timeout_s`); yields the record of what it was asked.
@@ -148,7 +150,7 @@ def _serving_worker(engine, registry_url: str, folder: Path, worker_id: str,
     does (else it keeps them all). `in_front`: wraps the worker's ASGI app."""
     registry = WorkerRegistry.open(registry_url)
     worker = Worker(model=model, engine=engine, url="", blobs=BlobStore(folder),
-                    registry=registry, tokenizer_files={}, heartbeat_s=_HEARTBEAT_S,
+                    registry=registry, tokenizer_files={}, heartbeat_s=heartbeat_s,
                     lapse_beats=_LAPSE_BEATS, id=worker_id,
                     store_url=registry_url if drops_blobs else None)
     requests = _Requests(create_worker_app(worker))
@@ -992,7 +994,8 @@ def test_a_burst_counts_each_call_against_its_worker_from_the_moment_it_is_place
             async def run_elsewhere(i: int, release: asyncio.Event) -> None:
                 # Another gateway's long request on "busy", as a worker sees it.
                 async with other_gateway.stream(
-                        "POST", busy.url + GENERATE_PATH, headers=pool.headers(),
+                        "POST", busy.url + GENERATE_PATH,
+                        headers={"Authorization": f"Bearer {pool.internal_key}"},
                         content=msgspec.json.encode(msgspec.structs.replace(
                             body, request_id=f"other-{i}"))) as response:
                     assert response.status_code == 200
@@ -1076,6 +1079,38 @@ def test_a_gateway_out_of_open_files_answers_503_and_does_not_pass_over_its_work
         asyncio.run(scenario())
     assert "this gateway is out of open files" in caplog.text
     assert "ulimit -n" in caplog.text
+
+
+def test_calls_go_through_while_the_gateway_or_the_worker_has_not_taken_up_a_new_internal_key(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """A Redis restarted without its data holds a new internal key, made by the first gateway or
+    worker to ask; the others take it up at their next poll or heartbeat. Calls meanwhile go
+    through: a worker reads the key again when it is sent one it does not know, and a gateway
+    whose key a worker refuses reads it again and sends the call once more."""
+    store = redis.Redis.from_url(redis_url)
+
+    async def scenario(worker: _Requests) -> list[list[int]]:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers") as pool:
+            client = pool.clients[DEMO_MODEL]
+            answers = [await _token_ids(client, "before", 2)]
+            # A gateway made the new key: this worker still has the old one.
+            store.set("sb:internal_key", "made-by-another-gateway")
+            pool.internal_key = "made-by-another-gateway"
+            answers.append(await _token_ids(client, "worker-behind", 2))
+            # The worker made it: this gateway still has the old one.
+            store.set("sb:internal_key", "made-by-a-worker")
+            worker.app.state.worker.internal_key = "made-by-a-worker"
+            answers.append(await _token_ids(client, "gateway-behind", 2))
+            assert pool.internal_key == "made-by-a-worker"
+            return answers
+
+    # Heartbeats far apart: the worker takes up no key from them during the test.
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo",
+                         heartbeat_s=30) as worker:
+        answers = asyncio.run(scenario(worker))
+    assert len(answers[0]) == 2 and answers == [answers[0]] * 3
+    assert worker.seen.count(("POST", GENERATE_PATH)) == 4  # the one refused was sent again
+    store.close()
 
 
 def test_concurrent_calls_for_an_adapter_a_worker_lacks_send_its_files_once(
