@@ -43,12 +43,14 @@ _TEXT_FIELDS = ("name", "base_model")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _WEIGHTS_STEM = PurePosixPath(_WEIGHTS_FILE).stem
-_MAX_ARCHIVE_MEMBERS = 1000
+# Members an archive may hold: files (links included) and, apart, folders (`tar -C folder .`
+# writes one for the folder itself and one for each subfolder).
+_MAX_ARCHIVE_FILES = _MAX_ARCHIVE_FOLDERS = 1000
 _COPY_CHUNK = 1 << 20
 # What a tar adds around its members' data: three 512-byte blocks per member (a header; in pax
 # format, as `tar --format=posix` and macOS tar write, an extended header with its data block too;
 # long names take more, and are counted as they are read) and the end-of-archive padding.
-_TAR_OVERHEAD = 3 * tarfile.BLOCKSIZE * (_MAX_ARCHIVE_MEMBERS + 20)
+_TAR_OVERHEAD = 3 * tarfile.BLOCKSIZE * (_MAX_ARCHIVE_FILES + _MAX_ARCHIVE_FOLDERS + 20)
 # How much of an archive's members other than the adapter files (the rest of a Trainer checkpoint
 # folder: optimizer.pt holds about twice the adapter's weights, tokenizer files tens of MB) is
 # read through, as a multiple of --max-upload-size and at least: they are never written, but a
@@ -237,18 +239,22 @@ def _extract_archive(archive: BinaryIO, folder: Path, max_bytes: int) -> None:
     pickled_weights: str | None = None  # e.g. "adapter_model.bin", saved without safetensors
     adapter_bytes = skipped_bytes = 0
     max_skipped_bytes = _max_skipped_bytes(max_bytes)
+    counts = {"files": 0, "folders": 0}
+    bounds = {"files": _MAX_ARCHIVE_FILES, "folders": _MAX_ARCHIVE_FOLDERS}
     try:
         inflated = _HeadersCapped(_decompressed(archive))
         with tarfile.open(fileobj=inflated, mode="r|") as tar:
-            for count, member in enumerate(tar, 1):
+            for member in tar:
                 path = PurePosixPath(member.name)
                 if path.is_absolute() or ".." in path.parts:
                     raise invalid_request(f"the archive holds the unsafe path {quoted(member.name)}; "
                                           "pack the adapter folder with relative paths",
                                           code="invalid_upload")
-                if count > _MAX_ARCHIVE_MEMBERS:
+                kind = "folders" if member.isdir() else "files"
+                counts[kind] += 1
+                if counts[kind] > bounds[kind]:
                     raise invalid_request(
-                        f"the archive holds more than {_MAX_ARCHIVE_MEMBERS} files; pack only the "
+                        f"the archive holds more than {bounds[kind]} {kind}; pack only the "
                         f"adapter folder, or upload {' and '.join(ADAPTER_FILES)} as two files",
                         code="invalid_upload")
                 if member.issparse():

@@ -125,12 +125,17 @@ def upload(server, key: str, name: str, files: dict, base: str = DEMO_MODEL,
                       headers=auth(key), timeout=60)
 
 
-def tar_gz(members: dict[str, bytes], tar_format: int = tarfile.DEFAULT_FORMAT) -> bytes:
+def tar_gz(members: dict[str, bytes | None], tar_format: int = tarfile.DEFAULT_FORMAT,
+           pax_headers: dict[str, str] | None = None) -> bytes:
+    """A .tar.gz of `members` (name -> data; None: a folder), each with `pax_headers`."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", format=tar_format) as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
+            if data is None:
+                info.type, data = tarfile.DIRTYPE, b""
             info.size = len(data)
+            info.pax_headers = pax_headers or {}
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
 
@@ -232,20 +237,17 @@ def test_an_archive_of_a_trainer_checkpoint_uploads_its_safetensors(server, tena
 
 
 def test_an_archive_of_1000_files_in_pax_format_uploads(server, tenant, adapters):
-    """As `tar --format=posix` packs it (and macOS tar a folder whose files have extended
-    attributes): each member has an extended header of its own. It was refused as a 413 blaming
-    long file names from some 680 members on."""
+    """As `tar --format=posix -C folder .` packs it (and macOS tar a folder whose files have
+    extended attributes): each member has an extended header of its own. It was refused as a 413
+    blaming long file names from some 680 members on. The folder entries (`./`, `./runs/`) are no
+    files: they were counted as files, and 1000 files were refused as more than 1000."""
     _, key = tenant
-    buffer = io.BytesIO()
-    members = {**{n: d for n, (_, d) in files_of(adapters["attn-r4"]).items()},
-               **{f"runs/events.{i}": b"" for i in range(998)}}
-    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.pax_headers = {"atime": "1763800000.123456789", "ctime": "1763800000.123456789"}
-            tar.addfile(info, io.BytesIO(data))
-    created = upload(server, key, "pax", {"file": ("a.tar.gz", buffer.getvalue())})
+    members = {"./": None,
+               **{f"./{n}": d for n, (_, d) in files_of(adapters["attn-r4"]).items()},
+               "./runs/": None, **{f"./runs/events.{i}": b"" for i in range(998)}}
+    archive = tar_gz(members, tarfile.PAX_FORMAT,
+                     {"atime": "1763800000.123456789", "ctime": "1763800000.123456789"})
+    created = upload(server, key, "pax", {"file": ("a.tar.gz", archive)})
     assert created.status_code == 201, created.text
     assert greedy_ids(server, key, "pax") == adapters["expected"]["attn-r4"]
 
@@ -861,6 +863,10 @@ BAD_UPLOADS = {
         **{n: d for n, (_, d) in files_of(a["all-r8"]).items()},
         **{f"runs/events.{i}": b"" for i in range(1000)}}))}),
         400, "invalid_upload", "more than 1000 files; pack only the adapter folder"),
+    "archive of over 1000 folders": (lambda a: ("f", DEMO_MODEL, {"file": ("a.tar.gz", tar_gz({
+        **{n: d for n, (_, d) in files_of(a["all-r8"]).items()},
+        **{f"runs/{i}/": None for i in range(1001)}}))}),
+        400, "invalid_upload", "more than 1000 folders; pack only the adapter folder"),
     "corrupt archive": (lambda a: ("c", DEMO_MODEL, {"file": ("a.tar.gz", b"not a tar at all")}),
                         400, "invalid_upload", "tar.gz"),
     "regex too slow to match": (lambda a: ("x", DEMO_MODEL, _with_config(
