@@ -100,15 +100,22 @@ async def _named_tenant(request: Request) -> Tenant:
 def _not_a_base_model(state: GatewayState, tenant: Tenant, name: str) -> str:
     """Why `name` takes no adapters, and which models `tenant` may upload them for: a tenant
     allowed only routes sees no base model in /v1/models (its adapters run as route:adapter)."""
-    uploadable = adapter_base_models(tenant, state.catalog)
-    choices = (f"the base models you may upload adapters for are {', '.join(uploadable)}"
-               if uploadable else "you may upload adapters for no base model served now")
+    choices = _adapter_choices(state, tenant)
     if name in allowed_routes(tenant, state.catalog):
         return (f"{quoted(name)} is a route, not a base model: upload the adapter for one of its "
                 f"models, and call it as {name}:NAME; {choices}")
     if name in state.routes:  # NOTE: not "call it as route:NAME", which would answer 403
         return f"{quoted(name)} is a route your tenant's policy does not allow; {choices}"
     return f"unknown base model {quoted(name)}; {choices}"
+
+
+def _adapter_choices(state: GatewayState, tenant: Tenant) -> str:
+    """The base models `tenant` may upload adapters for and that run adapters now (not those of
+    an upstream API, nor those served without adapter slots), as the end of a refusal."""
+    uploadable = [m for m in adapter_base_models(tenant, state.catalog)
+                  if (engine := state.engines.get(m)) is not None and engine.supports_adapters]
+    return (f"the base models you may upload adapters for are {', '.join(uploadable)}"
+            if uploadable else "you may upload adapters for no base model served now")
 
 
 def _upload_as(resolve_tenant: Callable[[Request], Awaitable[Tenant]], *, is_counted: bool,
@@ -186,7 +193,8 @@ async def _store_adapter(state: GatewayState, tenant: Tenant, uploaded: AdapterU
     try:
         if not engine.supports_adapters:
             await engine.ensure_available()  # no worker up at all: a 503, retried later
-            raise invalid_request(f"{uploaded.base_model!r} {engine.why_no_adapters}",
+            raise invalid_request(f"{uploaded.base_model!r} {engine.why_no_adapters}; "
+                                  f"{_adapter_choices(state, tenant)}",
                                   param="base_model", code="adapters_not_served")
         info = await engine.check_adapter(str(uploaded.folder))
     except AdapterRejected as error:

@@ -388,7 +388,7 @@ class UpstreamEngineClient:
     def why_no_adapters(self) -> str:
         # Its API runs models of its own: no adapter of this gateway's reaches it.
         return ("is served by an upstream API, which runs none of this gateway's adapters: upload "
-                "the adapter for a base model this server runs itself (GET /v1/models lists them)")
+                "the adapter for a base model this server runs itself")
 
     @property
     def max_adapter_rank(self) -> int:

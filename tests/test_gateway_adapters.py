@@ -1076,7 +1076,8 @@ def test_an_engine_without_lora_refuses_uploads(plain_engine, tmp_path):
         assert (error["code"], error["param"]) == ("adapters_not_served", "base_model")
         assert error["message"] == (
             f"{DEMO_MODEL!r} is served here without adapter slots (--max-loras 0), so it runs no "
-            "adapters: the operator must restart the server with --max-loras above 0")
+            "adapters: the operator must restart the server with --max-loras above 0; you may "
+            "upload adapters for no base model served now")
 
 
 class _CountingEngine:

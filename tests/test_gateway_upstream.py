@@ -259,16 +259,25 @@ def test_an_upload_for_an_upstream_model_is_refused_saying_it_runs_no_adapters(f
     """An upstream runs models of its own: the refusal says to upload the adapter for a model
     this server runs, not to restart anything with --max-loras (which would not help)."""
     server, key = front
-    refused = httpx.post(server.url + "/v1/adapters", data={"name": "mine", "base_model": "small"},
-                         files={"adapter_config.json": ("adapter_config.json", b"{}"),
-                                "adapter_model.safetensors": ("adapter_model.safetensors", b"")},
-                         headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    def upload_for(base_model: str) -> httpx.Response:
+        return httpx.post(server.url + "/v1/adapters", data={"name": "mine", "base_model": base_model},
+                          files={"adapter_config.json": ("adapter_config.json", b"{}"),
+                                 "adapter_model.safetensors": ("adapter_model.safetensors", b"")},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    refused = upload_for("small")
     assert refused.status_code == 400
     error = refused.json()["error"]
     assert (error["code"], error["param"]) == ("adapters_not_served", "base_model")
     assert error["message"] == (
         "'small' is served by an upstream API, which runs none of this gateway's adapters: upload "
-        "the adapter for a base model this server runs itself (GET /v1/models lists them)")
+        "the adapter for a base model this server runs itself; the base models you may upload "
+        "adapters for are local")
+    # Nor are upstream models named as those to upload for (they were, the advice refused).
+    refused = upload_for("typo")
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        "unknown base model 'typo'; the base models you may upload adapters for are local")
 
 
 def test_greedy_answers_and_usage_equal_the_upstream_s(front, upstream):
