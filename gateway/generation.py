@@ -400,7 +400,11 @@ class Generation:
         Of the choices of a prompt and of the prompts the call repeats, the fewest: one computes
         it, and the others read its blocks from the cache (the engine shares them), which saved
         this call nothing. NOTE: prompts that share only a prefix still count the blocks of it
-        that one of them computed: which blocks they share depends on the engine's block size."""
+        that one of them computed: which blocks they share depends on the engine's block size.
+        With `prompt_per_choice`, each choice's own (each read the cache of an upstream of its
+        own accord)."""
+        if self._prompt_per_choice:
+            return sum(c.num_cached_tokens for c in self.choices)
         fewest: dict[int, int] = {}
         for c in self.choices:
             if c.num_prompt_tokens:

@@ -969,6 +969,9 @@ def test_a_hosted_chat_api_gets_the_messages_and_sampling_options(front, hosted)
     usage = answer["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (11, 2)
     assert usage["prompt_tokens_details"]["cached_tokens"] == 4
+    # Each choice is a request of its own, billed the prompt and reporting its own cache hit.
+    usage = chat(server.url, key, model="hosted", messages=CHAT, max_tokens=5, n=2).json()["usage"]
+    assert (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) == (22, 8)
 
     plain = post(server.url, key, model="hosted", prompt="hi", max_tokens=3, ignore_eos=True,
                  logprobs=1).json()
