@@ -7,7 +7,7 @@ optional field accepts null, as OpenAI clients send it.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -80,11 +80,30 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: OpenAIPenalty | None = None
     logit_bias: LogitBiases | None = None
     """Token id (a decimal string, as JSON keys are) -> bias added to its logit."""
+    # vLLM's extras that constrain what is sampled, which this server does not do: declared to be
+    # refused, as a vLLM client relying on them would otherwise get unconstrained text.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    min_p: Any = None
+    use_beam_search: Any = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, why) for the first OpenAI field set to something this gateway cannot honour,
-        if any: better a 400 than a reply that silently ignored it. The shared sampling fields are
-        all honoured; each endpoint's body adds its own."""
+        """(field, why) for the first OpenAI (or vLLM) field set to something this gateway cannot
+        honour, if any: better a 400 than a reply that silently ignored it. The shared sampling
+        fields are all honoured but vLLM's constraints; each endpoint's body adds its own."""
+        for name in _CONSTRAINTS:
+            if getattr(self, name) not in (None, [], {}):
+                return _unsupported(name)
+        if self.min_p not in (None, 0):
+            return _unsupported("min_p")
+        if self.use_beam_search not in (None, False):
+            return _unsupported("use_beam_search")
         return None
 
     def conflict(self) -> tuple[str, str] | None:
@@ -92,6 +111,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         return None
+
+
+_CONSTRAINTS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs", "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def _unsupported(field: str) -> tuple[str, str]:
@@ -164,6 +187,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     response_format: dict | None = None
     modalities: list[str] | None = None
     audio: dict | None = None
+    # vLLM's extras that change how the messages are rendered: refused unless left as they are.
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
 
     def unsupported_field(self) -> tuple[str, str] | None:
         for name in ("tools", "functions", "audio"):
@@ -177,6 +205,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             return _unsupported("modalities")
         if self.response_format and self.response_format.get("type", "text") != "text":
             return _unsupported("response_format")
+        for name, default in (("chat_template", None), ("chat_template_kwargs", None),
+                              ("add_generation_prompt", True), ("continue_final_message", False)):
+            if getattr(self, name) not in (None, default, {}):
+                return _unsupported(name)
         for i, message in enumerate(self.messages):
             if (name := message.unsupported_field()) is not None:
                 held = f"the role {message.role!r}" if name == "role" else f"'{name}'"

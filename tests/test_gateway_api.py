@@ -155,6 +155,13 @@ def test_the_largest_seed_works_for_every_choice(client):
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"tool_choice": "required"}, "tool_choice"),
+    # vLLM's extras that render the messages otherwise, and those that constrain sampling.
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
 ])
 def test_chat_fields_this_server_cannot_honour_are_refused(client, extra, param):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -163,7 +170,10 @@ def test_chat_fields_this_server_cannot_honour_are_refused(client, extra, param)
     assert (raised.value.body["param"], raised.value.body["code"]) == (param, "unsupported_parameter")
     fine = client.chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=1,
                                           extra_body={"function_call": "none", "modalities": ["text"],
-                                                      "tool_choice": "none"})
+                                                      "tool_choice": "none", "min_p": 0,
+                                                      "add_generation_prompt": True,
+                                                      "continue_final_message": False,
+                                                      "guided_json": None})
     assert fine.choices[0].finish_reason in ("stop", "length")
 
 
@@ -337,6 +347,15 @@ def test_invalid_values_are_bad_requests_naming_the_field(client, kwargs, param)
 @pytest.mark.parametrize("extra, param", [
     ({"suffix": "and then"}, "suffix"),
     ({"best_of": 3}, "best_of"),
+    # vLLM's extras that constrain sampling: ignored, they gave a vLLM client unconstrained text.
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_regex": "[0-9]+"}, "guided_regex"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"logits_processors": ["module.Processor"]}, "logits_processors"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_known_but_unsupported_fields_are_refused(client, extra, param):
     with pytest.raises(openai.BadRequestError) as raised:
