@@ -223,8 +223,8 @@ class AdapterCache:
     def loading_ids(self) -> set[str]:
         """Adapters whose load from storage has not finished (its loader thread may still ask
         the loader for their folder)."""
-        self._dropped_running = {adapter_id: future for adapter_id, future in self._dropped_running.items()
-                                 if not future.done()}
+        self._dropped_running = {adapter_id: future for adapter_id, future
+                                 in self._dropped_running.items() if not future.done()}
         staged = {adapter_id for adapter_id, future in self._staged.items() if not future.done()}
         return staged | self._dropped_running.keys()
 

@@ -416,7 +416,8 @@ class RemoteEngineClient(TextCodec):
             recent = self._widest_rank_seen()
             try:
                 response = await pool.http.post(
-                    worker.url + CHECK_ADAPTER_PATH, files=parts, params={MAX_LORA_RANK_PARAM: recent} if recent > widest else None)
+                    worker.url + CHECK_ADAPTER_PATH, files=parts,
+                    params={MAX_LORA_RANK_PARAM: recent} if recent > widest else None)
             except httpx.TransportError as error:
                 if out_of_open_files(error):
                     raise _out_of_files(f"adapter check on worker {worker.id}", error)
