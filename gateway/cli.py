@@ -695,7 +695,8 @@ def train_router_command(args: dict) -> int:
               file=sys.stderr)
         return 2
     try:
-        with open(args["data"], encoding="utf-8") as lines:
+        # NOTE: utf-8-sig: a file some Windows tools wrote starts with a byte order mark.
+        with open(args["data"], encoding="utf-8-sig") as lines:
             examples = read_examples(lines, str(args["data"]))
         router, report = train_router(examples, args["target_strong_share"],
                                       holdout_fraction=args["holdout"], seed=args["seed"],

@@ -214,7 +214,7 @@ class ServeConfig:
             self.advertise_url = _worker_url(self.advertise_url)
         # NOTE: bounded, as Redis keeps a worker's record for three beats, in milliseconds.
         if not MIN_HEARTBEAT_S <= self.heartbeat_s <= MAX_HEARTBEAT_S:
-            raise ValueError(f"heartbeat_s must be in [{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S}] "
+            raise ValueError(f"heartbeat must be in [{MIN_HEARTBEAT_S}, {MAX_HEARTBEAT_S}] "
                              f"seconds, got {self.heartbeat_s}")
         if not self.worker_model_ttl_s > 0:
             raise ValueError(f"worker_model_ttl must be positive seconds, got {self.worker_model_ttl_s}")

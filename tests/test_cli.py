@@ -189,9 +189,9 @@ def test_router_train_refuses_a_seed_torch_cannot_take(seed, tmp_path, capsys):
     (dict(redis="unix:///run/redis.sock?foo=1"), "redis-py knows no query argument 'foo'"),
     (dict(redis="unix://"), "unix:// needs the socket's path"),
     (dict(redis="http://localhost:6379/0"), "it is not a Redis URL"),
-    (dict(heartbeat_s=float("inf")), r"heartbeat_s must be in \[0.1, 3600.0\] seconds, got inf"),
+    (dict(heartbeat_s=float("inf")), r"heartbeat must be in \[0.1, 3600.0\] seconds, got inf"),
     # Its record lapsed in 0 ms (Redis refused that: exit 3 with a traceback) or a few.
-    (dict(heartbeat_s=0.0001), r"heartbeat_s must be in \[0.1, 3600.0\] seconds, got 0.0001"),
+    (dict(heartbeat_s=0.0001), r"heartbeat must be in \[0.1, 3600.0\] seconds, got 0.0001"),
     (dict(advertise_url="http://:9000"), "advertise_url must be an http"),
     # Each registered a worker every call placed on which was a 500.
     (dict(advertise_url="http://10.0.0.7:90000"), "advertise_url must be an http"),

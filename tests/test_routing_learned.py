@@ -98,6 +98,10 @@ def test_router_train_command(tmp_path, capsys, monkeypatch):
     assert main(["router", "train", "--out=~/home-router", "--epochs=30", f"~/{data.name}"]) == 0
     assert LearnedRouter.load(tmp_path / "home-router").settings.target_strong_share == 0.4
     assert main(["router", "train", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)]) == 2
+    # A file that starts with a byte order mark, as some Windows tools write one.
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + data.read_bytes())
+    assert main(["router", "train", str(marked), "--out", str(tmp_path / "r-bom"), "--epochs=30"]) == 0
     # An --out that is a file is refused before training (it once failed after, with a traceback).
     assert main(["router", "train", str(data), "--out", str(data)]) == 2
     assert "is a file; name a folder" in capsys.readouterr().err
