@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from engine.demo import ensure_demo_model
 from engine.engine import LLMEngine, RequestOutput
 from engine.lora import LoraRequest
 from engine.request import SamplingParams, TokenLogprobs
-from store.blobs import digest_files
+from store.blobs import ADAPTER_FILES, digest_files
 
 
 @dataclass
@@ -55,6 +56,10 @@ class LLM:
         model = model or str(ensure_demo_model())
         self.engine = LLMEngine(EngineConfig(model=model, **config), show_progress=show_progress)
         self._ids = itertools.count()
+        # Adapters whose id was checked against their files, with what the files' stat said then:
+        # hashing an adapter's files (hundreds of MB at large ranks) on every call made a loop of
+        # small calls several times slower than its generation.
+        self._checked_adapters: dict[tuple[str, str], tuple] = {}
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -68,7 +73,7 @@ class LLM:
                                       SamplingParams, prompts)  # NOTE: [] is 0 values, not none given
         loras = _per_prompt(lora, LoraRequest, prompts)
         for adapter in {a for a in loras if a is not None}:
-            _check_adapter_id(adapter)
+            self._check_adapter_id(adapter)
         results: dict[str, CompletionOutput] = {}
         try:
             for prompt, params, adapter in zip(prompts, sampling_params, loras):
@@ -92,18 +97,31 @@ class LLM:
                     bar.update(int(output.finished))
 
 
-def _check_adapter_id(adapter: LoraRequest) -> None:
-    """ValueError unless the adapter's id is the digest of its files, as the engine requires (a
-    vLLM user names adapters freely): said now, with what to do, where the engine would fail
-    each of its requests as if the files were damaged."""
-    try:
-        digest = digest_files(Path(adapter.path))
-    except OSError:  # no such folder or files: the engine's loader says what is wrong (`error`)
-        return
-    if digest != adapter.adapter_id:
-        raise ValueError(f"the adapter id {adapter.adapter_id!r} is not the digest of the files in "
-                         f"{adapter.path} ({digest}); name an adapter by its files' digest: "
-                         "LoraRequest.of_folder(path)")
+    def _check_adapter_id(self, adapter: LoraRequest) -> None:
+        """ValueError unless the adapter's id is the digest of its files, as the engine requires
+        (a vLLM user names adapters freely): said now, with what to do, where the engine would
+        fail each of its requests as if the files were damaged. Files checked before are hashed
+        again only once their stat changes (the engine checks the digest as it loads them)."""
+        folder = Path(adapter.path)
+        key = (adapter.adapter_id, adapter.path)
+        try:
+            stat = _files_stat(folder)
+            if self._checked_adapters.get(key) == stat:
+                return
+            digest = digest_files(folder)
+        except OSError:  # no such folder or files: the engine's loader says what is wrong (`error`)
+            return
+        if digest != adapter.adapter_id:
+            raise ValueError(f"the adapter id {adapter.adapter_id!r} is not the digest of the files "
+                             f"in {adapter.path} ({digest}); name an adapter by its files' digest: "
+                             "LoraRequest.of_folder(path)")
+        self._checked_adapters[key] = stat
+
+
+def _files_stat(folder: Path) -> tuple:
+    """What changes when an adapter's files are rewritten, replaced or moved."""
+    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+                 for s in (os.stat(folder / name) for name in ADAPTER_FILES))
 
 
 def _prompt_list(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

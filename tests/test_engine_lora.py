@@ -5,6 +5,7 @@ import random
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,7 +145,8 @@ def test_lora_request_on_an_engine_without_lora_is_refused(setup):
     assert not engine.has_unfinished_requests()
 
 
-def test_offline_generate_names_adapters_by_folder_and_says_why_a_request_failed(setup, tmp_path):
+def test_offline_generate_names_adapters_by_folder_and_says_why_a_request_failed(setup, tmp_path,
+                                                                                   monkeypatch):
     """LLM.generate: LoraRequest.of_folder names an adapter by its files, as the engine checks
     them; an id named freely (as vLLM's LoRARequest takes) is refused at once, saying so (its
     requests once failed as if the files were damaged, and the result said nothing of why)."""
@@ -157,6 +159,20 @@ def test_offline_generate_names_adapters_by_folder_and_says_why_a_request_failed
                            lora=[LoraRequest.of_folder(f) for f in folders])
     assert [o.output_token_ids for o in outputs] == [references[0][0], references[1][1]]
     assert [o.error for o in outputs] == [None, None]
+    # Files checked once are not hashed again on every call while they stay as they were.
+    hashed = []
+    monkeypatch.setattr("engine.llm.digest_files", lambda folder: hashed.append(folder) or
+                        digest_files(folder))
+    copy = LoraRequest.of_folder(shutil.copytree(adapters[0].path, tmp_path / "copy"))
+    for _ in range(2):
+        assert llm.generate(prompts[:1], greedy(), use_tqdm=False, lora=copy)[0].output_token_ids \
+            == references[0][0]
+        llm.generate(prompts[:1], greedy(), use_tqdm=False, lora=LoraRequest.of_folder(folders[1]))
+    assert hashed == [Path(copy.path)]
+    with open(Path(copy.path) / "adapter_config.json", "a") as config:  # rewritten on disk
+        config.write("\n")
+    with pytest.raises(ValueError, match="is not the digest of the files"):
+        llm.generate(prompts[:1], greedy(), use_tqdm=False, lora=copy)
     with pytest.raises(ValueError, match=r"the adapter id 'my-adapter' is not the digest of the files"
                                          r" in .*: LoraRequest.of_folder\(path\)"):
         llm.generate(prompts[:1], greedy(), use_tqdm=False,
