@@ -488,6 +488,21 @@ def test_a_config_of_such_regexes_loads_quickly(tmp_path):
         {k: (m.rank, m.scaling) for k, m in plain.modules.items()}
 
 
+def test_a_config_of_100000_module_names_loads_quickly(tmp_path):
+    """Plain names are matched by each module's few dotted suffixes: a scan of every name for every
+    module took this config (under the 1 MiB bound) 0.34 s on this 2-layer model, and half a
+    minute on an 80-layer one, on the thread every tenant's uploads and loads share."""
+    save_peft_adapter(tmp_path, r=4)
+    plain = load_adapter(tmp_path, SPEC, MAX_RANK)
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    _edit_config(target_modules=projections + [f"j{i}" for i in range(50_000)],
+                 exclude_modules=[f"o{i}" for i in range(50_000)])(tmp_path)
+    start = time.thread_time()
+    adapter = load_adapter(tmp_path, SPEC, MAX_RANK)
+    assert time.thread_time() - start < 0.15
+    assert adapter.modules.keys() == plain.modules.keys()
+
+
 def test_regexes_with_three_wildcards_or_repeated_groups_match_as_in_peft(tmp_path):
     model = save_peft_adapter(tmp_path, r=4, lora_alpha=8,
                               target_modules=r".*layers.*self_attn.*(q|v|o)_proj",
