@@ -55,6 +55,7 @@ from gateway.worker_api import (ADAPTERS_PATH, CHECK_ADAPTER_PATH, GENERATE_PATH
                                 MAX_LORA_RANK_PARAM, GenerateBody, StreamLine, WorkerError)
 from routing.placement import DEFAULT_SLACK, Candidate, place
 from store.blobs import ADAPTER_FILES, UNUSED_BLOB_S
+from store.redis import REDIS_FULL_ERRORS
 from store.workers import ModelSeen, Periodic, WorkerRecord, WorkerRegistry, files_digest
 
 logger = logging.getLogger(__name__)
@@ -167,8 +168,10 @@ class WorkerPool:
     async def _refresh(self) -> None:
         if self._records_elsewhere:
             # NOTE: as long-lived as a worker's unused files: those of a gateway down meanwhile
-            # would be dropped as unused anyway.
-            await self.registry.mark_adapter_records_elsewhere(UNUSED_BLOB_S)
+            # would be dropped as unused anyway. A Redis out of its maxmemory refuses it: the
+            # mark made before lasts until a later refresh renews it, and the reads go on.
+            with contextlib.suppress(*REDIS_FULL_ERRORS):
+                await self.registry.mark_adapter_records_elsewhere(UNUSED_BLOB_S)
         self.internal_key = await self.registry.internal_key()
         records = await self.registry.workers()
         # NOTE: Redis forgets no model it was told of, unless it lost its data (restarted without

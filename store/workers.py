@@ -179,8 +179,13 @@ class WorkerRegistry:
     async def internal_key(self) -> str:
         """The secret gateways and workers share (created here if nobody has yet)."""
         key = self._prefix + "internal_key"
-        await self._redis.set(key, secrets.token_urlsafe(_INTERNAL_KEY_BYTES), nx=True)
-        return (await self._redis.get(key)).decode()
+        # NOTE: read first, written only when missing: a Redis out of its maxmemory refuses the
+        # write, and every gateway's read of the registry, which starts here, failed with it.
+        raw = await self._redis.get(key)
+        if raw is None:
+            await self._redis.set(key, secrets.token_urlsafe(_INTERNAL_KEY_BYTES), nx=True)
+            raw = await self._redis.get(key)
+        return raw.decode()
 
     async def put_tokenizer(self, files: Mapping[str, bytes]) -> str:
         """Publish tokenizer files (name -> contents); returns their digest."""

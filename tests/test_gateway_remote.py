@@ -1113,6 +1113,29 @@ def test_calls_go_through_while_the_gateway_or_the_worker_has_not_taken_up_a_new
     store.close()
 
 
+def test_a_gateway_reads_the_worker_registry_while_redis_is_out_of_its_maxmemory(
+        demo_engine, redis_url, tmp_path):  # noqa: F811
+    """Redis out of its maxmemory refuses writes, not reads: a gateway's read of the registry
+    goes on (it began with a write of the internal key, and, for a gateway keeping its adapter
+    records elsewhere, of that mark; both failed it, so it kept a stale view of its workers)."""
+    store = redis.Redis.from_url(redis_url)
+
+    async def scenario() -> list[int]:
+        async with _gateway_pool(redis_url, tmp_path / "tokenizers", records_elsewhere=True) as pool:
+            store.config_set("maxmemory", 1)
+            try:
+                pool.workers = {}  # as if the worker had just joined
+                await pool.refresh()
+                assert list(pool.workers) == ["solo"]
+                return await _token_ids(pool.clients[DEMO_MODEL], "full", 2)
+            finally:
+                store.config_set("maxmemory", 0)
+
+    with _serving_worker(demo_engine, redis_url, tmp_path / "worker", "solo"):
+        assert len(asyncio.run(scenario())) == 2
+    store.close()
+
+
 def test_concurrent_calls_for_an_adapter_a_worker_lacks_send_its_files_once(
         demo_engine, redis_url, tmp_path):  # noqa: F811
     first, second = (demo_adapter(tmp_path / name) for name in ("first", "second"))
