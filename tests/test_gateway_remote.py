@@ -402,7 +402,8 @@ def test_an_upload_for_a_model_whose_workers_run_no_adapter_slots_says_to_start_
     assert refused.json()["error"] == {
         "message": f"{GHOST!r} is served by engine workers all started without adapter slots "
                    "(--max-loras 0), so it runs no adapters: the operator must start a worker of "
-                   "it with --max-loras above 0",
+                   "it with --max-loras above 0; you may upload adapters for no base model "
+                   "served now",
         "type": "invalid_request_error", "param": "base_model", "code": "adapters_not_served"}
 
 
