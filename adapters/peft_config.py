@@ -149,10 +149,16 @@ def parse_lora_settings(cfg: dict) -> LoraSettings:
     # them here), so A and B are stored [r, in] and [out, r] either way; load_adapter checks shapes.
     regexes = Regexes()
     target_modules = _field(cfg, "target_modules", _target_set, regexes)
-    if not isinstance(target_modules, frozenset) and cfg.get("layers_to_transform") is not None:
+    # NOTE: as PEFT's LoraConfig refuses them: it would load no such adapter.
+    for field in ("layers_to_transform", "layers_pattern"):
+        if not isinstance(target_modules, frozenset) and cfg.get(field) is not None:
+            raise AdapterValidationError(
+                f"{field} cannot be used when target_modules is a str (as in PEFT): list the "
+                "module names instead")
+    if cfg.get("layers_pattern") and cfg.get("layers_to_transform") is None:
         raise AdapterValidationError(
-            "layers_to_transform cannot be used when target_modules is a str (as in PEFT): "
-            "list the module names instead")
+            "layers_pattern is set but layers_to_transform is not (PEFT refuses that): set "
+            "layers_to_transform to the layers the adapter was trained on, or leave out both")
     return LoraSettings(
         r=_field(cfg, "r", _positive_int, default=8),
         lora_alpha=_field(cfg, "lora_alpha", _number, default=8),

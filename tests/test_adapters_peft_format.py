@@ -319,6 +319,11 @@ REJECTIONS = {
                        "model.norm.weight is not a LoRA weight"),
     "regex with layers": (_edit_config(target_modules=".*q_proj", layers_to_transform=[0]),
                           "layers_to_transform cannot be used"),
+    # Both refused by PEFT's LoraConfig: it loads no such adapter (layers_pattern was ignored).
+    "regex with layers_pattern": (_edit_config(target_modules=".*q_proj", layers_pattern="layers"),
+                                  "layers_pattern cannot be used when target_modules is a str"),
+    "layers_pattern alone": (_edit_config(layers_pattern=["layers"]),
+                             "layers_pattern is set but layers_to_transform is not"),
     "bad regex": (_edit_config(target_modules="(q_proj"), "not a valid regular expression"),
     "no tensors": (_edit_tensors(lambda t: {}), "holds no LoRA weights"),
     "layer with a leading zero": (_renumber_layer_1("01"), r"layers\.01\..* is not a LoRA weight"),
