@@ -1387,16 +1387,22 @@ def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_c
     from tests.conftest import serve_gateway
 
     names = {"support": "all-r8", "fast": "attn-r4"}  # adapter name -> its files
-    with serve_gateway({"small": demo_engine}, tmp_path) as before:
+    kept = {"kept": {"tiers": ["small", "large"], "measure": "min_prob", "threshold": 0.0}}
+    with serve_gateway({"small": demo_engine, "large": demo_engine}, tmp_path,
+                       routes=parse_routes(kept, {"small": demo_engine, "large": demo_engine})) as before:
         key = before.new_tenant("early")
         for name, files in names.items():
             assert upload(before, key, name, files_of(adapters[files]), base="small").status_code == 201
         answered = {name: greedy_ids(before, key, name) for name in names}
+        # A tenant allowed the base model through a route only reaches its adapter as route:name.
+        routed = before.new_tenant("routed", allowed_models=["kept"])
+        assert upload(before, routed, "support", files_of(adapters["all-r8"]),
+                      base="small").json()["model"] == "kept:support"
     assert answered == {name: adapters["expected"][files] for name, files in names.items()}
 
-    engines = {"small": demo_engine, "support": demo_engine}  # one engine under two names
+    engines = {"small": demo_engine, "support": demo_engine, "large": demo_engine}
     routes = parse_routes({"fast": {"tiers": ["small", "support"], "measure": "min_prob",
-                                    "threshold": 0.0}}, engines)
+                                    "threshold": 0.0}, **kept}, engines)
     with caplog.at_level(logging.WARNING, logger="gateway.shadowing"):
         with serve_gateway(engines, tmp_path, routes=routes) as after:
             cards = httpx.get(after.url + "/v1/models", headers=auth(key)).json()["data"]
@@ -1413,21 +1419,24 @@ def test_an_adapter_whose_name_a_model_or_route_takes_later_is_reached_as_base_c
                                                       ("support", "small:support")]
     assert (one["id"], one["model"]) == ("support", "small:support")
     assert [(c["id"], c.get("parent")) for c in cards] == [
-        ("small", None), ("support", None), ("fast", None),
+        ("small", None), ("support", None), ("large", None), ("fast", None), ("kept", None),
         ("small:fast", "small"), ("small:support", "small")]
-    assert retrieved.status_code == 200 and retrieved.json() == cards[3]
+    assert retrieved.status_code == 200 and retrieved.json() == cards[5]
     assert as_adapters == answered
     # The bare names run the operator's model and route, as the headers say.
     assert by_name["support"].headers["x-switchboard-model"] == "support"
     assert by_name["fast"].headers["x-switchboard-route"] == "fast"
     assert base == adapters["expected"]["base"]
     warnings = sorted(r.getMessage() for r in caplog.records if r.name == "gateway.shadowing")
-    assert len(warnings) == 2, warnings
+    assert len(warnings) == 3, warnings
     assert warnings[0].startswith("adapter 'fast' of tenant 'early' (base model 'small') has the "
                                   "name of the route 'fast'") and "as 'small:fast'" in warnings[0]
     assert warnings[1].startswith("adapter 'support' of tenant 'early' (base model 'small') has the "
                                   "name of the served model 'support'")
     assert "as 'small:support'" in warnings[1]
+    # It named small:support, which answers 403 to that tenant.
+    assert warnings[2].startswith("adapter 'support' of tenant 'routed'") and \
+        "reaches the adapter as 'kept:support'" in warnings[2]
 
 
 def test_a_gateway_started_on_another_store_leaves_the_adapter_folder_s_files_alone(
