@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 
-from routing.models import Catalog, adapter_model_id, adapter_route, adapters_named
+from routing.models import Catalog, adapters_named, tenant_adapter_id
 from routing.routes import AUTO
 from store import UNAVAILABLE_ERRORS, Store
 
@@ -46,16 +46,12 @@ class ShadowWarnings:
             if tenant is None:  # deleted meanwhile
                 continue
             self._warned.add((adapter.tenant, adapter.name))
-            # NOTE: as /v1/models names it: a tenant allowed the base model through a route only
-            # reaches the adapter as route:name.
-            route = adapter_route(tenant, catalog, adapter)
-            reached_as = adapter_model_id(adapter, names) if route is None else f"{route}:{adapter.name}"
             logger.warning(
                 "adapter %r of tenant %r (base model %r) has the name of %s, which calls naming "
                 "%r run instead of the adapter; the tenant reaches the adapter as %r (so "
                 "/v1/models lists it), or can upload it again under another name", adapter.name,
                 adapter.tenant, adapter.base_model, _taker(catalog, adapter.name), adapter.name,
-                reached_as)
+                tenant_adapter_id(tenant, catalog, adapter))  # NOTE: as /v1/models names it
 
 
     async def check_served(self, store: Store, catalog: Catalog, model: str) -> None:
