@@ -40,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 ARCHIVE_PART = "file"
 _TEXT_FIELDS = ("name", "base_model")
+# The parser's bound on file parts and on text fields, each. The form takes 3 parts at most, but a
+# part it does not take (a checkpoint folder's README.md, a text field sent as a file with curl -F
+# name=@x) is refused below by name, which the parser's "Too many files" does not say. The body's
+# own bound caps the bytes of all parts together.
+_MAX_FORM_PARTS = 32
+_MAX_TEXT_FIELD_BYTES = 64 * 1024
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _WEIGHTS_FILE = "adapter_model.safetensors"
 _WEIGHTS_STEM = PurePosixPath(_WEIGHTS_FILE).stem
@@ -101,9 +107,8 @@ async def read_adapter_upload(request: Request, max_bytes: int,
     capped = Request(request.scope, _capped_receive(request, body_limit))
     try:
         with refused_when_out_of_space(RECEIVE, _SPOOL_FOLDER, tempfile.gettempdir()):
-            # NOTE: 4 files, not 2: a text field sent as a file (curl -F name=@x) gets a 400
-            # that says so (_refuse_text_sent_as_files), not starlette's "Too many files".
-            form = await capped.form(max_files=4, max_fields=4, max_part_size=64 * 1024)
+            form = await capped.form(max_files=_MAX_FORM_PARTS, max_fields=_MAX_FORM_PARTS,
+                                     max_part_size=_MAX_TEXT_FIELD_BYTES)
     except _BodyTooLarge:
         raise _body_too_large(max_bytes) from None
     except HTTPException as error:  # how starlette reports a form it cannot parse
@@ -111,8 +116,9 @@ async def read_adapter_upload(request: Request, max_bytes: int,
         if detail.startswith("Part exceeded maximum size"):
             # NOTE: a file's part sent without a filename (requests' files={name: (None, data)})
             # is read as a text field, which a file of weights always outgrows.
-            detail += (" (a part without a filename is a text field: send the adapter's files, "
-                       "or its archive, as files, with a filename)")
+            detail += (f" (a part without a filename is a text field, and the text fields "
+                       f"{' and '.join(map(quoted, _TEXT_FIELDS))} are short: send the adapter's "
+                       "files, or its archive, as files, with a filename)")
         raise invalid_request(f"{detail}: {_USAGE}", code="invalid_upload") from None
     folder: Path | None = None
     try:
@@ -210,7 +216,8 @@ def _write_files(files: dict[str, UploadFile], folder: Path, max_bytes: int) -> 
         if part.endswith(_PICKLE_SUFFIXES):
             raise _pickle_refused(part)
         if part not in (*ADAPTER_FILES, ARCHIVE_PART):
-            raise invalid_request(f"unexpected file part {quoted(part)}: {_USAGE}", code="invalid_upload")
+            raise invalid_request(f"unexpected file part {quoted(part)}: {_USAGE}", param=part,
+                                  code="invalid_upload")
     if ARCHIVE_PART in files:
         if len(files) > 1:
             raise invalid_request(f"send either the archive or the two files, not both: {_USAGE}",

@@ -991,17 +991,24 @@ FORMS = {
     "a part without a name": (lambda a: _raw_form(b"--b\r\nX: y\r\n\r\nabc\r\n--b--\r\n"), None,
                               "content-disposition"),
     "too many file parts": (lambda a: {**_fields(), "files": [
-        *((f"extra{i}", ("x", b"1")) for i in range(3)), *files_of(a["all-r8"]).items()]},
+        *((f"extra{i}", ("x", b"1")) for i in range(40)), *files_of(a["all-r8"]).items()]},
         None, "too many files"),
     "a field too large": (lambda a: {**_fields(name="x" * (70 << 10)), "files": files_of(a["all-r8"])},
-                          None, "maximum size"),
+                          None, "the text fields 'name' and 'base_model' are short"),
     # What requests sends for files={name: (None, data)}: a text field, too large for one.
     "a large file sent without a filename": (lambda a: {**_fields(), "files": {
         **files_of(a["all-r8"]), "adapter_model.safetensors": (
             None, (a["all-r8"] / "adapter_model.safetensors").read_bytes())}},
-        None, "a part without a filename is a text field: send the adapter's files"),
-    "too many fields": (lambda a: {**_fields(c="1", d="2", e="3"), "files": files_of(a["all-r8"])}, None,
-                        "too many fields"),
+        None, "a part without a filename is a text field"),
+    "too many fields": (lambda a: {**_fields(**{f"c{i}": "1" for i in range(40)}),
+                                   "files": files_of(a["all-r8"])}, None, "too many fields"),
+    # A few parts the form does not take are named, not counted (as "too many files").
+    "a checkpoint folder's other files": (lambda a: {**_fields(), "files": {
+        **files_of(a["all-r8"]), "README.md": ("README.md", b"# card"),
+        "training_args.bin": ("training_args.bin", b"x"), "optimizer.pt": ("optimizer.pt", b"x")}},
+        "README.md", "unexpected file part 'readme.md'"),
+    "other text fields": (lambda a: {**_fields(c="1", d="2", e="3"), "files": files_of(a["all-r8"])},
+                          "c", "unexpected form field 'c'"),
     # What requests.post(data=...) sends: once refused as lacking the file.
     "a file sent as a text field": (lambda a: {
         **_fields(**{"adapter_config.json": (a["all-r8"] / "adapter_config.json").read_text()}),
