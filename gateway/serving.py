@@ -381,7 +381,7 @@ class Call:
                     "x-switchboard-threshold": ",".join(_number(a.threshold) for a in judged),
                 })
         if self.generation.is_done:
-            headers["x-switchboard-cost-usd"] = f"{self.cost_usd():.8f}"
+            headers["x-switchboard-cost-usd"] = _number(self.cost_usd())  # as usage.cost_usd
         return headers
 
     async def run_to_end(self) -> bool:
@@ -416,7 +416,7 @@ class Call:
 def _number(value: float | None) -> str:
     # Every digit (the shortest text that reads back as the same float): a learned route that sends
     # nothing strong sets its threshold one float step above the top score, which six digits
-    # showed as equal to it.
+    # showed as equal to it; a cheap model's call costs less than eight decimals show.
     return "none" if value is None else repr(float(value))
 
 

@@ -257,6 +257,8 @@ def test_a_confident_small_model_answers(routed):
     expected = cost("small", 8, 4)
     assert float(headers["x-switchboard-cost-usd"]) == pytest.approx(expected)
     assert body["usage"]["cost_usd"] == pytest.approx(expected)
+    # Every digit, the same text as the usage's number: eight decimals cut a cheap model's cost.
+    assert headers["x-switchboard-cost-usd"] == repr(body["usage"]["cost_usd"])
     assert "logprobs" not in body["choices"][0] or body["choices"][0]["logprobs"] is None
     usage = spend(routed, name)
     assert (usage["tokens_in"], usage["tokens_out"]) == (8, 4)
