@@ -298,13 +298,20 @@ async def collect_garbage(
 ) -> list[str]:
     """Delete the blobs (all local ones, or just `digests`) that no adapter record references,
     from the folder and from the store's shared copies; returns those deleted from the folder.
+    Where the folder keeps another store's files (BlobStore.claim), none is deleted from it: an
+    adapter this store deletes may have the files of one that store keeps, and a SQLite store's
+    folder holds their only copy.
 
     NOTE: each blob's `blobs.locks` lock is held from the check of its references to its delete,
     so an upload of the same files, which holds it from making sure the blob is stored to writing
     its record (gateway.adapter_api), comes wholly before (and is seen referencing it) or wholly
     after (and stores the blob again). Never call this while holding one of those locks.
     """
-    await asyncio.to_thread(blobs.remove_stale_temp, time.time())
+    keeps_own_files = await _keeps_own_files(blobs, store)
+    if digests is None and not keeps_own_files:
+        return []
+    if keeps_own_files:
+        await asyncio.to_thread(blobs.remove_stale_temp, time.time())
     removed = []
     for digest in blobs.digests() if digests is None else digests:
         async with blobs.locks.hold(digest):
@@ -312,26 +319,28 @@ async def collect_garbage(
                 continue
             if store.shared_blobs is not None:
                 await store.shared_blobs.delete_unreferenced(digest)
-            if await asyncio.to_thread(blobs.delete, digest):
+            if keeps_own_files and await asyncio.to_thread(blobs.delete, digest):
                 removed.append(digest)
     return removed
 
 
-async def drop_deleted_adapters(blobs: BlobStore, store: Store) -> None:
-    """collect_garbage over the whole folder, saying what it removed; nothing where the folder
-    keeps another store's files (BlobStore.claim), saying so once."""
+async def _keeps_own_files(blobs: BlobStore, store: Store) -> bool:
+    """Whether the folder keeps `store`'s files (BlobStore.claim); where not, say so once."""
     store_id = await store.get_store_id()
     owner = await asyncio.to_thread(blobs.claim, store_id)
-    if owner != store_id:
-        if not blobs.warned_of_owner:
-            blobs.warned_of_owner = True
-            logger.warning(
-                "the adapter folder %s keeps the files of another store (its %s names %s; this "
-                "store is %s): files no adapter here names are left there, not deleted. If this "
-                "gateway should run on that store, check --data-dir and --store (or --redis); if "
-                "those files are no longer needed, delete them and %s", blobs.root, OWNER_FILE,
-                owner, store_id, OWNER_FILE)
-        return
+    if owner != store_id and not blobs.warned_of_owner:
+        blobs.warned_of_owner = True
+        logger.warning(
+            "the adapter folder %s keeps the files of another store (its %s names %s; this "
+            "store is %s): files no adapter here names are left there, not deleted. If this "
+            "gateway should run on that store, check --data-dir and --store (or --redis); if "
+            "those files are no longer needed, delete them and %s", blobs.root, OWNER_FILE,
+            owner, store_id, OWNER_FILE)
+    return owner == store_id
+
+
+async def drop_deleted_adapters(blobs: BlobStore, store: Store) -> None:
+    """collect_garbage over the whole folder, saying what it removed."""
     removed = await collect_garbage(blobs, store)
     if removed:
         logger.info("removed the files of %d deleted adapters from %s", len(removed), blobs.root)

@@ -1452,6 +1452,7 @@ def test_a_gateway_started_on_another_store_leaves_the_adapter_folder_s_files_al
     another store (a fresh one, its --data-dir mistyped) deleted them all as deleted adapters'
     files, and every call of those adapters on the right store then got 503 "upload it again"."""
     from store.blobs import BlobStore
+    from tests.conftest import ADMIN_KEY
 
     folder = tmp_path / "adapters"
     with gateway_server(demo_engine, tmp_path / "right", adapter_dir=folder) as right:
@@ -1459,8 +1460,15 @@ def test_a_gateway_started_on_another_store_leaves_the_adapter_folder_s_files_al
         assert upload(right, key, "bot", files_of(adapters["all-r8"])).status_code == 201
         before = greedy_ids(right, key, "bot")
     with caplog.at_level(logging.WARNING, logger="store.blobs"):
-        with gateway_server(demo_engine, tmp_path / "wrong", adapter_dir=folder):
-            pass
+        with gateway_server(demo_engine, tmp_path / "wrong", adapter_dir=folder) as wrong:
+            # Its tenants' adapters of the same files, deleted, deleted those files too: one
+            # deleted by its tenant, one with its tenant.
+            keys = [wrong.new_tenant(tenant) for tenant in ("deletes-adapter", "deleted")]
+            for other_key in keys:
+                assert upload(wrong, other_key, "mine", files_of(adapters["all-r8"])).status_code == 201
+            assert httpx.delete(wrong.url + "/v1/adapters/mine", headers=auth(keys[0])).status_code == 200
+            assert httpx.delete(wrong.url + "/admin/tenants/deleted",
+                                headers=auth(ADMIN_KEY)).status_code == 200
     assert [r.getMessage() for r in caplog.records if "keeps the files of another store" in
             r.getMessage()], caplog.text
     stray, _ = BlobStore(folder).put(adapters["attn-r4"])  # files no record of the right store names

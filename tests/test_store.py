@@ -46,7 +46,7 @@ import store.sqlite as store_sqlite
 from gateway.admission import admit, wait_for_settles
 from gateway.auth import ensure_admin_key
 from gateway.errors import ApiError
-from store.blobs import ADAPTER_FILES, BlobStore, collect_garbage, digest_files
+from store.blobs import ADAPTER_FILES, OWNER_FILE, BlobStore, collect_garbage, digest_files
 from store.keys import hash_key, verify_key
 from store.sqlite import LOCK_TIMEOUT_S
 from store.workers import WorkerRecord, WorkerRegistry
@@ -1423,7 +1423,9 @@ async def test_collect_garbage_leaves_entries_that_are_not_blobs(store: Store, t
     (blobs.root / "switchboard.db").write_bytes(b"SQLite format 3\x00")
     assert blobs.digests() == [dropped]
     assert await collect_garbage(blobs, store) == [dropped]
-    assert sorted(p.name for p in blobs.root.iterdir()) == ["lost+found", "switchboard.db"]
+    # and the mark of the store whose files the folder keeps (BlobStore.claim)
+    assert sorted(p.name for p in blobs.root.iterdir()) == sorted([OWNER_FILE, "lost+found",
+                                                                    "switchboard.db"])
 
 
 async def test_digest_locks_let_one_task_at_a_time_hold_a_digest(tmp_path: Path) -> None:
