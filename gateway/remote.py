@@ -37,7 +37,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,9 @@ class WorkerPool:
         self.slack = slack
         self.workers: dict[str, WorkerRecord] = {}
         self.seen: dict[str, ModelSeen] = {}  # every model's latest heartbeat, as Redis has it
+        # Each model's engine counters over its workers, taken up at every read of the registry:
+        # a worker's counts since the last /metrics scrape were lost when it left before the next.
+        self.totals: dict[str, _WorkerTotals] = {}
         self.clients: dict[str, RemoteEngineClient] = {}
         self.inflight: dict[str, int] = {}  # this gateway's requests placed on each worker
         self._inflight_at_beat: dict[str, int] = {}  # the same, when its last record was read
@@ -165,6 +168,12 @@ class WorkerPool:
         # NOTE: shielded: a caller that goes away stops waiting; the refresh goes on for others.
         await asyncio.shield(self._refreshing)
 
+    def _take_up_stats(self, records: list[WorkerRecord]) -> None:
+        now = time.monotonic()
+        for model in {r.model for r in records}:
+            self.totals.setdefault(model, _WorkerTotals()).take_up(
+                stats_by_worker(r for r in records if r.model == model), now)
+
     async def _refresh(self) -> None:
         if self._records_elsewhere:
             # NOTE: as long-lived as a worker's unused files: those of a gateway down meanwhile
@@ -183,6 +192,7 @@ class WorkerPool:
             if r.id not in self.workers or self.workers[r.id].beat_at != r.beat_at:
                 self._inflight_at_beat[r.id] = self.inflight.get(r.id, 0)
         self.workers = {r.id: r for r in records}
+        self._take_up_stats(records)
         # NOTE: a stream still opening to a worker gone holds its own reference. Each worker
         # started takes a new id: those of workers gone are forgotten, but for requests still
         # placed on them (counted down as they end).
@@ -353,7 +363,6 @@ class RemoteEngineClient(TextCodec):
         self.tokenizer_digest = tokenizer_digest  # of the workers' tokenizer files it reads with
         self.model = model
         self._pool = pool
-        self._totals = _WorkerTotals()
 
     def _records(self) -> list[WorkerRecord]:
         return [r for r in self._pool.workers.values() if r.model == self.model]
@@ -573,11 +582,22 @@ class RemoteEngineClient(TextCodec):
             f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
 
     def stats(self) -> EngineStats:
-        return self._totals.add_up({r.id: msgspec.json.decode(r.stats, type=EngineStats)
-                                    for r in self._records()}, time.monotonic())
+        totals = self._pool.totals.setdefault(self.model, _WorkerTotals())
+        return totals.add_up(stats_by_worker(self._records()), time.monotonic())
 
     def close(self) -> None:
         """Nothing to stop here: the pool's connections close with the gateway's lifespan."""
+
+
+def stats_by_worker(records: Iterable[WorkerRecord]) -> dict[str, EngineStats]:
+    """The engine stats of `records` by worker id, but for stats that do not read as this
+    gateway's EngineStats (a worker of another version): they are left out of the totals, and
+    the registry's reads (which take them up) go on."""
+    stats = {}
+    for r in records:
+        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            stats[r.id] = msgspec.json.decode(r.stats, type=EngineStats)
+    return stats
 
 
 # EngineStats' cumulative counters; its other fields are gauges of the engines up now.
@@ -601,14 +621,19 @@ class _WorkerTotals:
         self._latest: dict[str, tuple[float, EngineStats]] = {}  # by worker id: seen at, stats
         self._folded = dict.fromkeys(_COUNTERS, 0)  # those of workers gone for FOLD_AFTER_S
 
-    def add_up(self, current: dict[str, EngineStats], now: float) -> EngineStats:
-        """The stats of `current`, the workers registered now (by id), at monotonic time `now`."""
+    def take_up(self, current: dict[str, EngineStats], now: float) -> None:
+        """Keep the stats of `current`, the workers registered now (by id), read at monotonic
+        time `now`: those of a worker that then leaves are its last."""
         self._latest |= {worker_id: (now, stats) for worker_id, stats in current.items()}
         for worker_id, (seen_at, stats) in list(self._latest.items()):
             if now - seen_at > self.FOLD_AFTER_S:
                 for name in _COUNTERS:
                     self._folded[name] += getattr(stats, name)
                 del self._latest[worker_id]
+
+    def add_up(self, current: dict[str, EngineStats], now: float) -> EngineStats:
+        """The stats of `current`, the workers registered now (by id), at monotonic time `now`."""
+        self.take_up(current, now)
         live = list(current.values())
         gauges = {f: sum(getattr(s, f) for s in live) for f in EngineStats.__struct_fields__
                   if f not in _COUNTERS and f != "prefix_cache_hit_rate"}

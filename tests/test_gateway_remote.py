@@ -649,6 +649,17 @@ def test_a_model_s_engine_counters_never_go_down_as_its_workers_come_and_go(tmp_
     assert totals() == (47, 9, 2, round(10 / 47, 6))
     registry.records = [worker("c", 0, 0, 0)]  # both restarted, under a new id
     assert totals() == (47, 9, 1, round(10 / 47, 6))
+    # What a worker counted after the last scrape is kept when it leaves before the next: the
+    # counters took up the workers registered at each scrape only.
+    registry.records = [worker("c", 20, 4, 0)]
+    asyncio.run(pool.refresh())
+    registry.records = [worker("c", 30, 7, 0), worker("d", 2, 0, 0)]
+    asyncio.run(pool.refresh())
+    registry.records = [worker("d", 2, 0, 0)]  # c left
+    assert totals() == (79, 16, 1, round(10 / 79, 6))
+    # Stats that do not read as EngineStats (a worker of another version) count as none.
+    registry.records = [_record("d", stats=b'{"num_running": "busy"}')]
+    assert totals() == (79, 16, 0, round(10 / 79, 6))
     asyncio.run(pool.http.aclose())
     # A long-running gateway keeps no entry for each worker ever started: long gone, their
     # counts are folded into one.
