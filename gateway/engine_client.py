@@ -180,10 +180,11 @@ class EngineClient(Protocol):
         raises RequestRejected if the engine refuses the request, later ones EngineFailure;
         leaving the loop early aborts it."""
 
-    async def ensure_available(self) -> None:
+    async def ensure_available(self, adapter: AdapterRef | None = None) -> None:
         """EngineUnavailable (saying what to do) when no request could start now, as when every
-        remote worker of the model is down; checked before a call is admitted, so that a call
-        that could only get a 503 does not use up its tenant's rate limit."""
+        remote worker of the model is down, or (AdapterNotServedNow) none that is up runs
+        `adapter`'s rank; checked before a call is admitted, so that a call that could only get
+        a 503 does not use up its tenant's rate limit, nor run a route's tiers before it."""
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and counters."""

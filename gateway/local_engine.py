@@ -116,8 +116,9 @@ class LocalEngineClient(TextCodec):
         finally:
             await outputs.aclose()  # aborts the engine request if this stream is closed early
 
-    async def ensure_available(self) -> None:
-        """Always: the engine runs in this process."""
+    async def ensure_available(self, adapter: AdapterRef | None = None) -> None:
+        """Always: the engine runs in this process (an adapter above its rank limit is refused
+        before, see gateway.serving)."""
 
     def stats(self) -> EngineStats:
         m = self._engine.metrics()

@@ -547,9 +547,10 @@ class RemoteEngineClient(TextCodec):
                 return
         raise self._none_took(tried, out_of_space, rank)
 
-    async def ensure_available(self) -> None:
-        if not await self._candidates(set(), adapter_rank=None):
-            raise self._unavailable()
+    async def ensure_available(self, adapter: AdapterRef | None = None) -> None:
+        rank = None if adapter is None else adapter.rank
+        if not await self._candidates(set(), adapter_rank=rank):
+            raise self._unavailable(rank)
 
     def _none_took(self, tried: set[str], out_of_space: list[str],
                    adapter_rank: int | None) -> EngineFailure:

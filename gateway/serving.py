@@ -24,8 +24,8 @@ from starlette.responses import Response
 from gateway.admission import Admission, Estimate, admit
 from gateway.auth import authenticate_tenant
 from gateway.cascade import Attempt, run_cascade, run_with_fallback
-from gateway.engine_client import (AdapterDeleted, AdapterRef, CannotServe, EngineClient, EngineFailure,
-                                   EngineUnavailable, RequestRejected, SamplingOptions)
+from gateway.engine_client import (AdapterCannotRun, AdapterDeleted, AdapterRef, CannotServe, EngineClient,
+                                   EngineFailure, EngineUnavailable, RequestRejected, SamplingOptions)
 from gateway.errors import (ApiError, client_closed, engine_failed, from_validation_error,
                            invalid_request, model_not_found, quoted, refused_when_out_of_space,
                            server_shutdown, too_deep_message, unavailable_until_mended)
@@ -595,7 +595,11 @@ async def _leave_out_unavailable(target: Target, readings: list[list[Reading] | 
     for tier, reading in zip(target.tiers, readings):
         if reading is not None:
             try:
-                await tier.engine.ensure_available()
+                await tier.engine.ensure_available(tier.adapter)
+            except AdapterCannotRun as error:
+                # NOTE: the call asked for the adapter: no other tier answers in its place, and
+                # tiers run and billed before it were a 503 all the same.
+                raise engine_failed(error) from None
             except EngineUnavailable as error:
                 refusal, reading = refusal or error, None
         available.append(reading)

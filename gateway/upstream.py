@@ -432,8 +432,8 @@ class UpstreamEngineClient:
         finally:
             relay.cancel()  # closes the upstream request when this stream is left early
 
-    async def ensure_available(self) -> None:
-        """Always: only a request finds out whether the upstream answers."""
+    async def ensure_available(self, adapter: AdapterRef | None = None) -> None:
+        """Always: only a request finds out whether the upstream answers (it runs no adapter)."""
 
     def stats(self) -> EngineStats:
         """Requests in flight as running, and the tokens counted; the rest is the upstream's."""

@@ -1416,11 +1416,14 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
         demo_engine, narrow_engine, redis_url, tmp_path):  # noqa: F811
     """Once no worker up serves its rank, the adapter's calls get a 503 asking to retry, those
     naming it under a route too: the route's next tier, on its base model, once answered them
-    (and billed them at its price), where the call asked for the adapter."""
+    (and billed them at its price), where the call asked for the adapter; and a route whose
+    adapter tier comes later ran and billed the tiers before it, then answered the 503."""
     from routing.routes import parse_routes
 
-    routes = parse_routes({"escalating": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob",
-                                          "threshold": 1.0}}, None)
+    routes = parse_routes({
+        "escalating": {"tiers": [DEMO_MODEL, "large"], "measure": "min_prob", "threshold": 1.0},
+        "to-adapter": {"tiers": ["large", DEMO_MODEL], "measure": "min_prob", "threshold": 1.0},
+    }, None)
     folder = demo_adapter(tmp_path / "adapter", rank=2 * NARROW_MAX_LORA_RANK)
     adapter = AdapterRef(digest_files(folder), str(folder))
     expected = asyncio.run(_token_ids(demo_engine, "local", 4, adapter))
@@ -1454,7 +1457,8 @@ def test_workers_with_different_max_lora_ranks_serve_each_adapter_on_one_its_ran
 
             wide_running.close()  # the only worker that serves the adapter's rank leaves
             before = server.admin("GET", "/admin/tenants/mixed").json()["usage"]
-            refusals = [_completion(server.url, key, model, 4) for model in ("tuned", "escalating:tuned")]
+            refusals = [_completion(server.url, key, model, 4)
+                        for model in ("tuned", "escalating:tuned", "to-adapter:tuned")]
             after = server.admin("GET", "/admin/tenants/mixed").json()["usage"]
             assert len(_answer_ids(_completion(server.url, key, DEMO_MODEL, 4))) == 4
     assert after == before  # nothing billed

@@ -80,7 +80,7 @@ class ScriptedTier(IdleEngineParts):
     async def check_adapter(self, folder: str) -> AdapterInfo:
         raise AdapterRejected("no adapters here")
 
-    async def ensure_available(self) -> None:
+    async def ensure_available(self, adapter: AdapterRef | None = None) -> None:
         if self.down:
             raise EngineUnavailable(f"no engine serving {self.name!r} is up")
 
