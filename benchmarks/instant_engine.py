@@ -88,7 +88,7 @@ class InstantEngine:
             finished=True, finish_reason="length", num_prompt_tokens=len(prompt_token_ids),
             num_output_tokens=len(token_ids), num_cached_tokens=0)
 
-    async def ensure_available(self) -> None:
+    async def ensure_available(self, adapter: AdapterRef | None = None) -> None:
         """Always available: there is nothing behind it."""
 
     def stats(self) -> EngineStats:

@@ -250,7 +250,7 @@ class IdleEngineParts:
                            prefix_cache_hit_rate=0.0, num_prompt_tokens=0,
                            num_generation_tokens=0, num_preemptions=0)
 
-    async def ensure_available(self) -> None:
+    async def ensure_available(self, adapter: object = None) -> None:
         pass
 
     def close(self) -> None:
