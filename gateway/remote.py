@@ -169,8 +169,10 @@ class WorkerPool:
         await asyncio.shield(self._refreshing)
 
     def _take_up_stats(self, records: list[WorkerRecord]) -> None:
+        """Each model's totals take up its workers registered now (none, for a model whose
+        workers all left: its gauges read 0, its counters keep what they counted)."""
         now = time.monotonic()
-        for model in {r.model for r in records}:
+        for model in {r.model for r in records} | set(self.totals):
             self.totals.setdefault(model, _WorkerTotals()).take_up(
                 stats_by_worker(r for r in records if r.model == model), now)
 
@@ -583,8 +585,8 @@ class RemoteEngineClient(TextCodec):
             f"`switchboard worker --model {self.model}=PATH --redis URL`, or retry shortly")
 
     def stats(self) -> EngineStats:
-        totals = self._pool.totals.setdefault(self.model, _WorkerTotals())
-        return totals.add_up(stats_by_worker(self._records()), time.monotonic())
+        """Over the model's workers as the pool last read them (WorkerPool._take_up_stats)."""
+        return self._pool.totals.setdefault(self.model, _WorkerTotals()).total()
 
     def close(self) -> None:
         """Nothing to stop here: the pool's connections close with the gateway's lifespan."""
@@ -621,10 +623,12 @@ class _WorkerTotals:
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, EngineStats]] = {}  # by worker id: seen at, stats
         self._folded = dict.fromkeys(_COUNTERS, 0)  # those of workers gone for FOLD_AFTER_S
+        self._live: list[EngineStats] = []  # of the workers registered now: their gauges
 
     def take_up(self, current: dict[str, EngineStats], now: float) -> None:
         """Keep the stats of `current`, the workers registered now (by id), read at monotonic
         time `now`: those of a worker that then leaves are its last."""
+        self._live = list(current.values())
         self._latest |= {worker_id: (now, stats) for worker_id, stats in current.items()}
         for worker_id, (seen_at, stats) in list(self._latest.items()):
             if now - seen_at > self.FOLD_AFTER_S:
@@ -632,11 +636,9 @@ class _WorkerTotals:
                     self._folded[name] += getattr(stats, name)
                 del self._latest[worker_id]
 
-    def add_up(self, current: dict[str, EngineStats], now: float) -> EngineStats:
-        """The stats of `current`, the workers registered now (by id), at monotonic time `now`."""
-        self.take_up(current, now)
-        live = list(current.values())
-        gauges = {f: sum(getattr(s, f) for s in live) for f in EngineStats.__struct_fields__
+    def total(self) -> EngineStats:
+        """The gauges of the workers last taken up, the counters of every worker ever taken up."""
+        gauges = {f: sum(getattr(s, f) for s in self._live) for f in EngineStats.__struct_fields__
                   if f not in _COUNTERS and f != "prefix_cache_hit_rate"}
         counters = {f: self._folded[f] + sum(getattr(s, f) for _, s in self._latest.values())
                     for f in _COUNTERS}

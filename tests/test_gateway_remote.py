@@ -616,7 +616,9 @@ def test_the_prefix_cache_hit_rate_over_workers_is_their_hits_over_their_lookups
                            prefix_cache_queried_tokens=queried, prefix_cache_hit_tokens=cached)
 
     # One prompt sent 10 times to a, 10 prompts once each to b (as measured on two engines).
-    summed = _WorkerTotals().add_up({"a": stats(262, 1990, 1728), "b": stats(1990, 1990, 0)}, 0.0)
+    totals = _WorkerTotals()
+    totals.take_up({"a": stats(262, 1990, 1728), "b": stats(1990, 1990, 0)}, 0.0)
+    summed = totals.total()
     assert summed.prefix_cache_hit_rate == pytest.approx(1728 / 3980)  # 0.101 before
     assert (summed.prefix_cache_queried_tokens, summed.prefix_cache_hit_tokens) == (3980, 1728)
 
@@ -664,8 +666,9 @@ def test_a_model_s_engine_counters_never_go_down_as_its_workers_come_and_go(tmp_
     # A long-running gateway keeps no entry for each worker ever started: long gone, their
     # counts are folded into one.
     kept = _WorkerTotals()
-    kept.add_up({"a": msgspec.json.decode(worker("a", 10, 3, 5).stats, type=EngineStats)}, 0.0)
-    assert kept.add_up({}, _WorkerTotals.FOLD_AFTER_S + 1).num_prompt_tokens == 10
+    kept.take_up({"a": msgspec.json.decode(worker("a", 10, 3, 5).stats, type=EngineStats)}, 0.0)
+    kept.take_up({}, _WorkerTotals.FOLD_AFTER_S + 1)
+    assert kept.total().num_prompt_tokens == 10
     assert kept._latest == {}
 
 
