@@ -202,6 +202,8 @@ class Request:
     """Identity of the LoRA adapter; part of the prefix-cache key because LoRA changes K and V."""
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    fair_round: int = 0
+    """Its turn among the tenants' requests of its priority, given by the scheduler (TenantRounds)."""
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -277,9 +279,10 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Scheduling order: priority first, then arrival (FCFS within a priority)."""
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority first, then the tenants' turns (first come, first served
+        within one tenant's turns), then arrival."""
+        return (self.priority, self.fair_round, self.arrival_seq)
 
     @property
     def is_finished(self) -> bool:

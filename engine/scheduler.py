@@ -8,6 +8,7 @@ that ride alongside the decode tokens of other requests (chunked prefill is the 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -17,6 +18,8 @@ from engine.request import Request, RequestStatus, TokenLogprobs
 
 # Distinct adapters of the queue head warmed each step; deeper in the queue they would only churn.
 _MAX_PREFETCH_ADAPTERS = 16
+# Tenants whose next turn TenantRounds keeps before it forgets those with no request left.
+_MAX_TENANT_TURNS = 1024
 
 
 @dataclass
@@ -82,6 +85,40 @@ class SchedulerStats:
     num_generation_tokens: int = 0
 
 
+class TenantRounds:
+    """Fair turns between tenants within a priority. Each request takes a round: its tenant's next,
+    but none before the round admission has reached, and requests wait in (priority, round,
+    arrival) order. A tenant that queues many requests at once (the 2048 choices of one call)
+    takes as many rounds, so another tenant's request arriving behind them waits for about one
+    round, not for all of them; a tenant that was idle saves up no turns. Requests of one tenant
+    (or of none: the offline API) keep first come, first served."""
+
+    def __init__(self, live_tenants: Callable[[], set[str | None]]):
+        self.reached = 0
+        self._next: dict[str | None, int] = {}
+        self._live_tenants = live_tenants
+        self._forget_at = _MAX_TENANT_TURNS
+
+    def take(self, tenant: str | None) -> int:
+        turn = max(self._next.get(tenant, 0), self.reached)
+        self._next[tenant] = turn + 1
+        if len(self._next) > self._forget_at:
+            # A tenant with no request left starts again at `reached`, as one never seen: it has
+            # no turns in the queue to wait behind.
+            live = self._live_tenants() | {tenant}
+            self._next = {t: n for t, n in self._next.items() if t in live}
+            self._forget_at = max(_MAX_TENANT_TURNS, 2 * len(self._next))
+        return turn
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants whose next turn is kept."""
+        return len(self._next)
+
+    def admitted(self, request: Request) -> None:
+        self.reached = max(self.reached, request.fair_round)
+
+
 class Scheduler:
     """Owns the waiting and running queues, the KV block manager and adapter slot admission;
     never touches tensors."""
@@ -96,10 +133,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # finished with an error since the last `take_failed`
         self.stats = SchedulerStats()
+        self.tenant_rounds = TenantRounds(lambda: {r.tenant for r in self.requests.values()})
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.fair_round = self.tenant_rounds.take(request.tenant)
         self._enqueue_waiting(request)  # NOTE: first: a request it failed to queue is not kept
         self.requests[request.request_id] = request
 
@@ -137,14 +176,15 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> None:
-        """Admit waiting requests into the budget left, in priority/FCFS order, onto `scheduled`.
+        """Admit waiting requests into the budget left, in priority and turn order (TenantRounds),
+        onto `scheduled`.
 
         A request whose next prompt block another request computes in this step (the choices
         of one n > 1 call, a shared system prompt arriving in a burst) waits one step, and then
         reads that block, and the ones after it that are ready, from the prefix cache instead of
         computing them again.
 
-        KV memory and batch slots are first come, first served within a priority: the first request
+        KV memory and batch slots are taken in that order within a priority: the first request
         that does not fit stops admission, unless less urgent requests run. Then, as vLLM's priority
         policy, the least urgent of them is preempted (even if scheduled in this step) until it fits.
 
@@ -191,6 +231,7 @@ class Scheduler:
                 index = self._index_after(request)
                 continue
             del self.waiting[index]
+            self.tenant_rounds.admitted(request)
             self.kv.allocate(request, num_new, hits)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -202,7 +243,7 @@ class Scheduler:
 
     def _victim_for(self, request: Request) -> Request | None:
         """The running request to preempt for waiting `request`: the least urgent one (the latest
-        arrival among equals), if it is strictly less urgent than `request`."""
+        turn among equals), if it is strictly less urgent than `request`."""
         victim = max(self.running, key=lambda r: r.sort_key, default=None)
         return victim if victim is not None and victim.priority > request.priority else None
 

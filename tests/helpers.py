@@ -133,13 +133,13 @@ _ids = itertools.count()
 
 
 def create_request(num_prompt_tokens: int = 8, max_tokens: int = 4, priority: int = 0,
-                   prompt: list[int] | None = None, **params) -> Request:
+                   prompt: list[int] | None = None, tenant: str | None = None, **params) -> Request:
     n = next(_ids)
     # Distinct default prompts, so no test gets prefix-cache hits it did not ask for.
     prompt = prompt if prompt is not None else [(n * 101 + i * 7) % 1000 for i in range(num_prompt_tokens)]
     return Request(f"req-{n}", prompt,
                    SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
-                   priority=priority)
+                   priority=priority, tenant=tenant)
 
 
 def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,

@@ -109,6 +109,50 @@ def test_priority_runs_first_and_fcfs_within_priority():
     assert order == [high_early.request_id, high_late.request_id, low.request_id]
 
 
+def test_a_tenant_that_queues_many_requests_does_not_hold_back_another_tenant():
+    scheduler = create_scheduler(max_num_seqs=2)
+    flood = [create_request(max_tokens=2, tenant="noisy") for _ in range(12)]
+    for request in flood:
+        scheduler.add_request(request)
+    order = [s.request for s in run_step(scheduler).scheduled]  # requests in admission order
+    other, other_second = (create_request(max_tokens=2, tenant="other") for _ in range(2))
+    scheduler.add_request(other)
+    scheduler.add_request(other_second)
+    while scheduler.has_unfinished_requests():
+        order += [s.request for s in run_step(scheduler).scheduled if s.request not in order]
+    # The other tenant's requests take turns with the flood's instead of waiting for all of it.
+    assert order == flood[:2] + [other, flood[2], other_second] + flood[3:]
+
+
+def test_an_idle_tenant_saves_up_no_turns():
+    scheduler = create_scheduler(max_num_seqs=1)
+    for _ in range(4):  # tenant "busy" is served four turns while "idle" sends nothing
+        scheduler.add_request(create_request(max_tokens=1, tenant="busy"))
+        run_step(scheduler)
+    queued = [create_request(max_tokens=1, tenant=t) for t in ("busy", "busy", "idle", "idle")]
+    for request in queued:
+        scheduler.add_request(request)
+    order = []
+    while scheduler.has_unfinished_requests():
+        order += [s.request for s in run_step(scheduler).scheduled]
+    # The idle tenant starts at the turn admission reached (that of busy's last), not at 0:
+    # it alternates with busy rather than going first twice.
+    assert order == [queued[2], queued[0], queued[3], queued[1]]
+
+
+def test_tenant_turns_are_forgotten_once_a_tenant_has_no_request_left():
+    scheduler = create_scheduler(max_num_seqs=64)
+    for i in range(3000):  # a request each from 3000 tenants, never more than 20 queued at once
+        scheduler.add_request(create_request(max_tokens=1, tenant=f"tenant-{i}"))
+        if i % 20 == 19:
+            while scheduler.has_unfinished_requests():
+                run_step(scheduler)
+    assert scheduler.tenant_rounds.num_tenants <= 1024
+    waiting = create_request(max_tokens=1, tenant="tenant-0")
+    scheduler.add_request(waiting)  # a forgotten tenant starts at the turn admission reached
+    assert waiting.fair_round == scheduler.tenant_rounds.reached
+
+
 def test_preemption_picks_the_lowest_priority_victim():
     scheduler = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
     important = create_request(num_prompt_tokens=8, max_tokens=8, priority=0)
