@@ -571,7 +571,7 @@ class RedisStore:
         costs = rate_costs(tenant, requests, tokens)
         if not costs:
             return RateDecision(True)
-        args = [repr(now_or(now)), repr(WINDOW_S), int(overdraw)]
+        args = [_clock(now), repr(WINDOW_S), int(overdraw)]
         for kind, (limit, cost) in costs.items():
             args += [kind, limit, cost]
         allowed, retry_after, limited_by = await self._rate_script(
@@ -588,11 +588,11 @@ class RedisStore:
         now: float | None = None,
         ttl_s: float = 600.0,
     ) -> Reservation | None:
-        now = now_or(now)
-        r = new_reservation(tenant, tokens, spend_usd, now, ttl_s)
+        # NOTE: the hold lapses ttl_s after Redis's clock (see redis_lua), not r.expires_at.
+        r = new_reservation(tenant, tokens, spend_usd, now_or(now), ttl_s)
         budgets = (tenant.monthly_token_budget, tenant.monthly_spend_budget_usd)
-        args = [repr(now), *("" if b is None else repr(b) for b in budgets)]
-        args += [tokens, repr(float(spend_usd)), r.id, repr(r.expires_at), int(ttl_s) + 1,
+        args = [_clock(now), *("" if b is None else repr(b) for b in budgets)]
+        args += [tokens, repr(float(spend_usd)), r.id, repr(float(ttl_s)), int(ttl_s) + 1,
                  repr(SPEND_TOLERANCE_USD)]
         keys = [self._keys.usage(r.tenant, r.month), self._keys.holds(r.tenant, r.month)]
         return r if await self._reserve_script(keys=keys, args=args) else None
@@ -600,8 +600,7 @@ class RedisStore:
     async def extend_hold(
         self, reservation: Reservation, *, ttl_s: float = 600.0, now: float | None = None
     ) -> bool:
-        now = now_or(now)
-        args = [reservation.id, repr(now), repr(now + ttl_s), int(ttl_s) + 1]
+        args = [reservation.id, _clock(now), repr(float(ttl_s)), int(ttl_s) + 1]
         keys = [self._keys.holds(reservation.tenant, reservation.month)]
         return bool(await self._extend_hold_script(keys=keys, args=args))
 
@@ -641,10 +640,12 @@ class RedisStore:
     async def get_usage(
         self, tenant: str, month: str | None = None, *, now: float | None = None
     ) -> Usage:
-        now = now_or(now)
-        month = month or month_of(now)
+        month = month or month_of(now_or(now))
         counters, holds = await self._read_together(("HGETALL", self._keys.usage(tenant, month)),
                                                     ("HVALS", self._keys.holds(tenant, month)))
+        if now is None:  # holds lapse by Redis's clock (see redis_lua)
+            seconds, microseconds = await self._redis.time()
+            now = seconds + microseconds / 1e6
         live = [(int(t), float(s)) for t, s, exp in (h.split() for h in holds) if float(exp) > now]
         return Usage(
             tenant=tenant,
@@ -665,6 +666,11 @@ def _address(client: aioredis.Redis) -> str:
     # connects to its defaults for the rest.
     return kwargs.get("path") or (f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/"
                                   f"{kwargs.get('db', 0)}")
+
+
+def _clock(now: float | None) -> str:
+    """`now` as the scripts take it: '' for Redis's own clock, the one every gateway reads."""
+    return "" if now is None else repr(now)
 
 
 def _enc(record: msgspec.Struct) -> bytes:

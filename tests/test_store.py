@@ -932,6 +932,28 @@ async def test_redis_a_call_settling_while_its_tenant_is_deleted_leaves_a_new_on
         await store.close()
 
 
+async def test_redis_limits_hold_against_a_gateway_whose_clock_runs_ahead(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gateways on several machines have clocks a little apart: one 90 s ahead took another's live
+    holds for lapsed, dropping them (a second call past the monthly budget), and its rpm bucket
+    for refilled (a second full minute's calls at once). Both go by Redis's clock."""
+    store = await RedisStore.open(redis_url)
+    try:
+        acme = await make_tenant(store, rpm=2, monthly_token_budget=3000)
+        assert await store.reserve_tokens(acme, 2000, ttl_s=60) is not None
+        for _ in range(2):
+            assert (await store.check_and_consume_rate(acme)).allowed
+        clock = time.time
+        monkeypatch.setattr(time, "time", lambda: clock() + 90)  # another gateway's clock
+        assert await store.reserve_tokens(acme, 2000, ttl_s=60) is None
+        assert (await store.get_usage("acme")).reserved_tokens == 2000
+        refused = await store.check_and_consume_rate(acme)
+        assert not refused.allowed and refused.retry_after <= 30
+    finally:
+        await store.close()
+
+
 def _fill_memory(admin: redis.Redis, data_dir: Path) -> None:
     admin.config_set("maxmemory", 1)  # with noeviction, the policy README asks for
 
