@@ -8,7 +8,7 @@ that ride alongside the decode tokens of other requests (chunked prefill is the 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import sys
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -90,23 +90,24 @@ class TenantRounds:
     but none before the round admission has reached, and requests wait in (priority, round,
     arrival) order. A tenant that queues many requests at once (the 2048 choices of one call)
     takes as many rounds, so another tenant's request arriving behind them waits for about one
-    round, not for all of them; a tenant that was idle saves up no turns. Requests of one tenant
-    (or of none: the offline API) keep first come, first served."""
+    round, not for all of them; a tenant that was idle saves up no turns, nor owes the turns of
+    requests that left unserved (aborted). Requests of one tenant (or of none: the offline API)
+    keep first come, first served."""
 
-    def __init__(self, live_tenants: Callable[[], set[str | None]]):
+    def __init__(self):
         self.reached = 0
         self._next: dict[str | None, int] = {}
-        self._live_tenants = live_tenants
+        self._num_requests: dict[str | None, int] = {}  # each tenant's requests in the scheduler
         self._forget_at = _MAX_TENANT_TURNS
 
     def take(self, tenant: str | None) -> int:
         turn = max(self._next.get(tenant, 0), self.reached)
         self._next[tenant] = turn + 1
+        self._num_requests[tenant] = self._num_requests.get(tenant, 0) + 1
         if len(self._next) > self._forget_at:
             # A tenant with no request left starts again at `reached`, as one never seen: it has
             # no turns in the queue to wait behind.
-            live = self._live_tenants() | {tenant}
-            self._next = {t: n for t, n in self._next.items() if t in live}
+            self._next = {t: n for t, n in self._next.items() if t in self._num_requests}
             self._forget_at = max(_MAX_TENANT_TURNS, 2 * len(self._next))
         return turn
 
@@ -115,8 +116,20 @@ class TenantRounds:
         """Tenants whose next turn is kept."""
         return len(self._next)
 
-    def admitted(self, request: Request) -> None:
-        self.reached = max(self.reached, request.fair_round)
+    def admitted(self, request: Request, skipped_round: int) -> None:
+        """`request` left the queue for the batch, passing over waiting requests whose lowest round
+        is `skipped_round`: admission reaches no further than a round still waiting (the choices
+        of an n > 1 call that wait one step for their prompt's blocks)."""
+        self.reached = max(self.reached, min(request.fair_round, skipped_round))
+
+    def left(self, request: Request) -> None:
+        """`request` left the scheduler (finished, aborted or failed)."""
+        tenant = request.tenant
+        self._num_requests[tenant] -= 1
+        if self._num_requests[tenant] == 0:
+            del self._num_requests[tenant]
+            # Rounds its requests took and left unserved (aborted while queued) are not owed.
+            self._next[tenant] = min(self._next[tenant], self.reached + 1)
 
 
 class Scheduler:
@@ -133,7 +146,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.failed: list[Request] = []  # finished with an error since the last `take_failed`
         self.stats = SchedulerStats()
-        self.tenant_rounds = TenantRounds(lambda: {r.tenant for r in self.requests.values()})
+        self.tenant_rounds = TenantRounds()
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -197,6 +210,7 @@ class Scheduler:
         """
         in_flight = self._blocks_in_flight(scheduled)
         slot_blocked = False
+        skipped_round = sys.maxsize  # the lowest round of the requests passed over, which still wait
         index = 0
         while index < len(self.waiting) and budget > 0:
             request = self.waiting[index]
@@ -209,11 +223,13 @@ class Scheduler:
                     continue
                 # A request whose adapter is not in host memory yet needs no slot yet.
                 slot_blocked = slot_blocked or self.adapter_slots.is_loaded(request.adapter_id)
+                skipped_round = min(skipped_round, request.fair_round)
                 index += 1
                 continue
             # Cached blocks would skip the positions whose logits prompt logprobs come from.
             hits = [] if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
             if not request.needs_prompt_logprobs and self._next_block_is_in_flight(request, hits, in_flight):
+                skipped_round = min(skipped_round, request.fair_round)
                 index += 1
                 continue
             num_new = min(request.num_tokens - len(hits) * self.kv.block_size, budget)
@@ -231,7 +247,7 @@ class Scheduler:
                 index = self._index_after(request)
                 continue
             del self.waiting[index]
-            self.tenant_rounds.admitted(request)
+            self.tenant_rounds.admitted(request, skipped_round)
             self.kv.allocate(request, num_new, hits)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -378,6 +394,7 @@ class Scheduler:
             self.waiting.remove(request)
             self._drop_unwanted_load(request.adapter_id)
         self._release(request)
+        self.tenant_rounds.left(request)
         request.status = status
         return request
 

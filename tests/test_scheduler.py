@@ -140,6 +140,41 @@ def test_an_idle_tenant_saves_up_no_turns():
     assert order == [queued[2], queued[0], queued[3], queued[1]]
 
 
+def test_choices_waiting_one_step_for_their_prompt_keep_their_turns():
+    scheduler = create_scheduler(max_num_seqs=8)
+    # Two prompts of more than a block, six choices each: the first choice of each computes its
+    # prompt's blocks, and the other choices wait one step to read them from the prefix cache.
+    flood = [create_request(prompt=[p] * 9, max_tokens=2, tenant="noisy") for p in (5, 7) for _ in range(6)]
+    for request in flood:
+        scheduler.add_request(request)
+    order = [s.request for s in run_step(scheduler).scheduled]
+    other = create_request(max_tokens=2, tenant="other")
+    scheduler.add_request(other)
+    while scheduler.has_unfinished_requests():
+        order += [s.request for s in run_step(scheduler).scheduled if s.request not in order]
+    # Admission passed over the first prompt's choices, which still wait: it has not reached the
+    # second prompt's turns, and the other tenant's request waits for about one round of choices.
+    assert order == [flood[0], flood[6], flood[1], other] + flood[2:6] + flood[7:]
+
+
+def test_a_tenant_owes_no_turns_for_queued_requests_it_aborted():
+    scheduler = create_scheduler(max_num_seqs=1)
+    flood = [create_request(max_tokens=1, tenant="noisy") for _ in range(10)]
+    for request in flood:
+        scheduler.add_request(request)
+    run_step(scheduler)  # flood[0] runs and finishes; then its client aborts the rest
+    for request in flood[1:]:
+        scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+    queued = [create_request(max_tokens=1, tenant=t) for t in ("other", "other", "other", "noisy")]
+    for request in queued:
+        scheduler.add_request(request)
+    order = []
+    while scheduler.has_unfinished_requests():
+        order += [s.request for s in run_step(scheduler).scheduled]
+    # noisy takes the turn after its last one served, not one behind the nine it aborted.
+    assert order == [queued[0], queued[1], queued[3], queued[2]]
+
+
 def test_tenant_turns_are_forgotten_once_a_tenant_has_no_request_left():
     scheduler = create_scheduler(max_num_seqs=64)
     for i in range(3000):  # a request each from 3000 tenants, never more than 20 queued at once
