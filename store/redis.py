@@ -285,10 +285,15 @@ class ReadTogether:
     async def __call__(self, *reads: tuple[str, str]) -> list:
         """The reply to each (command, key) of `reads`, in order: a dict for HGETALL, a list for
         HVALS."""
-        replies = await self._script(keys=[key for _, key in reads],
-                                     args=[command for command, _ in reads])
-        return [dict(zip(reply[::2], reply[1::2])) if command == "HGETALL" else reply
-                for (command, _), reply in zip(reads, replies)]
+        return (await self.with_clock(*reads))[0]
+
+    async def with_clock(self, *reads: tuple[str, str]) -> tuple[list, float]:
+        """The replies, as the call gives them, and Redis's clock when they were read (seconds)."""
+        *replies, (seconds, microseconds) = await self._script(
+            keys=[key for _, key in reads], args=[command for command, _ in reads])
+        return ([dict(zip(reply[::2], reply[1::2])) if command == "HGETALL" else reply
+                 for (command, _), reply in zip(reads, replies)],
+                int(seconds) + int(microseconds) / 1e6)
 
 
 class RedisStore:
@@ -641,11 +646,9 @@ class RedisStore:
         self, tenant: str, month: str | None = None, *, now: float | None = None
     ) -> Usage:
         month = month or month_of(now_or(now))
-        counters, holds = await self._read_together(("HGETALL", self._keys.usage(tenant, month)),
-                                                    ("HVALS", self._keys.holds(tenant, month)))
-        if now is None:  # holds lapse by Redis's clock (see redis_lua)
-            seconds, microseconds = await self._redis.time()
-            now = seconds + microseconds / 1e6
+        (counters, holds), clock = await self._read_together.with_clock(
+            ("HGETALL", self._keys.usage(tenant, month)), ("HVALS", self._keys.holds(tenant, month)))
+        now = clock if now is None else now  # holds lapse by Redis's clock (see redis_lua)
         live = [(int(t), float(s)) for t, s, exp in (h.split() for h in holds) if float(exp) > now]
         return Usage(
             tenant=tenant,

@@ -115,12 +115,13 @@ return 1
 
 
 # KEYS: the keys to read; ARGV[i]: the read command for KEYS[i] (HGETALL, HVALS). Returns one reply
-# per key, all read at one instant.
+# per key, all read at one instant, then Redis's clock at that instant (TIME's reply).
 # NOTE: a script, not a MULTI transaction: Redis out of its maxmemory refuses every command queued
 # in a transaction, reads too, but runs a script up to its first write, so these reads go on
 # answering while Redis is full.
 READ_TOGETHER = """
 local replies = {}
 for i, key in ipairs(KEYS) do replies[i] = redis.call(ARGV[i], key) end
+replies[#KEYS + 1] = redis.call('TIME')
 return replies
 """
