@@ -94,7 +94,7 @@ class TenantRounds:
     requests that left unserved (aborted). Requests of one tenant (or of none: the offline API)
     keep first come, first served."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.reached = 0
         self._next: dict[str | None, int] = {}
         self._num_requests: dict[str | None, int] = {}  # each tenant's requests in the scheduler

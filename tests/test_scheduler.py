@@ -2,8 +2,25 @@
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
 from tests.helpers import create_request, create_scheduler, run_step
+
+
+def run_to_end(scheduler: Scheduler) -> list[Request]:
+    """Run every request to its end; the request of each chunk scheduled meanwhile, in order."""
+    scheduled = []
+    while scheduler.has_unfinished_requests():
+        scheduled += [s.request for s in run_step(scheduler).scheduled]
+    return scheduled
+
+
+def queue_one_token_requests(scheduler: Scheduler, *tenants: str) -> list[Request]:
+    """A request of one token from each of `tenants`, queued in that order."""
+    requests = [create_request(max_tokens=1, tenant=tenant) for tenant in tenants]
+    for request in requests:
+        scheduler.add_request(request)
+    return requests
 
 
 def test_token_budget_and_max_num_seqs_are_respected():
@@ -103,10 +120,7 @@ def test_priority_runs_first_and_fcfs_within_priority():
     high_late = create_request(priority=0, max_tokens=1)
     for request in (low, high_early, high_late):
         scheduler.add_request(request)
-    order = []
-    while scheduler.has_unfinished_requests():
-        order += [s.request.request_id for s in run_step(scheduler).scheduled]
-    assert order == [high_early.request_id, high_late.request_id, low.request_id]
+    assert run_to_end(scheduler) == [high_early, high_late, low]
 
 
 def test_a_tenant_that_queues_many_requests_does_not_hold_back_another_tenant():
@@ -114,12 +128,11 @@ def test_a_tenant_that_queues_many_requests_does_not_hold_back_another_tenant():
     flood = [create_request(max_tokens=2, tenant="noisy") for _ in range(12)]
     for request in flood:
         scheduler.add_request(request)
-    order = [s.request for s in run_step(scheduler).scheduled]  # requests in admission order
+    first = [s.request for s in run_step(scheduler).scheduled]
     other, other_second = (create_request(max_tokens=2, tenant="other") for _ in range(2))
     scheduler.add_request(other)
     scheduler.add_request(other_second)
-    while scheduler.has_unfinished_requests():
-        order += [s.request for s in run_step(scheduler).scheduled if s.request not in order]
+    order = list(dict.fromkeys(first + run_to_end(scheduler)))  # requests in admission order
     # The other tenant's requests take turns with the flood's instead of waiting for all of it.
     assert order == flood[:2] + [other, flood[2], other_second] + flood[3:]
 
@@ -127,14 +140,10 @@ def test_a_tenant_that_queues_many_requests_does_not_hold_back_another_tenant():
 def test_an_idle_tenant_saves_up_no_turns():
     scheduler = create_scheduler(max_num_seqs=1)
     for _ in range(4):  # tenant "busy" is served four turns while "idle" sends nothing
-        scheduler.add_request(create_request(max_tokens=1, tenant="busy"))
+        queue_one_token_requests(scheduler, "busy")
         run_step(scheduler)
-    queued = [create_request(max_tokens=1, tenant=t) for t in ("busy", "busy", "idle", "idle")]
-    for request in queued:
-        scheduler.add_request(request)
-    order = []
-    while scheduler.has_unfinished_requests():
-        order += [s.request for s in run_step(scheduler).scheduled]
+    queued = queue_one_token_requests(scheduler, "busy", "busy", "idle", "idle")
+    order = run_to_end(scheduler)
     # The idle tenant starts at the turn admission reached (that of busy's last), not at 0:
     # it alternates with busy rather than going first twice.
     assert order == [queued[2], queued[0], queued[3], queued[1]]
@@ -147,11 +156,10 @@ def test_choices_waiting_one_step_for_their_prompt_keep_their_turns():
     flood = [create_request(prompt=[p] * 9, max_tokens=2, tenant="noisy") for p in (5, 7) for _ in range(6)]
     for request in flood:
         scheduler.add_request(request)
-    order = [s.request for s in run_step(scheduler).scheduled]
+    first = [s.request for s in run_step(scheduler).scheduled]
     other = create_request(max_tokens=2, tenant="other")
     scheduler.add_request(other)
-    while scheduler.has_unfinished_requests():
-        order += [s.request for s in run_step(scheduler).scheduled if s.request not in order]
+    order = list(dict.fromkeys(first + run_to_end(scheduler)))  # requests in admission order
     # Admission passed over the first prompt's choices, which still wait: it has not reached the
     # second prompt's turns, and the other tenant's request waits for about one round of choices.
     assert order == [flood[0], flood[6], flood[1], other] + flood[2:6] + flood[7:]
@@ -159,18 +167,12 @@ def test_choices_waiting_one_step_for_their_prompt_keep_their_turns():
 
 def test_a_tenant_owes_no_turns_for_queued_requests_it_aborted():
     scheduler = create_scheduler(max_num_seqs=1)
-    flood = [create_request(max_tokens=1, tenant="noisy") for _ in range(10)]
-    for request in flood:
-        scheduler.add_request(request)
+    flood = queue_one_token_requests(scheduler, *["noisy"] * 10)
     run_step(scheduler)  # flood[0] runs and finishes; then its client aborts the rest
     for request in flood[1:]:
         scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-    queued = [create_request(max_tokens=1, tenant=t) for t in ("other", "other", "other", "noisy")]
-    for request in queued:
-        scheduler.add_request(request)
-    order = []
-    while scheduler.has_unfinished_requests():
-        order += [s.request for s in run_step(scheduler).scheduled]
+    queued = queue_one_token_requests(scheduler, "other", "other", "other", "noisy")
+    order = run_to_end(scheduler)
     # noisy takes the turn after its last one served, not one behind the nine it aborted.
     assert order == [queued[0], queued[1], queued[3], queued[2]]
 
