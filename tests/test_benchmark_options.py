@@ -16,6 +16,8 @@ import pytest
     ("bench_scaleout", ["--duration", "2"]),
     ("bench_engine", ["--decode-steps", "0"]),
     ("bench_lora", ["--num-requests", "-1"]),
+    ("bench_turns", ["--n", "0"]),
+    ("bench_turns", ["--delay", "-1"]),
 ])
 def test_a_count_or_duration_that_measures_nothing_exits_2(monkeypatch, capsys, script, argv):
     module = importlib.import_module(f"benchmarks.{script}")
